@@ -1,0 +1,185 @@
+"""What a run asks for: the slice shape, how many slices, and training settings.
+
+All validation lives here and runs before any Ray resource is taken, so bad input
+fails fast with a message that says what to change. TPU names and topologies are
+checked against Ray's own TPU tables, the ones ``SlicePlacementGroup`` uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+MODES = ("replica-resize", "pause-and-resume")
+BATCH_POLICIES = ("constant", "scale")
+
+
+def _ray_tpu():
+    """Ray's TPU tables (pure functions, no cluster needed)."""
+    from ray._private.accelerators import tpu as ray_tpu
+
+    return ray_tpu
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceSpec:
+    """The shape of one TPU slice.
+
+    Args:
+        accelerator: TPU generation as Ray names it: v4, v5p, v5litepod, v6e, v7x (``TPU-V4`` also accepted).
+        topology: chip topology, e.g. ``2x2x1`` (v4-8, one host) or ``2x2x2`` (v4-16, two hosts).
+        devices_per_host: JAX devices one host's process sees. ``None`` means one per
+            chip, as on real TPU VMs; the simulated cluster sets it to its CPU device count.
+    """
+
+    accelerator: str = "v4"
+    topology: str = "2x2x1"
+    devices_per_host: Optional[int] = None
+
+    def __post_init__(self):
+        ray_tpu = _ray_tpu()
+        raw = self.accelerator.strip()
+        acc = raw.lower()
+        if acc.startswith("tpu-"):
+            acc = acc[4:]
+        if acc not in ray_tpu.VALID_TPU_TYPES:
+            raise ValueError(
+                f"unknown TPU accelerator {raw!r}: use one of {', '.join(ray_tpu.VALID_TPU_TYPES)} "
+                "(for example accelerator='v4')"
+            )
+        object.__setattr__(self, "accelerator", acc)
+        topo = self.topology.strip().lower()
+        object.__setattr__(self, "topology", topo)
+        if not ray_tpu.TPUAcceleratorManager.is_valid_tpu_accelerator_topology(acc, topo):
+            valid = sorted(ray_tpu.VALID_TPU_TOPOLOGY.get(acc, ()), key=lambda t: (len(t), t))[:8]
+            raise ValueError(
+                f"unknown topology {self.topology!r} for TPU {acc}: use one of {', '.join(valid)}, ..."
+            )
+        if self.devices_per_host is not None and self.devices_per_host < 1:
+            raise ValueError(f"devices_per_host must be >= 1 (or None for one per chip), got {self.devices_per_host}")
+
+    @classmethod
+    def for_hosts(cls, accelerator: str, num_hosts: int, devices_per_host: Optional[int] = None) -> "SliceSpec":
+        """The smallest valid topology of ``accelerator`` with ``num_hosts`` hosts."""
+        ray_tpu = _ray_tpu()
+        acc = cls(accelerator=accelerator, topology=_first_topology(accelerator)).accelerator
+        for topo in sorted(ray_tpu.VALID_TPU_TOPOLOGY[acc], key=ray_tpu.get_num_chips_from_topology):
+            spec = cls(acc, topo, devices_per_host)
+            if spec.num_hosts == num_hosts:
+                return spec
+        raise ValueError(f"no {acc} topology has exactly {num_hosts} host(s); try 1, 2, 4 or 8 hosts")
+
+    @property
+    def chips_per_host(self) -> int:
+        return _ray_tpu().get_chips_per_host(self.topology, self.accelerator)
+
+    @property
+    def num_chips(self) -> int:
+        return _ray_tpu().get_num_chips_from_topology(self.topology)
+
+    @property
+    def num_hosts(self) -> int:
+        return max(1, self.num_chips // self.chips_per_host)
+
+    @property
+    def pod_type(self) -> str:
+        """Ray's pod type name, e.g. ``v4-8`` (cores, not chips, for v4/v5p)."""
+        return _ray_tpu().infer_tpu_pod_type_from_topology(self.topology, self.accelerator)
+
+    @property
+    def host_devices(self) -> int:
+        return self.devices_per_host if self.devices_per_host is not None else self.chips_per_host
+
+    @property
+    def devices_per_slice(self) -> int:
+        return self.num_hosts * self.host_devices
+
+
+def _first_topology(accelerator: str) -> str:
+    ray_tpu = _ray_tpu()
+    acc = accelerator.strip().lower().removeprefix("tpu-")
+    topos = ray_tpu.VALID_TPU_TOPOLOGY.get(acc)
+    if not topos:
+        raise ValueError(
+            f"unknown TPU accelerator {accelerator!r}: use one of {', '.join(ray_tpu.VALID_TPU_TYPES)}"
+        )
+    return min(topos, key=ray_tpu.get_num_chips_from_topology)
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticConfig:
+    """Settings of one elastic training run.
+
+    Args:
+        num_slices: slices to train on at full size.
+        slice: shape of every slice.
+        global_batch_size: examples per step, summed over all slices.
+        min_slices: fewest slices training may continue on (replica-resize). Defaults to 1.
+        mode: ``replica-resize`` (continue on survivors) or ``pause-and-resume`` (wait for a replacement).
+        batch_policy: ``constant`` keeps the global batch when slices are lost; ``scale`` shrinks it.
+        steps_per_chunk: steps a worker runs per controller call (no driver round trip per step).
+        seed: seeds parameter initialisation and the data order.
+        compilation_cache_dir: JAX persistent compilation cache (shared by all generations); ``None`` disables it.
+        slice_timeout_s: how long to wait for slices to be reserved before giving up.
+        jax_init_timeout_s: how long processes wait for each other in ``jax.distributed.initialize``.
+    """
+
+    num_slices: int
+    global_batch_size: int
+    slice: SliceSpec = dataclasses.field(default_factory=SliceSpec)
+    min_slices: Optional[int] = None
+    mode: str = "replica-resize"
+    batch_policy: str = "constant"
+    steps_per_chunk: int = 10
+    seed: int = 0
+    compilation_cache_dir: Optional[str] = "/tmp/ray-elastic-jax-cache"
+    slice_timeout_s: float = 300.0
+    jax_init_timeout_s: float = 120.0
+
+    def __post_init__(self):
+        if not isinstance(self.slice, SliceSpec):
+            raise ValueError(f"slice must be a SliceSpec, got {type(self.slice).__name__}")
+        if not isinstance(self.num_slices, int) or self.num_slices < 1:
+            raise ValueError(f"num_slices must be a positive integer (at least 1 slice), got {self.num_slices!r}")
+        min_slices = 1 if self.min_slices is None else self.min_slices
+        object.__setattr__(self, "min_slices", min_slices)
+        if not 1 <= min_slices <= self.num_slices:
+            raise ValueError(
+                f"min_slices={min_slices} must be between 1 and num_slices={self.num_slices}: "
+                f"lower min_slices or raise num_slices"
+            )
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}: use one of {', '.join(MODES)}")
+        if self.batch_policy not in BATCH_POLICIES:
+            raise ValueError(f"unknown batch_policy {self.batch_policy!r}: use one of {', '.join(BATCH_POLICIES)}")
+        if self.steps_per_chunk < 1:
+            raise ValueError(f"steps_per_chunk must be >= 1, got {self.steps_per_chunk}")
+        if not isinstance(self.global_batch_size, int) or self.global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be a positive integer, got {self.global_batch_size!r}")
+        self._check_batch_splits()
+
+    def world_sizes(self) -> list[int]:
+        """Slice counts the run may train on: only full size in pause-and-resume."""
+        if self.mode == "pause-and-resume":
+            return [self.num_slices]
+        return list(range(self.min_slices, self.num_slices + 1))
+
+    def _check_batch_splits(self) -> None:
+        dps = self.slice.devices_per_slice
+        bad = [n for n in self.world_sizes() if self.global_batch_size % (n * dps)]
+        if not bad:
+            return
+        if self.batch_policy == "constant":
+            need = math.lcm(*(n * dps for n in self.world_sizes()))
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} cannot be split evenly over "
+                f"{', '.join(f'{n} slice(s) x {dps} device(s)' for n in bad)}: "
+                f"use a multiple of {need}, or raise min_slices"
+            )
+        # scale: the batch per device stays fixed; only full size must divide.
+        if self.num_slices in bad:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} cannot be split over {self.num_slices} slices x "
+                f"{dps} devices: use a multiple of {self.num_slices * dps}"
+            )

@@ -1,0 +1,70 @@
+"""Reserving TPU slices with Ray placement groups.
+
+One :class:`SliceReservation` per slice (``ray.util.tpu.SlicePlacementGroup``),
+so each slice can be lost, released and replaced on its own. A pending
+reservation is exactly the demand the Ray autoscaler (or the simulated
+cluster's provisioner) reacts to.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.tpu import SlicePlacementGroup
+
+from ray_elastic.config import SliceSpec
+
+logger = logging.getLogger(__name__)
+
+
+class SliceReservation:
+    """A placement group holding every host of one TPU slice (one bundle per host)."""
+
+    def __init__(self, spec: SliceSpec, head_timeout_s: Optional[float] = None):
+        self.spec = spec
+        self._handle = SlicePlacementGroup(
+            topology=spec.topology,
+            accelerator_version=spec.accelerator,
+            resources_per_bundle={"CPU": 1, "TPU": spec.chips_per_host},
+            head_reservation_timeout_s=head_timeout_s,
+        )
+        self.placement_group = self._handle.placement_group
+
+    def ready(self) -> ray.ObjectRef:
+        return self.placement_group.ready()
+
+    def wait(self, timeout_s: float) -> bool:
+        ready, _ = ray.wait([self.ready()], timeout=timeout_s)
+        if ready:
+            # The worker group now holds the hosts; the head marker is no longer needed.
+            self._handle.release_head_pgs()
+        return bool(ready)
+
+    def host_strategy(self, host_index: int) -> PlacementGroupSchedulingStrategy:
+        """Schedule onto bundle ``host_index`` of this slice."""
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.placement_group, placement_group_bundle_index=host_index
+        )
+
+    def release(self) -> None:
+        self._handle.shutdown()
+
+
+def reserve_slices(spec: SliceSpec, count: int, timeout_s: float) -> list[SliceReservation]:
+    """Reserve ``count`` slices; release all of them and raise if they are not ready in time."""
+    reservations = [SliceReservation(spec, head_timeout_s=timeout_s) for _ in range(count)]
+    pending = {r.ready(): r for r in reservations}
+    _, not_ready = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
+    if not_ready:
+        for r in reservations:
+            r.release()
+        raise TimeoutError(
+            f"only {count - len(not_ready)} of {count} {spec.pod_type} slice(s) could be reserved within "
+            f"{timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}. Add TPU capacity or lower num_slices"
+        )
+    for r in reservations:
+        r.wait(0)
+    return reservations
