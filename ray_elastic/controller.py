@@ -97,7 +97,7 @@ class ElasticTrainer:
         t_start = time.perf_counter()
         if not ray.is_initialized():
             ray.init(address=self.address, namespace="ray_elastic", log_to_driver=True)
-        bar = self._progress_bar(num_steps)
+        bar = None
         steps, losses, times = [], [], []
         try:
             self._enter(ControllerState.SCHEDULING)
@@ -109,6 +109,7 @@ class ElasticTrainer:
             startup_s = time.perf_counter() - t_start
 
             self._enter(ControllerState.RUNNING)
+            bar = self._progress_bar(num_steps)
             t_run = time.perf_counter()
             for metrics in self._drive(chunks(0, num_steps, self.config.steps_per_chunk)):
                 for m in metrics:

@@ -1,0 +1,33 @@
+# Two commands do all the set-up on a fresh clone: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: demo test test-soak bench install clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Reinstalls only when pyproject.toml changes (fast when already installed).
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/ray-elastic demo $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra $(ARGS)
+
+test-soak: $(STAMP)
+	$(PY) -m pytest -q -ra -m soak $(ARGS)
+
+bench: $(STAMP)
+	$(PY) bench/overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

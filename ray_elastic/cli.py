@@ -1,0 +1,149 @@
+"""``ray-elastic`` command line: ``demo`` on a simulated cluster, ``train`` on an existing one.
+
+``ray job submit --address http://HEAD:8265 -- ray-elastic train --example transformer ...``
+runs the driver inside the cluster; ``train`` connects to ``--address`` or ``RAY_ADDRESS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+
+from ray_elastic.config import BATCH_POLICIES, MODES, ElasticConfig, SliceSpec
+from ray_elastic.examples import EXAMPLES
+from ray_elastic.task import TrainTask
+
+
+def load_task(ref: str) -> TrainTask:
+    """A task from an example name (``mlp``, ``transformer``) or ``module:attr``.
+
+    ``attr`` may be a TrainTask instance, a TrainTask subclass, or a function
+    returning one (both called without arguments).
+    """
+    ref = EXAMPLES.get(ref, ref)
+    if ":" not in ref:
+        raise ValueError(f"task {ref!r}: use an example name ({', '.join(EXAMPLES)}) or 'module:attr'")
+    mod_name, attr = ref.split(":", 1)
+    try:
+        obj = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load task {ref!r}: {e}") from e
+    task = obj if isinstance(obj, TrainTask) else obj()
+    if not isinstance(task, TrainTask):
+        raise ValueError(f"{ref!r} gave {type(task).__name__}, not a ray_elastic.TrainTask")
+    return task
+
+
+def _add_training_args(p: argparse.ArgumentParser, default_slices: int) -> None:
+    p.add_argument("--example", "--task", dest="task", default="transformer",
+                   help=f"example name ({', '.join(EXAMPLES)}) or module:attr of a TrainTask (default: transformer)")
+    p.add_argument("--num-slices", type=int, default=default_slices, help="slices to train on")
+    p.add_argument("--min-slices", type=int, default=None, help="fewest slices to continue on (replica-resize)")
+    p.add_argument("--mode", choices=MODES, default="replica-resize")
+    p.add_argument("--batch-policy", choices=BATCH_POLICIES, default="constant")
+    p.add_argument("--global-batch", type=int, default=48, help="examples per step over all slices")
+    p.add_argument("--steps", type=int, default=200, help="training steps")
+    p.add_argument("--steps-per-chunk", type=int, default=10, help="steps per controller call")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
+
+
+def _config(args, spec: SliceSpec) -> ElasticConfig:
+    return ElasticConfig(
+        num_slices=args.num_slices,
+        min_slices=args.min_slices,
+        mode=args.mode,
+        batch_policy=args.batch_policy,
+        global_batch_size=args.global_batch,
+        slice=spec,
+        steps_per_chunk=args.steps_per_chunk,
+        seed=args.seed,
+    )
+
+
+def _print_summary(result, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result.summary))
+        return
+    print("\nray-elastic summary")
+    width = max(len(k) for k in result.summary)
+    for k, v in result.summary.items():
+        if isinstance(v, float):
+            v = f"{v:.4f}"
+        print(f"  {k:<{width}}  {v}")
+
+
+def _fit(task, config, args, address=None):
+    from ray_elastic.controller import ElasticTrainer
+
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    result = ElasticTrainer(task, config, address=address, progress=not args.no_progress).fit(args.steps)
+    _print_summary(result, args.json)
+    return result
+
+
+def cmd_demo(args) -> int:
+    from ray_elastic.sim import SimulatedTPUCluster
+
+    spec = SliceSpec.for_hosts(args.accelerator, args.hosts_per_slice, args.devices_per_host)
+    task = load_task(args.task)
+    config = _config(args, spec)  # validated before the cluster starts
+    print(f"starting a simulated cluster: {args.num_slices} x {spec.pod_type} slice(s), "
+          f"{spec.num_hosts} host(s) each, {spec.host_devices} JAX CPU device(s) per host")
+    with SimulatedTPUCluster(
+        num_slices=args.num_slices,
+        hosts_per_slice=args.hosts_per_slice,
+        devices_per_host=args.devices_per_host,
+        accelerator=args.accelerator,
+        log_to_driver=False,
+    ):
+        _fit(task, config, args)
+    return 0
+
+
+def cmd_train(args) -> int:
+    spec = SliceSpec(accelerator=args.accelerator, topology=args.topology, devices_per_host=args.devices_per_host)
+    task = load_task(args.task)
+    config = _config(args, spec)
+    _fit(task, config, args, address=args.address)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="ray-elastic", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log controller decisions")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train an example on a simulated multi-slice TPU cluster on this machine")
+    _add_training_args(demo, default_slices=3)
+    demo.add_argument("--accelerator", default="v4", help="TPU generation the simulated hosts pretend to be")
+    demo.add_argument("--hosts-per-slice", type=int, default=1)
+    demo.add_argument("--devices-per-host", type=int, default=2, help="JAX CPU devices per simulated host")
+    demo.set_defaults(func=cmd_demo)
+
+    train = sub.add_parser("train", help="train on an existing Ray cluster (RAY_ADDRESS or --address)")
+    _add_training_args(train, default_slices=2)
+    train.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, or the job's cluster)")
+    train.add_argument("--accelerator", default="v4", help="TPU generation of the slices (v4, v5p, v5litepod, v6e, ...)")
+    train.add_argument("--topology", default="2x2x1", help="topology of one slice, e.g. 2x2x2")
+    train.add_argument("--devices-per-host", type=int, default=None,
+                       help="JAX devices per host (default: one per TPU chip)")
+    train.set_defaults(func=cmd_train)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"ray-elastic: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

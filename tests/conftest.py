@@ -1,0 +1,45 @@
+"""Shared fixtures: one simulated cluster per test module, a tiny reference trainer."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+# The driver process never needs more than one CPU device.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def reference_losses(task, global_batch_size: int, seed: int, num_steps: int) -> np.ndarray:
+    """Single-process training on the same global batches from the same initial parameters.
+
+    Written directly against Flax NNX + Optax (not through ray_elastic's train loop),
+    so a wrong batch split, sharding or step in the distributed path shows up here.
+    """
+    from flax import nnx
+
+    from ray_elastic.data import StepBatches
+
+    model = task.create_model(nnx.Rngs(seed))
+    optimizer = nnx.Optimizer(model, task.create_optimizer(), wrt=nnx.Param)
+    batches = StepBatches(task.dataset(), global_batch_size, seed)
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(lambda m: task.loss(m, batch))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    return np.array([float(step(model, optimizer, batches.global_batch(s))) for s in range(num_steps)])
+
+
+@pytest.fixture(scope="module")
+def sim_cluster(request):
+    """A 3-slice simulated TPU cluster (1 host x 2 devices per slice), connected."""
+    from ray_elastic.sim import SimulatedTPUCluster
+
+    kwargs = getattr(request.module, "SIM_CLUSTER", {})
+    cluster = SimulatedTPUCluster(log_to_driver=False, **{"num_slices": 3, **kwargs})
+    yield cluster
+    cluster.shutdown()

@@ -1,0 +1,82 @@
+"""Bad input fails with a clear ValueError before any Ray resource is taken."""
+
+import pytest
+import ray
+
+from ray_elastic import ElasticConfig, ElasticTrainer, SliceSpec
+from ray_elastic.cli import main as cli_main
+from ray_elastic.examples.digits_mlp import DigitsMLPTask
+
+SIM = SliceSpec("v4", "2x2x1", devices_per_host=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_slices=0, global_batch_size=12), "num_slices must be a positive integer"),
+        (dict(num_slices=2, min_slices=3, global_batch_size=12), "min_slices=3 must be between 1 and num_slices=2"),
+        (dict(num_slices=2, global_batch_size=12, mode="shrink"), "unknown mode 'shrink'"),
+        (dict(num_slices=2, global_batch_size=12, batch_policy="grow"), "unknown batch_policy"),
+        (dict(num_slices=3, global_batch_size=16), "cannot be split evenly over 3 slice(s) x 2 device(s)"),
+        (dict(num_slices=3, global_batch_size=18), "use a multiple of 12"),
+        (dict(num_slices=2, global_batch_size=0), "global_batch_size must be a positive integer"),
+        (dict(num_slices=2, global_batch_size=12, steps_per_chunk=0), "steps_per_chunk must be >= 1"),
+    ],
+)
+def test_bad_config_raises_clear_value_error(kwargs, message):
+    with pytest.raises(ValueError) as e:
+        ElasticConfig(slice=SIM, **kwargs)
+    assert message in str(e.value)
+    assert not ray.is_initialized(), "validation must not touch Ray"
+
+
+@pytest.mark.parametrize(
+    "accelerator, topology, message",
+    [
+        ("v9", "2x2x1", "unknown TPU accelerator 'v9'"),
+        ("tpu-v99", "2x2", "unknown TPU accelerator"),
+        ("v4", "3x3x3", "unknown topology '3x3x3' for TPU v4"),
+        ("v6e", "2x2x2", "unknown topology '2x2x2' for TPU v6e"),
+    ],
+)
+def test_unknown_accelerator_or_topology(accelerator, topology, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        SliceSpec(accelerator, topology)
+    assert not ray.is_initialized()
+
+
+def test_slice_spec_matches_ray_tpu_tables():
+    assert SliceSpec("TPU-V4", "2x2x2").accelerator == "v4"
+    s = SliceSpec("v4", "2x2x2")
+    assert (s.pod_type, s.num_hosts, s.chips_per_host, s.host_devices) == ("v4-16", 2, 4, 4)
+    assert SliceSpec.for_hosts("v4", 2, 2).topology == "2x2x2"
+    assert SliceSpec.for_hosts("v4", 1, 2).devices_per_slice == 2
+    assert SliceSpec("v6e", "2x4").num_hosts == 1
+
+
+def test_pause_and_resume_only_needs_full_size_split():
+    # 3 slices x 2 devices = 6 divides 18; smaller worlds never happen in pause-and-resume.
+    cfg = ElasticConfig(num_slices=3, global_batch_size=18, slice=SIM, mode="pause-and-resume")
+    assert cfg.world_sizes() == [3]
+    # replica-resize down to 2 slices: 18 over 2 x 2 devices does not split.
+    with pytest.raises(ValueError, match="2 slice"):
+        ElasticConfig(num_slices=3, min_slices=2, global_batch_size=18, slice=SIM)
+
+
+def test_trainer_rejects_bad_arguments_before_ray():
+    cfg = ElasticConfig(num_slices=2, global_batch_size=12, slice=SIM)
+    with pytest.raises(ValueError, match="task must be a ray_elastic.TrainTask"):
+        ElasticTrainer(object(), cfg)
+    with pytest.raises(ValueError, match="num_steps must be a positive integer"):
+        ElasticTrainer(DigitsMLPTask(), cfg).fit(0)
+    assert not ray.is_initialized()
+
+
+def test_cli_bad_input_exits_2_without_starting_a_cluster(capsys):
+    assert cli_main(["demo", "--num-slices", "0", "--no-progress"]) == 2
+    assert "num_slices must be a positive integer" in capsys.readouterr().err
+    assert cli_main(["train", "--topology", "5x5", "--no-progress"]) == 2
+    assert "unknown topology '5x5'" in capsys.readouterr().err
+    assert cli_main(["demo", "--example", "nope", "--no-progress"]) == 2
+    assert "use an example name" in capsys.readouterr().err
+    assert not ray.is_initialized()
