@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 
+from ray_elastic.controller import ElasticRuntimeError, ElasticTrainer
 from ray_elastic.config import BATCH_POLICIES, MODES, ElasticConfig, SliceSpec
 from ray_elastic.examples import EXAMPLES
 from ray_elastic.task import TrainTask
@@ -48,6 +49,7 @@ def _add_training_args(p: argparse.ArgumentParser, default_slices: int) -> None:
     p.add_argument("--steps", type=int, default=200, help="training steps")
     p.add_argument("--steps-per-chunk", type=int, default=10, help="steps per controller call")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slice-timeout", type=float, default=300.0, help="seconds to wait for slices to be reserved")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
 
@@ -62,6 +64,7 @@ def _config(args, spec: SliceSpec) -> ElasticConfig:
         slice=spec,
         steps_per_chunk=args.steps_per_chunk,
         seed=args.seed,
+        slice_timeout_s=args.slice_timeout,
     )
 
 
@@ -78,8 +81,6 @@ def _print_summary(result, as_json: bool) -> None:
 
 
 def _fit(task, config, args, address=None):
-    from ray_elastic.controller import ElasticTrainer
-
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     result = ElasticTrainer(task, config, address=address, progress=not args.no_progress).fit(args.steps)
@@ -143,6 +144,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"ray-elastic: error: {e}", file=sys.stderr)
         return 2
+    except ElasticRuntimeError as e:
+        print(f"ray-elastic: training failed: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -55,16 +55,23 @@ class SliceReservation:
 
 def reserve_slices(spec: SliceSpec, count: int, timeout_s: float) -> list[SliceReservation]:
     """Reserve ``count`` slices; release all of them and raise if they are not ready in time."""
-    reservations = [SliceReservation(spec, head_timeout_s=timeout_s) for _ in range(count)]
-    pending = {r.ready(): r for r in reservations}
-    _, not_ready = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
-    if not_ready:
+    reservations: list[SliceReservation] = []
+    try:
+        # Multi-host slices block here until their head host is claimed (Ray's two-step reservation).
+        for _ in range(count):
+            reservations.append(SliceReservation(spec, head_timeout_s=timeout_s))
+        pending = [r.ready() for r in reservations]
+        _, not_ready = ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
+        if not_ready:
+            raise TimeoutError(f"{len(not_ready)} reservation(s) still pending")
+    except (TimeoutError, RuntimeError) as e:
         for r in reservations:
             r.release()
         raise TimeoutError(
-            f"only {count - len(not_ready)} of {count} {spec.pod_type} slice(s) could be reserved within "
-            f"{timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}. Add TPU capacity or lower num_slices"
-        )
+            f"could not reserve {count} {spec.pod_type} slice(s) ({spec.topology}, {spec.num_hosts} host(s) each) "
+            f"within {timeout_s:.0f}s ({e}). Cluster resources: {ray.cluster_resources()}. "
+            "Add TPU capacity, check the accelerator/topology, or lower num_slices"
+        ) from None
     for r in reservations:
         r.wait(0)
     return reservations

@@ -39,6 +39,28 @@ FAST_HEALTH_CHECKS = {
 }
 
 
+def _allow_nodes_from_any_thread() -> None:
+    """Let the provisioner thread start Ray nodes.
+
+    Each ``ray._private.node.Node`` installs a SIGTERM handler, which Python only
+    permits on the main thread. Off the main thread we skip that one call; the
+    node's atexit hook and reaper process still clean it up, and
+    :meth:`SimulatedTPUCluster.shutdown` stops it explicitly.
+    """
+    import ray._private.utils as ray_utils
+
+    original = ray_utils.set_sigterm_handler
+    if getattr(original, "_ray_elastic_wrapped", False):
+        return
+
+    def set_sigterm_handler(handler):
+        if threading.current_thread() is threading.main_thread():
+            original(handler)
+
+    set_sigterm_handler._ray_elastic_wrapped = True
+    ray_utils.set_sigterm_handler = set_sigterm_handler
+
+
 def free_port() -> int:
     """A TCP port nobody listens on right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -96,6 +118,8 @@ class SimulatedTPUCluster:
 
         import ray  # noqa: F401  (import here so the module can be inspected without Ray)
         from ray.cluster_utils import Cluster
+
+        _allow_nodes_from_any_thread()
 
         # A private temp dir: never touch other Ray instances on this machine.
         self.temp_dir = tempfile.mkdtemp(prefix="rel-", dir="/tmp")

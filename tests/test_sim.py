@@ -1,0 +1,129 @@
+"""The simulated TPU cluster: real Ray nodes with TPU conventions, and real faults."""
+
+import os
+import time
+
+import psutil
+import pytest
+import ray
+
+from ray_elastic.placement import SliceReservation
+
+SIM_CLUSTER = {"num_slices": 2}
+
+
+@ray.remote(num_cpus=0)
+class Probe:
+    def env(self):
+        return {k: os.environ.get(k) for k in ("TPU_NAME", "TPU_WORKER_ID", "XLA_FLAGS", "JAX_PLATFORMS")} | {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+        }
+
+    def sleep(self, s):
+        time.sleep(s)
+        return "done"
+
+
+def _probe_on(sl):
+    return Probe.options(
+        scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(sl.node_ids[0], soft=False)
+    ).remote()
+
+
+def _gone(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _node(node_id):
+    return next(n for n in ray.nodes() if n["NodeID"] == node_id)
+
+
+def test_slice_hosts_carry_tpu_labels_resources_and_env(sim_cluster):
+    sl = sim_cluster.alive_slices()[0]
+    node = _node(sl.node_ids[0])
+    labels = node["Labels"]
+    assert labels["ray.io/tpu-slice-name"] == sl.name
+    assert labels["ray.io/tpu-worker-id"] == "0"
+    assert labels["ray.io/tpu-pod-type"] == "v4-8"
+    assert labels["ray.io/tpu-topology"] == "2x2x1"
+    assert labels["ray.io/accelerator-type"] == "TPU-V4"
+    res = node["Resources"]
+    assert res["TPU"] == 4 and res["TPU-v4-8-head"] == 1 and res["accelerator_type:TPU-V4"] == 1
+    env = ray.get(_probe_on(sl).env.remote())
+    assert env["TPU_NAME"] == sl.name and env["TPU_WORKER_ID"] == "0"
+    assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+    assert env["node_id"] == sl.node_ids[0]
+    # Ray's own TPU helpers recognise these hosts as one v4-8 slice each.
+    assert ray.util.tpu.get_num_tpu_slices(topology="2x2x1", accelerator_type="v4") >= 2
+
+
+def test_private_temp_dir(sim_cluster):
+    assert os.environ["RAY_TMPDIR"] == sim_cluster.temp_dir
+    assert os.path.exists(os.path.join(sim_cluster.temp_dir, "ray", "ray_current_cluster"))
+
+
+def test_hang_and_resume_slice(sim_cluster):
+    sl = sim_cluster.alive_slices()[0]
+    probe = _probe_on(sl)
+    ray.get(probe.env.remote())
+    sim_cluster.hang_slice(sl.name)
+    try:
+        ref = probe.sleep.remote(0)
+        ready, _ = ray.wait([ref], timeout=1.0)
+        assert not ready, "a SIGSTOPped host must not answer"
+    finally:
+        sim_cluster.resume_slice(sl.name)
+    assert ray.get(ref, timeout=30) == "done"
+    ray.kill(probe)
+
+
+def test_kill_slice_kills_its_processes_and_node(sim_cluster):
+    sl = sim_cluster.alive_slices()[-1]
+    probe = _probe_on(sl)
+    pid = ray.get(probe.env.remote())["pid"]
+    ref = probe.sleep.remote(60)
+    t0 = time.monotonic()
+    sim_cluster.kill_slice(sl.name)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(ref, timeout=30)
+    assert time.monotonic() - t0 < 10
+    assert _gone(pid), "the slice's actor process must be dead"
+    deadline = time.monotonic() + 10
+    while _node(sl.node_ids[0])["Alive"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _node(sl.node_ids[0])["Alive"]
+    assert not sl.alive
+
+
+def test_provisioner_adds_a_slice_for_a_pending_reservation(sim_cluster):
+    before = {s.name for s in sim_cluster.alive_slices()}
+    # Occupy every existing slice so a new reservation has to wait.
+    held = [SliceReservation(sim_cluster.slice_spec) for _ in before]
+    for r in held:
+        assert r.wait(30)
+    pending = SliceReservation(sim_cluster.slice_spec)
+    assert not pending.wait(1.0), "no free slice: the reservation must stay pending"
+    prov = sim_cluster.provisioner(delay_s=1.5)
+    t0 = time.monotonic()
+    try:
+        assert pending.wait(60)
+        waited = time.monotonic() - t0
+    finally:
+        prov.stop()
+        for r in held + [pending]:
+            r.release()
+    assert waited >= 1.4, f"the provisioner must honour its delay (ready after {waited:.2f}s)"
+    assert len(prov.added) == 1
+    new = set(prov.added)
+    assert new.isdisjoint(before) and new <= {s.name for s in sim_cluster.alive_slices()}
+
+
+def test_add_slice_registers_new_node(sim_cluster):
+    n = len(sim_cluster.alive_slices())
+    sl = sim_cluster.add_slice()
+    assert len(sim_cluster.alive_slices()) == n + 1
+    assert _node(sl.node_ids[0])["Alive"]
