@@ -120,6 +120,9 @@ class ElasticConfig:
         batch_policy: ``constant`` keeps the global batch when slices are lost; ``scale`` shrinks it.
         steps_per_chunk: steps a worker runs per controller call (no driver round trip per step).
         seed: seeds parameter initialisation and the data order.
+        fsdp_min_size: arrays with at least this many elements are sharded over the slice's
+            ``fsdp`` axis; smaller ones stay replicated (for tiny arrays the collectives cost
+            more than the memory saved).
         compilation_cache_dir: JAX persistent compilation cache (shared by all generations); ``None`` disables it.
         slice_timeout_s: how long to wait for slices to be reserved before giving up.
         jax_init_timeout_s: how long processes wait for each other in ``jax.distributed.initialize``.
@@ -133,6 +136,7 @@ class ElasticConfig:
     batch_policy: str = "constant"
     steps_per_chunk: int = 10
     seed: int = 0
+    fsdp_min_size: int = 2**18
     compilation_cache_dir: Optional[str] = "/tmp/ray-elastic-jax-cache"
     slice_timeout_s: float = 300.0
     jax_init_timeout_s: float = 120.0

@@ -78,7 +78,7 @@ def _abstract_state(task, seed: int):
 class TrainLoop:
     """Sharded train state and a compiled step on one world's mesh."""
 
-    def __init__(self, task, plan: WorldPlan, process_id: int, seed: int, mesh: Mesh):
+    def __init__(self, task, plan: WorldPlan, process_id: int, seed: int, mesh: Mesh, fsdp_min_size: int):
         self.plan = plan
         self.mesh = mesh
         self.process_id = process_id
@@ -88,8 +88,9 @@ class TrainLoop:
         make, (graphdef, abstract) = _abstract_state(task, seed)
         fsdp = plan.mesh_shape[FSDP_AXIS]
         self.state_shardings = jax.tree.map(
-            lambda x: NamedSharding(mesh, P(*param_partition(x.shape, fsdp))), abstract
+            lambda x: NamedSharding(mesh, P(*param_partition(x.shape, fsdp, fsdp_min_size))), abstract
         )
+        self.sharded_params = sum(1 for sh in jax.tree.leaves(self.state_shardings) if any(sh.spec))
         self.batch_sharding = NamedSharding(mesh, P((REPLICA_AXIS, FSDP_AXIS)))
         replicated = NamedSharding(mesh, P())
 

@@ -85,7 +85,7 @@ def plan_world(
     return plan
 
 
-def param_partition(shape: Sequence[int], fsdp_size: int, min_size: int = 1024) -> tuple:
+def param_partition(shape: Sequence[int], fsdp_size: int, min_size: int) -> tuple:
     """FSDP rule: shard the largest dimension divisible by the slice's device count.
 
     Returns a PartitionSpec-like tuple of axis names (``None`` = replicated).

@@ -21,9 +21,10 @@ from ray_elastic.plan import WorldPlan
 class SliceWorker:
     """One process of the JAX world, pinned to one host of one slice."""
 
-    def __init__(self, task, seed: int, cache_dir: Optional[str]):
+    def __init__(self, task, seed: int, cache_dir: Optional[str], fsdp_min_size: int):
         self.task = task
         self.seed = seed
+        self.fsdp_min_size = fsdp_min_size
         self.plan: Optional[WorldPlan] = None
         self.process_id: Optional[int] = None
         self.loop = None
@@ -59,7 +60,7 @@ class SliceWorker:
         jw.initialize(coordinator_address, self.plan, self.process_id, timeout_s)
         t_init = time.perf_counter() - t0
         mesh = jw.build_mesh(self.plan)
-        self.loop = jw.TrainLoop(self.task, self.plan, self.process_id, self.seed, mesh)
+        self.loop = jw.TrainLoop(self.task, self.plan, self.process_id, self.seed, mesh, self.fsdp_min_size)
         t_state = time.perf_counter() - t0 - t_init
         return {
             "init_s": t_init,
@@ -67,6 +68,7 @@ class SliceWorker:
             "mesh_shape": dict(mesh.shape),
             "local_devices": len(mesh.local_devices),
             "row_range": self.loop.row_range,
+            "sharded_params": self.loop.sharded_params,
         }
 
     def compile(self, step: int) -> float:

@@ -63,7 +63,7 @@ class World:
                     num_cpus=1,
                     resources={"TPU": spec.chips_per_host},
                     scheduling_strategy=res.host_strategy(h),
-                ).remote(task_ref, config.seed, config.compilation_cache_dir)
+                ).remote(task_ref, config.seed, config.compilation_cache_dir, config.fsdp_min_size)
                 for h in range(spec.num_hosts)
             ]
             actors.append(slice_actors)

@@ -28,11 +28,12 @@ def test_plan_refuses_batches_that_do_not_split():
 
 
 def test_param_partition_shards_largest_divisible_dim_over_fsdp():
-    assert param_partition((64, 128), 4) == (None, "fsdp")
-    assert param_partition((96, 30), 4) == ("fsdp", None)
-    assert param_partition((33, 35), 4) == (None, None)  # nothing divisible: replicated
-    assert param_partition((10,), 2) == (None,)  # small: replicated
-    assert param_partition((64, 128), 1) == (None, None)
+    assert param_partition((64, 128), 4, 1024) == (None, "fsdp")
+    assert param_partition((96, 30), 4, 1024) == ("fsdp", None)
+    assert param_partition((33, 35), 4, 1024) == (None, None)  # nothing divisible: replicated
+    assert param_partition((10,), 2, 1024) == (None,)  # small: replicated
+    assert param_partition((64, 128), 4, 10**6) == (None, None)  # below the threshold
+    assert param_partition((64, 128), 1, 1024) == (None, None)
 
 
 def test_chunks_cover_range_in_order():
