@@ -1,0 +1,20 @@
+"""The README's notebook example runs as written."""
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_quickstart_example_trains_and_learns():
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "quickstart.py")],
+        capture_output=True, text=True, timeout=300, cwd=os.path.join(ROOT, "examples"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = re.search(r"loss ([\d.]+) -> ([\d.]+) in 100 steps", proc.stdout)
+    assert m, proc.stdout[-2000:]
+    first, last = map(float, m.groups())
+    assert last < 0.2 * first
