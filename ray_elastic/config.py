@@ -13,6 +13,7 @@ from typing import Optional
 
 MODES = ("replica-resize", "pause-and-resume")
 BATCH_POLICIES = ("constant", "scale")
+LR_RULES = (None, "linear", "sqrt")
 
 
 def _ray_tpu():
@@ -124,8 +125,24 @@ class ElasticConfig:
             ``fsdp`` axis; smaller ones stay replicated (for tiny arrays the collectives cost
             more than the memory saved).
         compilation_cache_dir: JAX persistent compilation cache (shared by all generations); ``None`` disables it.
-        slice_timeout_s: how long to wait for slices to be reserved before giving up.
+        slice_timeout_s: how long to wait for the first slices to be reserved before giving up.
         jax_init_timeout_s: how long processes wait for each other in ``jax.distributed.initialize``.
+        snapshot_every: copy the live state to the object store every this many steps (1 = zero rewind).
+        snapshot_replicas: how many slices keep snapshots (replicas hold identical state).
+        replacement_timeout_s: pause-and-resume: how long to wait for a replacement slice.
+        fallback_to_resize: pause-and-resume: on timeout continue on the survivors (if >= min_slices)
+            instead of failing.
+        lr_rule: with ``batch_policy="scale"``, scale the optimizer's updates by ``linear``
+            (active/total) or ``sqrt`` of it; ``None`` leaves them alone.
+        hang_timeout_factor, hang_timeout_min_s: the watchdog declares a hang when no step finished
+            within max(min_s, factor x median step time).
+        probe_timeout_s: a process that does not answer a health probe within this is hung.
+        node_death_grace_s: after a process died, how long to wait for Ray to mark its node dead
+            before deciding the slice itself is healthy (match Ray's health-check period x threshold).
+        max_failures, failure_window_s: give up after more than ``max_failures`` failures within
+            ``failure_window_s`` seconds.
+        standby_workers: keep one warm process per slice host ready for the next generation,
+            so recovery does not wait for Python + JAX start-up.
     """
 
     num_slices: int
@@ -140,6 +157,18 @@ class ElasticConfig:
     compilation_cache_dir: Optional[str] = "/tmp/ray-elastic-jax-cache"
     slice_timeout_s: float = 300.0
     jax_init_timeout_s: float = 120.0
+    snapshot_every: int = 1
+    snapshot_replicas: int = 2
+    replacement_timeout_s: float = 300.0
+    fallback_to_resize: bool = False
+    lr_rule: Optional[str] = None
+    hang_timeout_factor: float = 20.0
+    hang_timeout_min_s: float = 5.0
+    probe_timeout_s: float = 2.0
+    node_death_grace_s: float = 1.5
+    max_failures: int = 30
+    failure_window_s: float = 3600.0
+    standby_workers: bool = True
 
     def __post_init__(self):
         if not isinstance(self.slice, SliceSpec):
@@ -157,6 +186,16 @@ class ElasticConfig:
             raise ValueError(f"unknown mode {self.mode!r}: use one of {', '.join(MODES)}")
         if self.batch_policy not in BATCH_POLICIES:
             raise ValueError(f"unknown batch_policy {self.batch_policy!r}: use one of {', '.join(BATCH_POLICIES)}")
+        if self.lr_rule not in LR_RULES:
+            raise ValueError(f"unknown lr_rule {self.lr_rule!r}: use None, 'linear' or 'sqrt'")
+        if self.lr_rule is not None and self.batch_policy != "scale":
+            raise ValueError("lr_rule only applies with batch_policy='scale'; remove it or set batch_policy='scale'")
+        for name in ("snapshot_every", "snapshot_replicas", "max_failures"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("replacement_timeout_s", "hang_timeout_min_s", "probe_timeout_s", "failure_window_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.steps_per_chunk < 1:
             raise ValueError(f"steps_per_chunk must be >= 1, got {self.steps_per_chunk}")
         if not isinstance(self.global_batch_size, int) or self.global_batch_size < 1:
@@ -164,8 +203,8 @@ class ElasticConfig:
         self._check_batch_splits()
 
     def world_sizes(self) -> list[int]:
-        """Slice counts the run may train on: only full size in pause-and-resume."""
-        if self.mode == "pause-and-resume":
+        """Slice counts the run may train on: only full size in pure pause-and-resume."""
+        if self.mode == "pause-and-resume" and not self.fallback_to_resize:
             return [self.num_slices]
         return list(range(self.min_slices, self.num_slices + 1))
 

@@ -1,10 +1,16 @@
-"""The single controller: a Ray driver that reserves slices, forms worlds, drives steps.
+"""The single controller: a Ray driver that reserves slices, forms worlds, drives steps, recovers.
 
 ``ElasticTrainer(task, config).fit(num_steps)`` is the whole API. The controller
-moves through explicit :class:`~ray_elastic.states.ControllerState` states; the
-decisions it takes (world layout, batch rows, chunking) come from ``plan.py``;
-the Ray effects live in ``placement.py`` and ``world.py``; JAX runs only inside
-the slice actors.
+moves through explicit :class:`~ray_elastic.states.ControllerState` states. Its
+decisions (which slices form the next world, the batch, what to restore from,
+whether to retry) come from the pure functions of ``plan.py``; the Ray effects
+live in ``placement.py``, ``world.py``, ``stepping.py`` and ``health.py``; JAX
+runs only inside the slice actors.
+
+A lost slice is an event, not the end: the failed generation is torn down, the
+next one is formed from the survivors (replica-resize) or with a replacement
+(pause-and-resume), and it loads the survivors' in-memory snapshots, so no
+finished step is recomputed.
 """
 
 from __future__ import annotations
@@ -16,47 +22,60 @@ from typing import Callable, Optional
 
 import ray
 
+from ray_elastic import plan as planner
 from ray_elastic.config import ElasticConfig
-from ray_elastic.placement import SliceReservation, reserve_slices
-from ray_elastic.plan import chunks
+from ray_elastic.errors import ElasticRuntimeError
+from ray_elastic.events import EventLog
+from ray_elastic.health import alive_nodes, dead_slices, error_kind, unresponsive
+from ray_elastic.placement import ReplacementRequest, SliceReservation, reserve_slices
+from ray_elastic.snapshots import SnapshotStore
 from ray_elastic.states import ControllerState, check_transition
+from ray_elastic.stepping import RunOutcome, StepStreams
 from ray_elastic.task import TrainTask
-from ray_elastic.world import World
+from ray_elastic.world import World, WorkerPool
 
 logger = logging.getLogger(__name__)
 
-# Chunks in flight per worker: the next chunk is queued before the current one
-# ends, so workers never wait for a driver round trip between chunks.
-CHUNKS_IN_FLIGHT = 2
+S = ControllerState
+WAIT_POLL_S = 0.2
+DRAIN_S = 0.3
 
-
-class ElasticRuntimeError(RuntimeError):
-    """Training could not go on; the message says why and what was tried."""
+__all__ = ["ElasticTrainer", "ElasticRuntimeError", "FitResult"]
 
 
 @dataclasses.dataclass
 class FitResult:
-    """What ``fit`` returns: per-step metrics and a summary of the run."""
+    """What ``fit`` returns: per-step metrics, recoveries and a summary of the run."""
 
     steps: list[int]
     losses: list[float]
     step_times_s: list[float]
+    recoveries: list[dict]
     summary: dict
+    events: list[dict]
 
     def __repr__(self) -> str:
-        return f"FitResult(steps={len(self.steps)}, final_loss={self.losses[-1] if self.losses else None}, summary={self.summary})"
+        return (f"FitResult(steps={len(self.steps)}, final_loss={self.losses[-1] if self.losses else None}, "
+                f"recoveries={len(self.recoveries)}, summary={self.summary})")
 
 
 class ElasticTrainer:
-    """Train ``task`` on ``config.num_slices`` TPU slices of a Ray cluster.
+    """Train ``task`` on ``config.num_slices`` TPU slices of a Ray cluster, surviving lost slices.
 
     Args:
         task: model, optimizer, loss and data (runs inside the slice actors).
         config: slices, batch and elastic settings; validated here, before Ray is touched.
         address: Ray cluster to connect to when this process is not connected yet
-            (``None``: ``RAY_ADDRESS`` or a local cluster, as ``ray.init`` decides).
+            (``None``: ``RAY_ADDRESS`` or the job's cluster, as ``ray.init`` decides).
         progress: show a tqdm progress bar (terminal or notebook).
-        on_chunk: called with each chunk's per-step metrics as they arrive.
+        on_chunk: called with the metrics of finished steps as they arrive.
+        retry_policy: ``(attempt, error) -> bool``, asked before every recovery (as in
+            ``pathwaysutils.elastic.Manager.elastic_retry``); ``None`` retries within
+            ``config.max_failures`` per ``config.failure_window_s``.
+        pre_callback: called before every new world is formed after a failure or resize.
+        on_elastic_event_callback: called with each elastic event (failure, recovered,
+            resize, scale_up, waiting_for_capacity) as a dict.
+        run_dir: where ``events.jsonl`` is written (``None``: events kept in memory only).
     """
 
     def __init__(
@@ -67,20 +86,36 @@ class ElasticTrainer:
         address: Optional[str] = None,
         progress: bool = True,
         on_chunk: Optional[Callable[[list[dict]], None]] = None,
+        retry_policy: Optional[Callable[[int, Exception], bool]] = None,
+        pre_callback: Optional[Callable[[], None]] = None,
+        on_elastic_event_callback: Optional[Callable[[dict], None]] = None,
+        run_dir: Optional[str] = None,
     ):
         if not isinstance(task, TrainTask):
             raise ValueError(f"task must be a ray_elastic.TrainTask, got {type(task).__name__}")
         if not isinstance(config, ElasticConfig):
             raise ValueError(f"config must be a ray_elastic.ElasticConfig, got {type(config).__name__}")
+        for name, cb in (("retry_policy", retry_policy), ("pre_callback", pre_callback),
+                         ("on_elastic_event_callback", on_elastic_event_callback), ("on_chunk", on_chunk)):
+            if cb is not None and not callable(cb):
+                raise ValueError(f"{name} must be callable, got {type(cb).__name__}")
         self.task = task
         self.config = config
         self.address = address
         self.progress = progress
         self.on_chunk = on_chunk
-        self.state = ControllerState.INITIALIZING
+        self.retry_policy = retry_policy
+        self.pre_callback = pre_callback
+        self.on_elastic_event_callback = on_elastic_event_callback
+        self.run_dir = run_dir
+        self.state = S.INITIALIZING
         self.state_history: list[tuple[str, float]] = [(self.state.value, time.time())]
         self.world: Optional[World] = None
-        self._reservations: list[SliceReservation] = []
+        self.worlds: list[dict] = []  # one entry per generation: slices, mesh, formation times
+        self._members: list[SliceReservation] = []  # slices of the current/next world, plan order
+        self._replacements: list[ReplacementRequest] = []
+        self._pool: Optional[WorkerPool] = None
+        self._bar = None
 
     # ------------------------------------------------------------------ states
     def _enter(self, new: ControllerState) -> None:
@@ -88,53 +123,320 @@ class ElasticTrainer:
         logger.info("controller: %s -> %s", self.state.value, new.value)
         self.state = new
         self.state_history.append((new.value, time.time()))
+        if self._bar is not None:
+            self._bar.set_postfix_str(self._postfix(), refresh=False)
+
+    def _event(self, kind: str, **fields) -> dict:
+        event = self.events.emit(kind, **fields)
+        if self.on_elastic_event_callback is not None and kind in (
+            "failure", "recovered", "resize", "scale_up", "waiting_for_capacity"
+        ):
+            self.on_elastic_event_callback(dict(event))
+        return event
 
     # --------------------------------------------------------------------- fit
     def fit(self, num_steps: int) -> FitResult:
-        """Train steps ``0 .. num_steps-1``; returns per-step losses and a summary."""
+        """Train steps ``0 .. num_steps-1``; returns per-step losses, recoveries and a summary."""
         if not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
         t_start = time.perf_counter()
+        self.events = EventLog(self.run_dir)
         if not ray.is_initialized():
             ray.init(address=self.address, namespace="ray_elastic", log_to_driver=True)
-        bar = None
-        steps, losses, times = [], [], []
+        cfg = self.config
+        self._metrics: dict[int, dict] = {}
+        self._step_times: list[float] = []
+        self._store = SnapshotStore(cfg.slice.num_hosts)
+        self._failure_times: list[float] = []
+        self._attempt = 0
+        self.recoveries: list[dict] = []
         try:
-            self._enter(ControllerState.SCHEDULING)
-            task_ref = ray.put(self.task)
-            self._reservations = reserve_slices(self.config.slice, self.config.num_slices, self.config.slice_timeout_s)
-
-            self._enter(ControllerState.FORMING_WORLD)
-            self.world = World.form(0, self._reservations, task_ref, self.config, start_step=0)
+            self._enter(S.SCHEDULING)
+            self._pool = WorkerPool(ray.put(self.task), cfg)
+            self._members = reserve_slices(cfg.slice, cfg.num_slices, cfg.slice_timeout_s)
+            self._pool.replenish(self._members)  # processes start while the others reserve and join
+            self._enter(S.FORMING_WORLD)
+            self.world = self._form(restore_step=-1)
             startup_s = time.perf_counter() - t_start
-
-            self._enter(ControllerState.RUNNING)
-            bar = self._progress_bar(num_steps)
-            t_run = time.perf_counter()
-            for metrics in self._drive(chunks(0, num_steps, self.config.steps_per_chunk)):
-                for m in metrics:
-                    steps.append(m["step"])
-                    losses.append(m["loss"])
-                    times.append(m["step_time_s"])
-                if self.on_chunk is not None:
-                    self.on_chunk(metrics)
-                if bar is not None:
-                    bar.update(len(metrics))
-                    bar.set_postfix(loss=f"{metrics[-1]['loss']:.4f}", slices=self.world.plan.num_slices, state=self.state.value)
-            run_s = time.perf_counter() - t_run
-            self._enter(ControllerState.FINISHED)
+            self._bar = self._progress_bar(num_steps)
+            self._enter(S.RUNNING)
+            next_step = 0
+            while True:
+                outcome = self._run(next_step, num_steps)
+                if outcome.kind == "done":
+                    break
+                if outcome.kind == "grow":
+                    next_step = self._grow()
+                else:
+                    next_step = self._recover(outcome)
+                self._enter(S.RUNNING)
+            self._enter(S.FINISHED)
         except BaseException as e:
-            self._enter(ControllerState.ERRORED)
-            if isinstance(e, (ValueError, KeyboardInterrupt)):
+            failed_in = self.state.value
+            if not self.state.is_terminal:
+                self._enter(S.ERRORED)
+            self._event("errored", state=failed_in, error=repr(e))
+            if isinstance(e, (ValueError, KeyboardInterrupt, ElasticRuntimeError)):
                 raise
-            raise ElasticRuntimeError(f"training stopped in state {self.state_history[-2][0]}: {e}") from e
+            raise ElasticRuntimeError(f"training stopped in state {failed_in}: {e}") from e
         finally:
-            if bar is not None:
-                bar.close()
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
             self._release()
+            self.events.close()
+        return self._result(num_steps, startup_s, time.perf_counter() - t_start)
 
+    # ----------------------------------------------------------------- running
+    def _run(self, start: int, end: int) -> RunOutcome:
+        streams = StepStreams(self.world, self.config, self._store, self._on_metrics, self._step_times)
+        self._streams = streams
+        t0 = time.perf_counter()
+        outcome = streams.run(start, end, self._capacity_returned)
+        self._event("chunk_run", generation=self.world.plan.generation, first_step=start,
+                    last_step=self._last_step(), seconds=time.perf_counter() - t0, outcome=outcome.kind)
+        return outcome
+
+    def _on_metrics(self, m: dict) -> None:
+        self._metrics[m["step"]] = m
+        self._step_times.append(m["step_time_s"])
+        if self.on_chunk is not None:
+            self.on_chunk([m])
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix_str(self._postfix(loss=m["loss"]), refresh=False)
+
+    def _last_step(self) -> int:
+        return max(self._metrics) if self._metrics else -1
+
+    def _capacity_returned(self) -> bool:
+        return planner.should_grow(self.config.mode, len(self._members), len(self._ready_replacements()),
+                                   self.config.num_slices)
+
+    def _ready_replacements(self) -> list[ReplacementRequest]:
+        return [r for r in self._replacements if r.ready() is not None]
+
+    # ----------------------------------------------------------------- forming
+    def _form(self, restore_step: int) -> World:
+        """Form the next generation on ``self._members``, loading the snapshot of ``restore_step``."""
+        cfg = self.config
+        generation = len(self.worlds)
+        n = len(self._members)
+        batch = planner.batch_for_world(n, cfg.num_slices, cfg.global_batch_size, cfg.batch_policy)
+        snap_steps = {s: st for s, st in self._store.latest_complete(self._store.slices()).items() if st == restore_step}
+
+        def restore(name: str):
+            if restore_step < 0:
+                return None
+            donor = planner.choose_restore([name], snap_steps).donors[0]
+            return self._store.refs(donor, restore_step)
+
+        world = World.form(generation, self._members, self._pool, cfg, start_step=restore_step + 1,
+                           global_batch_size=batch, lr_scale=planner.lr_scale(n, cfg.num_slices, cfg.lr_rule),
+                           restore=restore)
+        self.worlds.append({"generation": generation, "slices": list(world.plan.slice_names),
+                            "mesh": world.plan.mesh_shape, "global_batch_size": batch,
+                            "times": dataclasses.asdict(world.times), "start_step": restore_step + 1})
+        self._event("world_formed", generation=generation, slices=list(world.plan.slice_names),
+                    mesh=world.plan.mesh_shape, global_batch_size=batch, **dataclasses.asdict(world.times))
+        self._pool.replenish(self._members)
+        return world
+
+    # ---------------------------------------------------------------- recovery
+    def _recover(self, outcome: RunOutcome) -> int:
+        """A failure (or hang) in RUNNING or FORMING_WORLD: classify, tear down, form the next world."""
+        cfg = self.config
+        t_detect = time.time()
+        self._enter(S.RECOVERING)
+        world = self.world
+        errors = dict(outcome.errors)
+        if outcome.kind != "hang":
+            self._streams.drain(DRAIN_S, errors)
+        else:
+            hung = unresponsive(world.workers, cfg.probe_timeout_s)
+            # Nobody silent: the whole world is stuck (for example a collective that never completes).
+            for p in hung or range(len(world.workers)):
+                errors[p] = TimeoutError(f"no step finished for {t_detect - outcome.last_progress_at:.1f}s")
+        return self._handle_failure(world, errors, t_detect, outcome.last_progress_at, outcome.kind)
+
+    def _handle_failure(self, world: World, errors: dict[int, BaseException], t_detect: float,
+                        last_progress_at: float, cause: str) -> int:
+        cfg = self.config
+        kinds = {}
+        for p, e in errors.items():
+            kind = "hang" if isinstance(e, TimeoutError) and cause == "hang" else error_kind(e)
+            kinds.setdefault(world.slice_of(p), kind)
+        first = next(iter(errors.values())) if errors else RuntimeError(cause)
+        slice_nodes = world.slice_node_ids()
+        dead = dead_slices(slice_nodes, set(kinds), cfg.node_death_grace_s)
+        verdict = planner.classify_failure(kinds, dead, world.plan.slice_names, str(first).splitlines()[0][:300])
+        t_classified = time.time()
+        self._event("failure", generation=world.plan.generation, cause=cause, kinds=kinds,
+                    lost_slices=list(verdict.lost_slices), crashed_slices=list(verdict.crashed_slices),
+                    error=str(first)[:2000], last_step=self._last_step(),
+                    since_last_progress_s=t_detect - last_progress_at, classify_s=t_classified - t_detect)
+        if not verdict.recoverable:
+            world.teardown()
+            raise ElasticRuntimeError(f"not recoverable: {verdict.reason}") from first
+        self._attempt += 1
+        self._failure_times.append(time.monotonic())
+        if planner.failures_exceeded(self._failure_times, time.monotonic(), cfg.max_failures, cfg.failure_window_s):
+            world.teardown()
+            raise ElasticRuntimeError(
+                f"gave up after {len(self._failure_times)} failures within {cfg.failure_window_s:.0f}s "
+                f"(max_failures={cfg.max_failures}); last: {verdict.reason}") from first
+        if self.retry_policy is not None and not self.retry_policy(self._attempt, first):
+            world.teardown()
+            raise ElasticRuntimeError(f"retry_policy declined attempt {self._attempt} after {verdict.reason}") from first
+
+        t0 = time.perf_counter()
+        world.teardown()
+        survivors = []
+        for name, res in zip(world.plan.slice_names, world.reservations):
+            if name in verdict.lost_slices:
+                self._drop_slice(res)
+            else:
+                survivors.append((name, res))
+        teardown_s = time.perf_counter() - t0
+        return self._reform(survivors, t_detect, last_progress_at, teardown_s, verdict.reason)
+
+    def _reform(self, survivors: list, t_detect: float, last_progress_at: float, teardown_s: float, reason: str) -> int:
+        """Wait for capacity if needed, then form the next generation and load the newest snapshot."""
+        cfg = self.config
+        t_wait0 = time.perf_counter()
+        waited = False
+        while True:
+            ready = self._ready_replacements()
+            timed_out = time.perf_counter() - t_wait0 > cfg.replacement_timeout_s
+            decision = planner.decide_next_world(cfg.mode, [n for n, _ in survivors], len(ready), cfg.num_slices,
+                                                 cfg.min_slices, timed_out, cfg.fallback_to_resize)
+            if decision.action == "fail":
+                raise ElasticRuntimeError(
+                    f"{reason}; {decision.reason} (replacement_timeout_s={cfg.replacement_timeout_s:.0f}, "
+                    f"mode={cfg.mode}, min_slices={cfg.min_slices}). Add capacity, raise replacement_timeout_s, "
+                    "or set fallback_to_resize=True")
+            if decision.action == "wait":
+                if not waited:
+                    self._enter(S.WAITING_FOR_CAPACITY)
+                    self._event("waiting_for_capacity", reason=decision.reason)
+                    waited = True
+                time.sleep(WAIT_POLL_S)
+                continue
+            break
+        wait_s = time.perf_counter() - t_wait0 if waited else 0.0
+        added = []
+        for req in ready[: decision.replacements]:
+            self._replacements.remove(req)
+            added.append(req.ready())
+        self._members = [res for _, res in survivors] + added
+        if self.pre_callback is not None:
+            self.pre_callback()
+        alive_snapshots = self._store.latest_complete([n for n, _ in survivors])
+        restore = planner.choose_restore([n for n, _ in survivors], alive_snapshots)
+        last = self._last_step()
+        self._enter(S.FORMING_WORLD)
+        try:
+            self.world = self._form(restore.step)
+        except Exception as e:  # noqa: BLE001 - a failure during recovery is another failure
+            return self._failed_forming(e, t_detect)
+        rewound = max(0, last - restore.step)
+        for s in [s for s in self._metrics if s > restore.step]:
+            del self._metrics[s]  # recomputed by the new world
+        if self._bar is not None and rewound:
+            self._bar.update(-rewound)
+        times = self.world.times
+        record = {
+            "generation": self.world.plan.generation,
+            "reason": reason,
+            "mode": self.config.mode,
+            "slices": len(self._members),
+            "added_slices": len(added),
+            "restored_from_step": restore.step,
+            "steps_rewound": rewound,
+            "since_last_progress_s": t_detect - last_progress_at,
+            "teardown_s": teardown_s,
+            "wait_for_capacity_s": wait_s,
+            "world_formation_s": times.start_actors_s + times.jax_init_s,
+            "state_load_s": times.state_load_s,
+            "compile_s": times.compile_s,
+            "recovery_s": time.time() - t_detect,
+            "detected_at": t_detect,
+            "ready_at": time.time(),
+        }
+        self.recoveries.append(record)
+        self._event("recovered", **record)
+        return restore.step + 1
+
+    def _failed_forming(self, error: Exception, t_detect: float) -> int:
+        """The next world failed while forming (a second failure, a replacement dying on arrival)."""
+        self._enter(S.RECOVERING)
+        if error_kind(error) == "task_error":
+            raise ElasticRuntimeError(f"not recoverable: forming a world failed in training code: {error}") from error
+        time.sleep(self.config.node_death_grace_s)  # let Ray mark the dead hosts dead
+        alive = alive_nodes()
+        survivors, lost = [], []
+        for i, res in enumerate(self._members):
+            nodes = res.node_ids()
+            if nodes and all(n in alive for n in nodes):
+                survivors.append((res.slice_name or f"new-slice-{i}", res))
+            else:
+                lost.append(res.slice_name)
+                self._drop_slice(res)
+        self._event("failure", cause="forming", error=repr(error)[:2000], lost_slices=lost, last_step=self._last_step())
+        self._attempt += 1
+        self._failure_times.append(time.monotonic())
+        if planner.failures_exceeded(self._failure_times, time.monotonic(), self.config.max_failures,
+                                     self.config.failure_window_s):
+            raise ElasticRuntimeError(f"gave up after repeated failures while forming a world: {error}") from error
+        return self._reform(survivors, t_detect, t_detect, 0.0, f"failure while forming a world: {error!r}"[:300])
+
+    def _drop_slice(self, res: SliceReservation) -> None:
+        """A slice left for good: free it, forget its snapshots, ask for a replacement."""
+        if res.slice_name:
+            self._store.forget(res.slice_name)
+        res.release()
+        self._pool.discard(res)
+        # A pending slice placement group is what makes the autoscaler provision a new slice.
+        self._replacements.append(ReplacementRequest(self.config.slice, self.config.replacement_timeout_s))
+
+    # ------------------------------------------------------------------ resize
+    def _grow(self) -> int:
+        """Capacity returned: at this step boundary, form a bigger world; newcomers load a peer's snapshot."""
+        self._enter(S.RESIZING)
+        t0 = time.time()
+        old = self.world
+        last = self._last_step()
+        old.teardown()
+        ready = self._ready_replacements()
+        need = self.config.num_slices - len(self._members)
+        added = []
+        for req in ready[:need]:
+            self._replacements.remove(req)
+            added.append(req.ready())
+        survivors = list(zip(old.plan.slice_names, old.reservations))
+        self._members = [res for _, res in survivors] + added
+        if self.pre_callback is not None:
+            self.pre_callback()
+        restore = planner.choose_restore(list(old.plan.slice_names), self._store.latest_complete(old.plan.slice_names))
+        self._enter(S.FORMING_WORLD)
+        try:
+            self.world = self._form(restore.step)
+        except Exception as e:  # noqa: BLE001
+            return self._failed_forming(e, t0)
+        record = {"generation": self.world.plan.generation, "from_slices": len(survivors),
+                  "to_slices": len(self._members), "restored_from_step": restore.step,
+                  "steps_rewound": max(0, last - restore.step), "resize_s": time.time() - t0}
+        self._event("scale_up", **record)
+        return restore.step + 1
+
+    # ----------------------------------------------------------------- results
+    def _result(self, num_steps: int, startup_s: float, wall_s: float) -> FitResult:
+        steps = sorted(self._metrics)
+        losses = [self._metrics[s]["loss"] for s in steps]
+        times = [self._metrics[s]["step_time_s"] for s in steps]
         plan = self.world.plan
         steady = sorted(times[1:]) or times
+        rec = self.recoveries
         summary = {
             "steps": len(steps),
             "slices": plan.num_slices,
@@ -143,35 +445,27 @@ class ElasticTrainer:
             "global_batch_size": plan.global_batch_size,
             "first_loss": losses[0],
             "final_loss": losses[-1],
+            "generations": len(self.worlds),
+            "failures": len(self.events.of_kind("failure")),
+            "recoveries": len(rec),
+            "scale_ups": len(self.events.of_kind("scale_up")),
+            "steps_rewound": sum(r["steps_rewound"] for r in rec),
+            "max_recovery_s": round(max((r["recovery_s"] for r in rec), default=0.0), 3),
             "startup_s": round(startup_s, 3),
-            "world_formation_s": round(self.world.times.total_s, 3),
-            "compile_s": round(self.world.times.compile_s, 3),
-            "train_s": round(run_s, 3),
+            "compile_s": round(self.worlds[0]["times"]["compile_s"], 3),
             "median_step_s": steady[len(steady) // 2],
-            "wall_s": round(time.perf_counter() - t_start, 3),
+            "wall_s": round(wall_s, 3),
         }
-        return FitResult(steps=steps, losses=losses, step_times_s=times, summary=summary)
+        return FitResult(steps, losses, times, list(rec), summary, list(self.events.events))
 
-    def _drive(self, plan_chunks: list[tuple[int, int]]):
-        """Keep ``CHUNKS_IN_FLIGHT`` chunks queued on every worker; yield process 0's metrics in order."""
-        in_flight: list[list[ray.ObjectRef]] = []
-        todo = list(plan_chunks)
-        while todo or in_flight:
-            while todo and len(in_flight) < CHUNKS_IN_FLIGHT:
-                start, n = todo.pop(0)
-                in_flight.append(self.world.run_chunk(start, n))
-            refs = in_flight.pop(0)
-            results = self._wait_all(refs)
-            yield results[0]
-
-    @staticmethod
-    def _wait_all(refs: list[ray.ObjectRef]) -> list:
-        """Wait for every ref, but surface the first failure at once (survivors may hang)."""
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            ray.get(done)  # raises the worker's error immediately
-        return ray.get(refs)
+    def _postfix(self, loss: Optional[float] = None) -> str:
+        parts = []
+        if loss is not None:
+            parts.append(f"loss={loss:.4f}")
+        if self.world is not None:
+            parts.append(f"slices={len(self._members)}/{self.config.num_slices}")
+        parts.append(f"state={self.state.value}")
+        return ", ".join(parts)
 
     def _progress_bar(self, total: int):
         if not self.progress:
@@ -183,9 +477,13 @@ class ElasticTrainer:
     def _release(self) -> None:
         if self.world is not None:
             self.world.teardown()
-        for r in self._reservations:
+        if self._pool is not None:
+            self._pool.shutdown()
+        for req in self._replacements:
+            req.cancel()
+        self._replacements = []
+        for r in self._members:
             try:
                 r.release()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001
                 logger.debug("release reservation: %s", e)
-        self._reservations = []

@@ -13,6 +13,7 @@ from typing import Optional
 
 import jax
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -67,25 +68,64 @@ def build_mesh(plan: WorldPlan) -> Mesh:
     return Mesh(grid, (REPLICA_AXIS, FSDP_AXIS))
 
 
-def _abstract_state(task, seed: int):
+def _abstract_state(task, seed: int, update_scale: Optional[float]):
     def make():
         model = task.create_model(nnx.Rngs(seed))
-        return model, nnx.Optimizer(model, task.create_optimizer(), wrt=nnx.Param)
+        tx = task.create_optimizer()
+        if update_scale is not None:
+            # Scale policy with an lr rule: the world's factor on every update.
+            tx = optax.chain(tx, optax.scale(update_scale))
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     return make, nnx.split(nnx.eval_shape(make))
 
 
-class TrainLoop:
-    """Sharded train state and a compiled step on one world's mesh."""
+def local_block(arr: jax.Array) -> np.ndarray:
+    """This process's part of a global array, as one numpy block.
 
-    def __init__(self, task, plan: WorldPlan, process_id: int, seed: int, mesh: Mesh, fsdp_min_size: int):
+    A process's devices sit in one row of the (replica, fsdp) mesh, so its shards of
+    an fsdp-sharded array are one contiguous slab, and of a replicated array the
+    whole array. This is what ``make_array_from_process_local_data`` takes back.
+    """
+    if arr.ndim == 0:
+        return np.asarray(arr.addressable_shards[0].data)
+    unique = {}
+    for sh in arr.addressable_shards:
+        key = tuple((sl.start or 0, dim if sl.stop is None else sl.stop) for sl, dim in zip(sh.index, arr.shape))
+        unique.setdefault(key, sh)
+    lo = [min(k[d][0] for k in unique) for d in range(arr.ndim)]
+    hi = [max(k[d][1] for k in unique) for d in range(arr.ndim)]
+    block = np.empty([h - l for l, h in zip(lo, hi)], dtype=arr.dtype)
+    for key, sh in unique.items():
+        block[tuple(slice(a - l, b - l) for (a, b), l in zip(key, lo))] = np.asarray(sh.data)
+    return block
+
+
+class TrainLoop:
+    """Sharded train state and a compiled step on one world's mesh.
+
+    Args:
+        task: the user's TrainTask.
+        plan: this world's layout.
+        process_id: this process's place in ``plan``.
+        seed: parameter initialisation seed.
+        mesh: from :func:`build_mesh`.
+        fsdp_min_size: see ``ElasticConfig.fsdp_min_size``.
+        batches: the task's data by step (built once per process, reused across worlds).
+        restore: per-leaf blocks from :meth:`snapshot` of the same host position in an
+            earlier world; ``None`` initialises fresh parameters.
+        scale_updates: wrap the optimizer with the plan's ``lr_scale`` (scale policy + lr rule).
+    """
+
+    def __init__(self, task, plan: WorldPlan, process_id: int, seed: int, mesh: Mesh, fsdp_min_size: int,
+                 batches: StepBatches, restore: Optional[list] = None, scale_updates: bool = False):
         self.plan = plan
         self.mesh = mesh
         self.process_id = process_id
         self.row_range = plan.process_rows(process_id)
-        self.batches = StepBatches(task.dataset(), plan.global_batch_size, seed)
+        self.batches = batches
 
-        make, (graphdef, abstract) = _abstract_state(task, seed)
+        make, (graphdef, abstract) = _abstract_state(task, seed, plan.lr_scale if scale_updates else None)
         fsdp = plan.mesh_shape[FSDP_AXIS]
         self.state_shardings = jax.tree.map(
             lambda x: NamedSharding(mesh, P(*param_partition(x.shape, fsdp, fsdp_min_size))), abstract
@@ -94,7 +134,17 @@ class TrainLoop:
         self.batch_sharding = NamedSharding(mesh, P((REPLICA_AXIS, FSDP_AXIS)))
         replicated = NamedSharding(mesh, P())
 
-        self.state = jax.jit(lambda: nnx.split(make())[1], out_shardings=self.state_shardings)()
+        if restore is None:
+            self.state = jax.jit(lambda: nnx.split(make())[1], out_shardings=self.state_shardings)()
+        else:
+            leaves, treedef = jax.tree.flatten(abstract)
+            shardings = jax.tree.leaves(self.state_shardings)
+            if len(restore) != len(leaves):
+                raise ValueError(f"snapshot has {len(restore)} arrays, the model's state has {len(leaves)}")
+            self.state = jax.tree.unflatten(treedef, [
+                jax.make_array_from_process_local_data(sh, np.asarray(blk, dtype=a.dtype), a.shape)
+                for sh, blk, a in zip(shardings, restore, leaves)
+            ])
 
         def train_step(state, batch):
             model, optimizer = nnx.merge(graphdef, state)
@@ -125,14 +175,17 @@ class TrainLoop:
         self._step = self._step.lower(self.state, self.global_batch_array(step)).compile()
         return time.perf_counter() - t0
 
+    def step(self, step: int) -> dict:
+        """Run one training step; its loss and wall time."""
+        t0 = time.perf_counter()
+        self.state, loss = self._step(self.state, self.global_batch_array(step))
+        value = float(np.asarray(loss.addressable_shards[0].data))
+        return {"step": step, "loss": value, "step_time_s": time.perf_counter() - t0}
+
     def run(self, start_step: int, num_steps: int) -> list[dict]:
         """Run ``num_steps`` steps from ``start_step``; per-step loss and wall time."""
-        out = []
-        for step in range(start_step, start_step + num_steps):
-            t0 = time.perf_counter()
-            batch = self.global_batch_array(step)
-            self.state, loss = self._step(self.state, batch)
-            value = float(np.asarray(loss.addressable_shards[0].data))
-            out.append({"step": step, "loss": value, "step_time_s": time.perf_counter() - t0})
-        return out
+        return [self.step(s) for s in range(start_step, start_step + num_steps)]
 
+    def snapshot(self) -> list[np.ndarray]:
+        """Host copy of this process's part of the train state (params and optimizer state)."""
+        return [local_block(x) for x in jax.tree.leaves(self.state)]

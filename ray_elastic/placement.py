@@ -32,6 +32,12 @@ class SliceReservation:
             head_reservation_timeout_s=head_timeout_s,
         )
         self.placement_group = self._handle.placement_group
+        self.slice_name: Optional[str] = None  # learnt from the hosts when a world forms on it
+
+    def node_ids(self) -> list[str]:
+        """Nodes its bundles are placed on (empty while pending)."""
+        table = ray.util.placement_group_table(self.placement_group)
+        return [n for n in table.get("bundles_to_node_id", {}).values() if n]
 
     def ready(self) -> ray.ObjectRef:
         return self.placement_group.ready()
@@ -75,3 +81,47 @@ def reserve_slices(spec: SliceSpec, count: int, timeout_s: float) -> list[SliceR
     for r in reservations:
         r.wait(0)
     return reservations
+
+
+class ReplacementRequest:
+    """A replacement slice asked for in the background.
+
+    Its pending placement group is exactly the demand the Ray autoscaler (or the
+    simulated provisioner) provisions a new slice for. Multi-host slices reserve
+    their head host first, which blocks, so the reservation is made on a thread.
+    A failed head reservation is retried, keeping the demand alive.
+    """
+
+    _executor = None
+
+    def __init__(self, spec: SliceSpec, head_timeout_s: float):
+        import concurrent.futures
+        import time
+
+        if ReplacementRequest._executor is None:
+            ReplacementRequest._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=8, thread_name_prefix="ray-elastic-replacement"
+            )
+        self.spec = spec
+        self.head_timeout_s = head_timeout_s
+        self.requested_at = time.monotonic()
+        self._future = self._submit()
+
+    def _submit(self):
+        return ReplacementRequest._executor.submit(SliceReservation, self.spec, self.head_timeout_s)
+
+    def ready(self) -> Optional[SliceReservation]:
+        """The reservation if its slice is ready now (never blocks)."""
+        if not self._future.done():
+            return None
+        try:
+            res = self._future.result()
+        except Exception as e:
+            logger.info("replacement head reservation failed (%s); asking again", e)
+            self._future = self._submit()
+            return None
+        return res if res.wait(0) else None
+
+    def cancel(self) -> None:
+        """No longer needed: give the reservation back (now, or when it is made)."""
+        self._future.add_done_callback(lambda f: f.exception() is None and f.result().release())

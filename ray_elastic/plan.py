@@ -9,7 +9,7 @@ batch a process feeds, how parameters are split) is decided here, once.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Optional, Sequence
 
 REPLICA_AXIS = "replica"
 FSDP_AXIS = "fsdp"
@@ -32,6 +32,16 @@ class WorldPlan:
     hosts_per_slice: int
     devices_per_host: int
     global_batch_size: int
+    data_stride: int = 0  # examples per step in the data order (the full-size batch); 0 = global_batch_size
+    lr_scale: float = 1.0
+    snapshot_slices: int = 0  # the first this many slices yield snapshots
+
+    @property
+    def stride(self) -> int:
+        return self.data_stride or self.global_batch_size
+
+    def takes_snapshots(self, process_id: int) -> bool:
+        return process_id // self.hosts_per_slice < self.snapshot_slices
 
     @property
     def num_slices(self) -> int:
@@ -71,11 +81,17 @@ def plan_world(
     hosts_per_slice: int,
     devices_per_host: int,
     global_batch_size: int,
+    data_stride: int = 0,
+    lr_scale: float = 1.0,
+    snapshot_slices: int = 0,
 ) -> WorldPlan:
     """Lay out a world, refusing layouts that cannot split the batch evenly."""
     if not slice_names:
         raise ValueError("a world needs at least one slice")
-    plan = WorldPlan(generation, tuple(slice_names), hosts_per_slice, devices_per_host, global_batch_size)
+    plan = WorldPlan(
+        generation, tuple(slice_names), hosts_per_slice, devices_per_host, global_batch_size,
+        data_stride, lr_scale, min(snapshot_slices, len(slice_names)),
+    )
     devices = plan.num_processes * devices_per_host
     if global_batch_size % devices:
         raise ValueError(
@@ -115,3 +131,162 @@ def chunks(start_step: int, end_step: int, steps_per_chunk: int) -> list[tuple[i
         out.append((s, n))
         s += n
     return out
+
+
+# --------------------------------------------------------------------------- batch policy
+def batch_for_world(num_active: int, num_total: int, global_batch_size: int, policy: str) -> int:
+    """Global batch of a world of ``num_active`` slices.
+
+    ``constant``: unchanged, survivors take larger shares (the mathematics is the same).
+    ``scale``: proportional to active slices, as pathwaysutils' ``scale_by_active_slices``
+    (exact for ints: an error if it does not divide).
+    """
+    if policy == "constant":
+        return global_batch_size
+    scaled, rem = divmod(global_batch_size * num_active, num_total)
+    if rem:
+        raise ValueError(f"global batch {global_batch_size} x {num_active}/{num_total} is not an integer")
+    return scaled
+
+
+def lr_scale(num_active: int, num_total: int, rule) -> float:
+    """Multiplier on the optimizer's updates under the ``scale`` policy (None: 1.0)."""
+    if rule is None:
+        return 1.0
+    frac = num_active / num_total
+    return frac if rule == "linear" else frac**0.5
+
+
+def is_snapshot_step(step: int, every: int) -> bool:
+    """Snapshots are taken after steps every-1, 2*every-1, ... (after every step when every=1)."""
+    return (step + 1) % every == 0
+
+
+# --------------------------------------------------------------------------- failures
+FAILURE_KINDS = ("actor_died", "unavailable", "slice_down", "hang", "task_error")
+
+
+@dataclasses.dataclass(frozen=True)
+class FailureVerdict:
+    """What a failure means for the world.
+
+    lost_slices leave the world (a host is dead or hung); crashed_slices lost a
+    process but their hosts are healthy, so they can host the next generation.
+    """
+
+    lost_slices: tuple[str, ...]
+    crashed_slices: tuple[str, ...]
+    recoverable: bool
+    reason: str
+
+
+def classify_failure(
+    errors: dict[str, str],
+    dead_slices: set[str],
+    world_slices: Sequence[str],
+    error_text: str = "",
+) -> FailureVerdict:
+    """Decide which slices are lost from per-slice error kinds and node health.
+
+    Args:
+        errors: slice name -> kind (one of FAILURE_KINDS) of the worst error seen on it.
+        dead_slices: slices with a host that Ray reports dead (or that was hung: SIGSTOPped
+            hosts stop answering and are marked dead the same way).
+        world_slices: the slices of the failed world.
+        error_text: the first error's text, for the reason.
+
+    A process that died while its node lives is collateral (for example killed when
+    the coordination process died): its slice is healthy. A ``task_error`` is user
+    code failing, not a slice: not recoverable by re-forming the world.
+    """
+    lost = tuple(s for s in world_slices if s in dead_slices)
+    crashed = tuple(s for s in world_slices if s in errors and s not in dead_slices)
+    user = [s for s, k in errors.items() if k == "task_error" and s not in dead_slices]
+    if user:
+        return FailureVerdict(lost, crashed, False, f"training code failed on slice {user[0]}: {error_text}")
+    if not errors and not lost:
+        return FailureVerdict((), (), False, "no failure to recover from")
+    what = f"lost slice(s) {', '.join(lost)}" if lost else f"process failure on {', '.join(crashed)}"
+    return FailureVerdict(lost, crashed, True, what)
+
+
+@dataclasses.dataclass(frozen=True)
+class NextWorld:
+    """The controller's next move after a failure: form a world, wait for capacity, or fail."""
+
+    action: str  # "form" | "wait" | "fail"
+    survivors: tuple[str, ...] = ()
+    replacements: int = 0  # ready replacement slices to add
+    reason: str = ""
+
+    @property
+    def size(self) -> int:
+        return len(self.survivors) + self.replacements
+
+
+def decide_next_world(
+    mode: str,
+    survivors: Sequence[str],
+    ready_replacements: int,
+    num_slices: int,
+    min_slices: int,
+    timed_out: bool = False,
+    fallback_to_resize: bool = False,
+) -> NextWorld:
+    """Which slices form the next world (survivors first, so replica order is stable)."""
+    survivors = tuple(survivors)
+    need = max(0, num_slices - len(survivors))
+    add = min(need, ready_replacements)
+    if len(survivors) + add >= num_slices:
+        return NextWorld("form", survivors[:num_slices], add, "full size")
+    can_resize = mode == "replica-resize" or (timed_out and fallback_to_resize)
+    if can_resize and len(survivors) + add >= min_slices:
+        return NextWorld("form", survivors, add, f"resize to {len(survivors) + add} of {num_slices} slices")
+    if mode == "pause-and-resume" and timed_out:
+        why = (f"only {len(survivors) + add} slice(s) available, fewer than min_slices={min_slices}"
+               if fallback_to_resize else "fallback_to_resize is off")
+        return NextWorld("fail", survivors, add, f"no replacement slice arrived in time and {why}")
+    return NextWorld("wait", survivors, add, f"{len(survivors) + add} of {num_slices} slices, need "
+                     f"{num_slices if mode == 'pause-and-resume' else min_slices}")
+
+
+def should_grow(mode: str, world_size: int, ready_replacements: int, num_slices: int) -> bool:
+    """Replica-resize grows back at a step boundary as soon as a slice is ready."""
+    return mode in ("replica-resize", "pause-and-resume") and world_size < num_slices and ready_replacements > 0
+
+
+def failures_exceeded(failure_times: Sequence[float], now: float, max_failures: int, window_s: float) -> bool:
+    """More than ``max_failures`` failures in the last ``window_s`` seconds."""
+    return sum(1 for t in failure_times if now - t <= window_s) > max_failures
+
+
+def watchdog_timeout(step_times: Sequence[float], factor: float, min_s: float) -> float:
+    """How long without a finished step before the world is suspected hung."""
+    recent = sorted(step_times[-50:])
+    if not recent:
+        return min_s
+    return max(min_s, factor * recent[len(recent) // 2])
+
+
+# --------------------------------------------------------------------------- restore source
+@dataclasses.dataclass(frozen=True)
+class RestorePlan:
+    """Where each slice of the next world loads its state from.
+
+    step: the state is the one after this step (-1: fresh initialisation).
+    donors: per new slice (plan order), the slice whose snapshot it loads (itself when it
+        has one: a zero-copy read from its own node).
+    """
+
+    step: int
+    donors: tuple[Optional[str], ...]
+
+
+def choose_restore(new_slices: Sequence[str], snapshot_steps: dict[str, int]) -> RestorePlan:
+    """Newest complete snapshot among living slices; each slice prefers its own copy."""
+    if not snapshot_steps:
+        return RestorePlan(-1, tuple(None for _ in new_slices))
+    best = max(snapshot_steps.values())
+    holders = [s for s, st in snapshot_steps.items() if st == best]
+    donors = tuple(s if snapshot_steps.get(s) == best else holders[0] for s in new_slices)
+    return RestorePlan(best, donors)

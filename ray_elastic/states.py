@@ -15,6 +15,9 @@ class ControllerState(enum.Enum):
     SCHEDULING = "scheduling"  # reserving slices with placement groups
     FORMING_WORLD = "forming_world"  # starting actors, jax.distributed, state, compile
     RUNNING = "running"  # driving chunks of steps
+    RECOVERING = "recovering"  # a slice or process failed: classify, tear down, choose the next world
+    WAITING_FOR_CAPACITY = "waiting_for_capacity"  # too few slices: waiting for replacements
+    RESIZING = "resizing"  # capacity returned: growing the world at a step boundary
     FINISHED = "finished"  # all requested steps done
     ERRORED = "errored"  # gave up; the error says why
 
@@ -23,13 +26,18 @@ class ControllerState(enum.Enum):
         return self in (ControllerState.FINISHED, ControllerState.ERRORED)
 
 
+S = ControllerState
 _ALLOWED: dict[ControllerState, set[ControllerState]] = {
-    ControllerState.INITIALIZING: {ControllerState.SCHEDULING},
-    ControllerState.SCHEDULING: {ControllerState.FORMING_WORLD},
-    ControllerState.FORMING_WORLD: {ControllerState.RUNNING},
-    ControllerState.RUNNING: {ControllerState.FINISHED},
-    ControllerState.FINISHED: set(),
-    ControllerState.ERRORED: set(),
+    S.INITIALIZING: {S.SCHEDULING},
+    S.SCHEDULING: {S.FORMING_WORLD},
+    # Forming can fail too (a second failure during recovery, a replacement dying on arrival).
+    S.FORMING_WORLD: {S.RUNNING, S.RECOVERING},
+    S.RUNNING: {S.FINISHED, S.RECOVERING, S.RESIZING},
+    S.RECOVERING: {S.FORMING_WORLD, S.WAITING_FOR_CAPACITY},
+    S.WAITING_FOR_CAPACITY: {S.FORMING_WORLD},
+    S.RESIZING: {S.FORMING_WORLD},
+    S.FINISHED: set(),
+    S.ERRORED: set(),
 }
 
 

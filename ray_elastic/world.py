@@ -1,8 +1,10 @@
-"""One generation of the JAX world: actors on reserved slices, joined and compiled.
+"""One generation of the JAX world: actors on reserved slices, joined, restored and compiled.
 
 Forming a world is one repeatable operation (:meth:`World.form`); the controller
 replaces whole generations and never patches a running one, because a JAX world
-cannot go on after a peer died mid-collective.
+cannot go on after a peer died mid-collective. :class:`WorkerPool` keeps warm
+standby processes on every reserved slice host so that forming the next
+generation does not wait for Python and JAX to start.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import ray
 
@@ -28,47 +30,104 @@ class FormationTimes:
 
     start_actors_s: float = 0.0
     jax_init_s: float = 0.0
-    state_init_s: float = 0.0
+    state_load_s: float = 0.0
     compile_s: float = 0.0
     total_s: float = 0.0
+    standbys_used: int = 0
+
+
+class WorkerPool:
+    """Slice actors for the next generation: standbys started ahead of need.
+
+    Actors take no Ray resources of their own: the slice's placement group holds
+    the host, and any number of processes can live in its bundle. On a real TPU
+    host only the promoted process touches the TPU (JAX opens devices at
+    ``jax.distributed.initialize``), so a standby does not compete for chips.
+    """
+
+    def __init__(self, task_ref: ray.ObjectRef, config: ElasticConfig):
+        self.task_ref = task_ref
+        self.config = config
+        self._standby: dict[tuple[int, int], tuple] = {}  # (id(reservation), host) -> (actor, prepare ref)
+
+    def _start(self, res: SliceReservation, host: int) -> tuple:
+        c = self.config
+        actor = SliceWorker.options(num_cpus=0, scheduling_strategy=res.host_strategy(host)).remote(
+            self.task_ref, c.seed, c.global_batch_size, c.compilation_cache_dir, c.fsdp_min_size,
+            c.snapshot_every, c.lr_rule is not None,
+        )
+        return actor, actor.prepare.remote()
+
+    def take(self, res: SliceReservation, host: int) -> tuple[tuple, bool]:
+        """An actor for (slice, host): the warm standby if there is one, else a new process."""
+        got = self._standby.pop((id(res), host), None)
+        return (got, True) if got is not None else (self._start(res, host), False)
+
+    def replenish(self, reservations: list[SliceReservation]) -> None:
+        """Start a standby for every host of these slices that has none."""
+        if not self.config.standby_workers:
+            return
+        for res in reservations:
+            for h in range(res.spec.num_hosts):
+                if (id(res), h) not in self._standby:
+                    self._standby[(id(res), h)] = self._start(res, h)
+
+    def discard(self, res: SliceReservation) -> None:
+        """The slice left: kill its standbys."""
+        for h in range(res.spec.num_hosts):
+            got = self._standby.pop((id(res), h), None)
+            if got is not None:
+                _kill(got[0])
+
+    def shutdown(self) -> None:
+        for actor, _ in self._standby.values():
+            _kill(actor)
+        self._standby.clear()
+
+
+def _kill(actor) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception as e:  # already gone
+        logger.debug("kill %s: %s", actor, e)
 
 
 class World:
     """The actors of one generation, in process-id order, and their plan."""
 
-    def __init__(self, plan: WorldPlan, workers: list, host_infos: list[dict], times: FormationTimes, join_infos: list[dict]):
+    def __init__(self, plan: WorldPlan, workers: list, host_infos: list[dict], times: FormationTimes,
+                 join_infos: list[dict], reservations: list[SliceReservation]):
         self.plan = plan
         self.workers = workers
         self.host_infos = host_infos
         self.times = times
         self.join_infos = join_infos
+        self.reservations = reservations  # plan order
 
     @classmethod
     def form(
         cls,
         generation: int,
         reservations: list[SliceReservation],
-        task_ref: ray.ObjectRef,
+        pool: WorkerPool,
         config: ElasticConfig,
         start_step: int,
-        global_batch_size: Optional[int] = None,
+        global_batch_size: int,
+        lr_scale: float = 1.0,
+        restore: Optional[Callable[[str], Optional[list]]] = None,
     ) -> "World":
-        """Start one actor per host of each slice, join them into one JAX world, compile."""
+        """Take one actor per host of each slice, join them into one JAX world, load state, compile.
+
+        Args:
+            restore: slice name -> per-host snapshot refs it loads (None: fresh parameters).
+        """
         spec = config.slice
         t0 = time.perf_counter()
-        actors, infos = [], []
-        for res in reservations:
-            slice_actors = [
-                SliceWorker.options(
-                    num_cpus=1,
-                    resources={"TPU": spec.chips_per_host},
-                    scheduling_strategy=res.host_strategy(h),
-                ).remote(task_ref, config.seed, config.compilation_cache_dir, config.fsdp_min_size)
-                for h in range(spec.num_hosts)
-            ]
-            actors.append(slice_actors)
+        taken = [[pool.take(res, h) for h in range(spec.num_hosts)] for res in reservations]
+        actors = [[a for (a, _), _ in sa] for sa in taken]
+        times = FormationTimes(standbys_used=sum(warm for sa in taken for _, warm in sa))
         try:
-            infos_nested = [ray.get([a.host_info.remote() for a in sa], timeout=config.jax_init_timeout_s) for sa in actors]
+            infos_nested = [ray.get([p for (_, p), _ in sa], timeout=config.jax_init_timeout_s) for sa in taken]
             # Order hosts inside a slice by TPU worker id: process ids follow the hardware.
             workers, host_infos = [], []
             for sa, si in zip(actors, infos_nested):
@@ -76,41 +135,49 @@ class World:
                 workers.append([sa[i] for i in order])
                 host_infos.append([si[i] for i in order])
             names = [hi[0]["slice_name"] or f"slice-{i}" for i, hi in enumerate(host_infos)]
+            for res, name in zip(reservations, names):
+                res.slice_name = name
             plan = plan_world(
-                generation, names, spec.num_hosts, spec.host_devices, global_batch_size or config.global_batch_size
+                generation, names, spec.num_hosts, spec.host_devices, global_batch_size,
+                data_stride=config.global_batch_size, lr_scale=lr_scale, snapshot_slices=config.snapshot_replicas,
             )
-            times = FormationTimes(start_actors_s=time.perf_counter() - t0)
+            times.start_actors_s = time.perf_counter() - t0
 
             coordinator = ray.get(workers[0][0].reserve_coordinator_port.remote(), timeout=config.jax_init_timeout_s)
-            joins = ray.get(
-                [
-                    w.join_world.remote(plan, s, h, coordinator, config.jax_init_timeout_s)
-                    for s, sw in enumerate(workers)
-                    for h, w in enumerate(sw)
-                ],
-                timeout=config.jax_init_timeout_s * 2,
-            )
+            joins = []
+            for s, sw in enumerate(workers):
+                refs = restore(names[s]) if restore is not None else None
+                for h, w in enumerate(sw):
+                    src = [refs[h]] if refs is not None else None
+                    joins.append(w.join_world.remote(plan, s, h, coordinator, config.jax_init_timeout_s, src))
+            joins = ray.get(joins, timeout=config.jax_init_timeout_s * 2)
             times.jax_init_s = max(j["init_s"] for j in joins)
-            times.state_init_s = max(j["state_s"] for j in joins)
+            times.state_load_s = max(j["snapshot_fetch_s"] + j["state_s"] for j in joins)
             flat = [w for sw in workers for w in sw]
             times.compile_s = max(ray.get([w.compile.remote(start_step) for w in flat], timeout=config.jax_init_timeout_s * 2))
             times.total_s = time.perf_counter() - t0
         except BaseException:
             for sa in actors:
                 for a in sa:
-                    ray.kill(a)
+                    _kill(a)
             raise
         logger.info("world %d formed in %.2fs: %s", generation, times.total_s, plan.mesh_shape)
-        return cls(plan, flat, [i for hi in host_infos for i in hi], times, joins)
+        return cls(plan, flat, [i for hi in host_infos for i in hi], times, joins, list(reservations))
 
-    def run_chunk(self, start_step: int, num_steps: int) -> list[ray.ObjectRef]:
-        """Start a chunk of steps on every process; returns one future per process."""
+    def slice_of(self, process_id: int) -> str:
+        return self.plan.slice_names[process_id // self.plan.hosts_per_slice]
+
+    def slice_node_ids(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for pid, info in enumerate(self.host_infos):
+            out.setdefault(self.slice_of(pid), []).append(info["node_id"])
+        return out
+
+    def run_chunk(self, start_step: int, num_steps: int) -> list:
+        """Start a chunk of steps on every process; one streaming generator per process."""
         return [w.run_chunk.remote(start_step, num_steps) for w in self.workers]
 
     def teardown(self) -> None:
         """Stop every process of this generation (SIGKILL: a hung JAX worker ignores SIGTERM)."""
         for w in self.workers:
-            try:
-                ray.kill(w, no_restart=True)
-            except Exception as e:
-                logger.debug("kill %s: %s", w, e)
+            _kill(w)

@@ -1,0 +1,62 @@
+"""Failure detection: what an error means, which nodes are dead, which processes are hung.
+
+The Ray-side evidence the pure :func:`ray_elastic.plan.classify_failure` decides on.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from ray_elastic.errors import SliceDownError
+
+
+def error_kind(exc: BaseException) -> str:
+    """Map an exception from a slice actor to one of ``plan.FAILURE_KINDS``."""
+    if isinstance(exc, ray.exceptions.ActorUnavailableError):
+        return "unavailable"  # maybe dead: the node check decides
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return "actor_died"
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        cause = exc.cause if hasattr(exc, "cause") else None
+        if isinstance(cause, SliceDownError) or isinstance(exc, SliceDownError):
+            return "slice_down"
+        return "task_error"
+    if isinstance(exc, (ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError)):
+        return "actor_died"
+    return "task_error"
+
+
+def alive_nodes() -> set[str]:
+    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+
+def dead_slices(slice_nodes: dict[str, list[str]], suspects: set[str], grace_s: float, poll_s: float = 0.05) -> set[str]:
+    """Slices with a dead host.
+
+    A suspect slice (one whose process failed) whose hosts all still look alive is
+    watched for ``grace_s``: when a host is killed its processes die first and Ray
+    marks the node dead a health-check period later.
+    """
+    deadline = time.monotonic() + grace_s
+    while True:
+        alive = alive_nodes()
+        dead = {s for s, nodes in slice_nodes.items() if any(n not in alive for n in nodes)}
+        if suspects <= dead or time.monotonic() >= deadline:
+            return dead
+        time.sleep(poll_s)
+
+
+def unresponsive(workers: list, timeout_s: float) -> set[int]:
+    """Indices of workers that do not answer a health probe (their own concurrency group) in time."""
+    refs = {w.probe.remote(): i for i, w in enumerate(workers)}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    answered = set()
+    for r in ready:
+        try:
+            ray.get(r)
+            answered.add(refs[r])
+        except Exception:
+            pass
+    return set(range(len(workers))) - answered

@@ -1,0 +1,55 @@
+"""Which in-memory snapshots exist, per slice and step (driver-side bookkeeping).
+
+A snapshot is the state of one process after a step, returned by that slice's
+actor as a streaming-generator item: the object lives in the object store of the
+slice's own node and is owned by the driver, so it outlives the actor process
+and dies only with the node. A slice's snapshot of a step is *complete* when
+every host of the slice has delivered its part.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SnapshotStore:
+    """Object refs of snapshots, keyed by slice, step and host; keeps the newest few steps."""
+
+    def __init__(self, hosts_per_slice: int, keep_steps: int = 2):
+        self.hosts_per_slice = hosts_per_slice
+        self.keep_steps = keep_steps
+        self._refs: dict[str, dict[int, dict[int, Any]]] = {}
+
+    def add(self, slice_name: str, host: int, step: int, ref: Any) -> None:
+        steps = self._refs.setdefault(slice_name, {})
+        steps.setdefault(step, {})[host] = ref
+        # Drop old steps (their objects are freed when the last ref goes).
+        complete = sorted(s for s, h in steps.items() if len(h) == self.hosts_per_slice)
+        if len(complete) >= self.keep_steps:
+            cutoff = complete[-self.keep_steps]
+            for s in [s for s in steps if s < cutoff]:
+                del steps[s]
+
+    def latest_complete(self, slices) -> dict[str, int]:
+        """slice -> newest step with all hosts present, for the given slices that have one."""
+        out = {}
+        for name in slices:
+            done = [s for s, h in self._refs.get(name, {}).items() if len(h) == self.hosts_per_slice]
+            if done:
+                out[name] = max(done)
+        return out
+
+    def refs(self, slice_name: str, step: int) -> list:
+        """Per-host refs of a complete snapshot, host order."""
+        hosts = self._refs[slice_name][step]
+        return [hosts[h] for h in range(self.hosts_per_slice)]
+
+    def slices(self) -> list[str]:
+        return list(self._refs)
+
+    def forget(self, slice_name: str) -> None:
+        """The slice's node is gone: so are its objects."""
+        self._refs.pop(slice_name, None)
+
+    def clear(self) -> None:
+        self._refs.clear()

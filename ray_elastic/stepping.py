@@ -1,0 +1,128 @@
+"""Driving one world: chunks of steps in flight, streamed metrics and snapshots back.
+
+Each process runs chunks as Ray streaming generators. Snapshot-keeping processes
+stream, for every step, the snapshot (when due) and the step's metrics; the others
+return their chunk's metrics at its end. Two chunks are kept queued, so workers
+never wait on the driver. The loop ends when the steps are done, a process fails,
+the watchdog sees no progress, or (on request) at a chunk boundary to grow.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable
+
+import ray
+
+from ray_elastic.config import ElasticConfig
+from ray_elastic.plan import is_snapshot_step, watchdog_timeout
+from ray_elastic.snapshots import SnapshotStore
+from ray_elastic.world import World
+
+CHUNKS_IN_FLIGHT = 2
+POLL_S = 0.25
+
+
+@dataclasses.dataclass
+class RunOutcome:
+    """Why driving a world stopped."""
+
+    kind: str  # "done" | "failure" | "hang" | "grow"
+    errors: dict[int, BaseException] = dataclasses.field(default_factory=dict)  # process id -> error
+    detected_at: float = 0.0  # wall clock
+    last_progress_at: float = 0.0  # wall clock of the last finished step
+
+
+@dataclasses.dataclass
+class _Stream:
+    gen: object
+    cursor: int  # the step whose items come next
+    snapshot_taken: bool = False
+
+
+class StepStreams:
+    """Runs steps on ``world`` and feeds ``store`` and ``on_metrics``."""
+
+    def __init__(self, world: World, config: ElasticConfig, store: SnapshotStore,
+                 on_metrics: Callable[[dict], None], step_times: list[float]):
+        self.world = world
+        self.config = config
+        self.store = store
+        self.on_metrics = on_metrics
+        self.step_times = step_times
+        n = len(world.workers)
+        self.queues: list[collections.deque] = [collections.deque() for _ in range(n)]
+        self.streaming = [world.plan.takes_snapshots(p) for p in range(n)]
+
+    def run(self, start_step: int, end_step: int, grow_requested: Callable[[], bool]) -> RunOutcome:
+        submitted = start_step
+        draining = False
+        last_progress = time.monotonic()
+        last_progress_wall = time.time()
+        while True:
+            if not draining and grow_requested():
+                draining = True  # finish what is queued, then stop at that step boundary
+            while not draining and submitted < end_step and max(map(len, self.queues)) < CHUNKS_IN_FLIGHT:
+                n = min(self.config.steps_per_chunk, end_step - submitted)
+                for p, gen in enumerate(self.world.run_chunk(submitted, n)):
+                    self.queues[p].append(_Stream(gen, submitted))
+                submitted += n
+            heads = {q[0].gen: p for p, q in enumerate(self.queues) if q}
+            if not heads:
+                return RunOutcome("grow" if draining and submitted < end_step else "done")
+            limit = watchdog_timeout(self.step_times, self.config.hang_timeout_factor, self.config.hang_timeout_min_s)
+            ready, _ = ray.wait(list(heads), num_returns=1, timeout=POLL_S)
+            for gen in ready:
+                p = heads[gen]
+                try:
+                    progressed = self._consume(p)
+                except Exception as e:  # noqa: BLE001 - any error of a slice process is an event
+                    return RunOutcome("failure", {p: e}, time.time(), last_progress_wall)
+                if progressed:
+                    last_progress, last_progress_wall = time.monotonic(), time.time()
+            if time.monotonic() - last_progress > limit:
+                return RunOutcome("hang", {}, time.time(), last_progress_wall)
+
+    def _consume(self, p: int) -> bool:
+        """Take one item of process ``p``'s current stream; True when process 0 finished a step."""
+        s = self.queues[p][0]
+        try:
+            ref = next(s.gen)
+        except StopIteration:
+            self.queues[p].popleft()
+            return False
+        if not self.streaming[p]:
+            ray.get(ref)  # the chunk's metrics; raises the process's error
+            return False
+        plan = self.world.plan
+        if is_snapshot_step(s.cursor, self.config.snapshot_every) and not s.snapshot_taken:
+            # A driver-owned ref to an object in this slice's own node's object store.
+            self.store.add(self.world.slice_of(p), p % plan.hosts_per_slice, s.cursor, ref)
+            s.snapshot_taken = True
+            return False
+        metrics = ray.get(ref)
+        s.cursor += 1
+        s.snapshot_taken = False
+        if p == 0:
+            self.on_metrics(metrics)
+            return True
+        return False
+
+    def drain(self, timeout_s: float, errors: dict[int, BaseException]) -> None:
+        """After a failure, collect what surviving processes already streamed (their last snapshots)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            heads = {q[0].gen: p for p, q in enumerate(self.queues) if q and p not in errors}
+            if not heads:
+                return
+            ready, _ = ray.wait(list(heads), num_returns=len(heads), timeout=max(0.0, min(0.05, deadline - time.monotonic())))
+            if not ready:
+                return
+            for gen in ready:
+                p = heads[gen]
+                try:
+                    self._consume(p)
+                except Exception as e:  # noqa: BLE001
+                    errors[p] = e
