@@ -225,11 +225,13 @@ class ElasticTrainer:
         batch = planner.batch_for_world(n, cfg.num_slices, cfg.global_batch_size, cfg.batch_policy)
         snap_steps = {s: st for s, st in self._store.latest_complete(self._store.slices()).items() if st == restore_step}
 
+        donors: dict[str, str] = {}
+
         def restore(name: str):
             if restore_step < 0:
                 return None
-            donor = planner.choose_restore([name], snap_steps).donors[0]
-            return self._store.refs(donor, restore_step)
+            donors[name] = planner.choose_restore([name], snap_steps).donors[0]
+            return self._store.refs(donors[name], restore_step)
 
         world = World.form(generation, self._members, self._pool, cfg, start_step=restore_step + 1,
                            global_batch_size=batch, lr_scale=planner.lr_scale(n, cfg.num_slices, cfg.lr_rule),
@@ -238,7 +240,8 @@ class ElasticTrainer:
                             "mesh": world.plan.mesh_shape, "global_batch_size": batch,
                             "times": dataclasses.asdict(world.times), "start_step": restore_step + 1})
         self._event("world_formed", generation=generation, slices=list(world.plan.slice_names),
-                    mesh=world.plan.mesh_shape, global_batch_size=batch, **dataclasses.asdict(world.times))
+                    mesh=world.plan.mesh_shape, global_batch_size=batch, restored_from_step=restore_step,
+                    snapshot_donors=donors, **dataclasses.asdict(world.times))
         self._pool.replenish(self._members)
         return world
 

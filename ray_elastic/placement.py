@@ -33,6 +33,8 @@ class SliceReservation:
         )
         self.placement_group = self._handle.placement_group
         self.slice_name: Optional[str] = None  # learnt from the hosts when a world forms on it
+        self._ready_ref: Optional[ray.ObjectRef] = None
+        self._is_ready = False
 
     def node_ids(self) -> list[str]:
         """Nodes its bundles are placed on (empty while pending)."""
@@ -40,14 +42,20 @@ class SliceReservation:
         return [n for n in table.get("bundles_to_node_id", {}).values() if n]
 
     def ready(self) -> ray.ObjectRef:
-        return self.placement_group.ready()
+        """One ref that resolves when every bundle is placed (made once: each call of
+        ``PlacementGroup.ready()`` schedules a new probe task)."""
+        if self._ready_ref is None:
+            self._ready_ref = self.placement_group.ready()
+        return self._ready_ref
 
     def wait(self, timeout_s: float) -> bool:
-        ready, _ = ray.wait([self.ready()], timeout=timeout_s)
-        if ready:
-            # The worker group now holds the hosts; the head marker is no longer needed.
-            self._handle.release_head_pgs()
-        return bool(ready)
+        if not self._is_ready:
+            ready, _ = ray.wait([self.ready()], timeout=timeout_s)
+            if ready:
+                # The worker group now holds the hosts; the head marker is no longer needed.
+                self._handle.release_head_pgs()
+                self._is_ready = True
+        return self._is_ready
 
     def host_strategy(self, host_index: int) -> PlacementGroupSchedulingStrategy:
         """Schedule onto bundle ``host_index`` of this slice."""

@@ -39,7 +39,7 @@ class RunOutcome:
 class _Stream:
     gen: object
     cursor: int  # the step whose items come next
-    snapshot_taken: bool = False
+    snapshot: object = None  # this step's snapshot ref, until the step's metrics confirm it
 
 
 class StepStreams:
@@ -97,14 +97,16 @@ class StepStreams:
             ray.get(ref)  # the chunk's metrics; raises the process's error
             return False
         plan = self.world.plan
-        if is_snapshot_step(s.cursor, self.config.snapshot_every) and not s.snapshot_taken:
-            # A driver-owned ref to an object in this slice's own node's object store.
-            self.store.add(self.world.slice_of(p), p % plan.hosts_per_slice, s.cursor, ref)
-            s.snapshot_taken = True
+        if is_snapshot_step(s.cursor, self.config.snapshot_every) and s.snapshot is None:
+            # A driver-owned ref to an object in this slice's own node's object store. It is
+            # only trusted once the step's metrics arrive: an item of a dying actor is an error.
+            s.snapshot = ref
             return False
         metrics = ray.get(ref)
+        if s.snapshot is not None:
+            self.store.add(self.world.slice_of(p), p % plan.hosts_per_slice, s.cursor, s.snapshot)
+            s.snapshot = None
         s.cursor += 1
-        s.snapshot_taken = False
         if p == 0:
             self.on_metrics(metrics)
             return True

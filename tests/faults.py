@@ -1,0 +1,70 @@
+"""Fault injection for recovery tests: real kills, hangs and removals on the simulated cluster."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+
+
+def ensure_slices(cluster, n: int) -> None:
+    """Exactly ``n`` live, running slices (add new ones; kill surplus and hung ones)."""
+    for sl in cluster.alive_slices()[n:]:
+        cluster.kill_slice(sl.name)
+    while len(cluster.alive_slices()) < n:
+        cluster.add_slice()
+
+
+def in_thread(fn, *args, delay: float = 0.0) -> threading.Thread:
+    """Run a fault off the driver's thread (the controller keeps running meanwhile)."""
+
+    def run():
+        if delay:
+            time.sleep(delay)
+        fn(*args)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+class FaultPlan:
+    """Calls ``faults[step](trainer)`` once, when step ``step`` has finished (from ``on_chunk``)."""
+
+    def __init__(self, faults: dict):
+        self.faults = dict(faults)
+        self.trainer = None
+        self.fired: list[tuple[int, float]] = []
+
+    def on_chunk(self, metrics: list[dict]) -> None:
+        for m in metrics:
+            fault = self.faults.pop(m["step"], None)
+            if fault is not None:
+                self.fired.append((m["step"], time.time()))
+                fault(self.trainer)
+
+
+def kill_process_of_slice(trainer, slice_index: int) -> None:
+    """SIGKILL the JAX process (only) of a slice of the current world: its host stays up."""
+    pid = trainer.world.host_infos[slice_index * trainer.world.plan.hosts_per_slice]["pid"]
+    os.kill(pid, signal.SIGKILL)
+
+
+def stop_process_of_slice(trainer, slice_index: int) -> int:
+    """SIGSTOP the JAX process (only) of a slice: a hung process on a healthy host."""
+    pid = trainer.world.host_infos[slice_index * trainer.world.plan.hosts_per_slice]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
+def slice_name(trainer, slice_index: int) -> str:
+    return trainer.world.plan.slice_names[slice_index]
+
+
+def max_rel_err(a, b) -> float:
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.max(np.abs(a - b) / np.abs(b)))

@@ -1,0 +1,231 @@
+"""Slice loss as a recoverable event: real kills, removals and hangs on the simulated cluster.
+
+Every case must finish every requested step with 0 steps rewound, and its per-step
+losses must equal the failure-free run's: within 1e-6 when the world comes back to
+the same shape, within 1e-4 after a resize (constant batch policy).
+"""
+
+import dataclasses
+import os
+import signal
+import time
+
+import pytest
+
+from ray_elastic import ElasticConfig, ElasticRuntimeError, ElasticTrainer
+from ray_elastic.examples.digits_mlp import DigitsMLPTask
+
+from faults import (FaultPlan, ensure_slices, in_thread, kill_process_of_slice, max_rel_err, slice_name,
+                    stop_process_of_slice)
+
+SIM_CLUSTER = {"num_slices": 3}
+STEPS = 60
+SAME_SHAPE, RESIZED = 1e-6, 1e-4
+
+
+def config(cluster, **kw) -> ElasticConfig:
+    base = dict(num_slices=3, global_batch_size=48, slice=cluster.slice_spec, steps_per_chunk=10, seed=0,
+                hang_timeout_min_s=3.0)
+    return ElasticConfig(**{**base, **kw})
+
+
+@pytest.fixture
+def cluster(sim_cluster):
+    ensure_slices(sim_cluster, 3)
+    yield sim_cluster
+
+
+@pytest.fixture(scope="module")
+def baseline(sim_cluster):
+    """The failure-free run every recovery is compared with."""
+    ensure_slices(sim_cluster, 3)
+    result = ElasticTrainer(DigitsMLPTask(), config(sim_cluster), progress=False).fit(STEPS)
+    assert result.summary["recoveries"] == 0
+    return result.losses
+
+
+def run(cluster, faults: dict, **cfg_kw):
+    plan = FaultPlan(faults)
+    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster, **cfg_kw), progress=False, on_chunk=plan.on_chunk)
+    plan.trainer = trainer
+    result = trainer.fit(STEPS)
+    assert not plan.faults, f"faults never fired: {plan.faults}"
+    assert result.steps == list(range(STEPS))
+    assert result.summary["steps_rewound"] == 0, result.recoveries
+    return trainer, result
+
+
+def test_process_sigkilled_mid_step(cluster, baseline):
+    trainer, result = run(cluster, {20: lambda t: kill_process_of_slice(t, 1)})
+    (rec,) = result.recoveries
+    # The host is healthy: the same three slices form the next world.
+    assert rec["slices"] == 3 and rec["added_slices"] == 0
+    failure = next(e for e in result.events if e["kind"] == "failure")
+    assert failure["lost_slices"] == [] and failure["crashed_slices"]
+    assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
+
+
+def test_slice_node_removed_replica_resize(cluster, baseline):
+    trainer, result = run(cluster, {20: lambda t: in_thread(cluster.kill_slice, slice_name(t, 1))})
+    (rec,) = result.recoveries
+    assert rec["slices"] == 2 and rec["restored_from_step"] >= 20
+    assert result.summary["mesh"] == {"replica": 2, "fsdp": 2}
+    failure = next(e for e in result.events if e["kind"] == "failure")
+    assert len(failure["lost_slices"]) == 1
+    assert max_rel_err(result.losses, baseline) <= RESIZED
+
+
+def test_slice_hung_by_sigstop(cluster, baseline):
+    trainer, result = run(cluster, {20: lambda t: cluster.hang_slice(slice_name(t, 2))})
+    (rec,) = result.recoveries
+    assert rec["slices"] == 2
+    assert max_rel_err(result.losses, baseline) <= RESIZED
+
+
+def test_hung_process_found_by_watchdog_and_probe(cluster, baseline):
+    # Only the JAX process is stopped; Ray sees a healthy node. The watchdog and the
+    # health probe (its own concurrency group) must find it.
+    trainer, result = run(cluster, {20: lambda t: stop_process_of_slice(t, 1)}, hang_timeout_min_s=2.0)
+    failure = next(e for e in result.events if e["kind"] == "failure")
+    assert failure["cause"] == "hang"
+    assert list(failure["kinds"].values()) == ["hang"]
+    (rec,) = result.recoveries
+    assert rec["slices"] == 3
+    assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
+
+
+def test_two_slices_lost_at_once(cluster, baseline):
+    def kill_two(t):
+        names = [slice_name(t, 0), slice_name(t, 2)]  # slice 1 keeps a snapshot
+        in_thread(lambda: [cluster.kill_slice(n) for n in names])
+
+    trainer, result = run(cluster, {25: kill_two})
+    assert result.summary["slices"] == 1
+    assert sum(len(e["lost_slices"]) for e in result.events if e["kind"] == "failure") == 2
+    assert max_rel_err(result.losses, baseline) <= RESIZED
+
+
+def test_second_failure_during_recovery(cluster, baseline):
+    second = {}
+
+    def on_event(event):
+        if event["kind"] == "failure" and not second:
+            victim = next(s for s in event.get("crashed_slices", []) + [sl.name for sl in cluster.alive_slices()]
+                          if s not in event["lost_slices"])
+            second["name"] = victim
+            in_thread(cluster.kill_slice, victim, delay=0.3)
+
+    plan = FaultPlan({20: lambda t: in_thread(cluster.kill_slice, slice_name(t, 1))})
+    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster), progress=False, on_chunk=plan.on_chunk,
+                             on_elastic_event_callback=on_event)
+    plan.trainer = trainer
+    result = trainer.fit(STEPS)
+    assert result.steps == list(range(STEPS))
+    assert result.summary["steps_rewound"] == 0
+    assert result.summary["slices"] == 1
+    assert len([e for e in result.events if e["kind"] == "failure"]) >= 2
+    assert max_rel_err(result.losses, baseline) <= RESIZED
+
+
+def test_pause_and_resume_with_provisioning_delay(cluster, baseline):
+    prov = cluster.provisioner(delay_s=2.0)
+    try:
+        trainer, result = run(cluster, {20: lambda t: in_thread(cluster.kill_slice, slice_name(t, 1))},
+                              mode="pause-and-resume")
+    finally:
+        prov.stop()
+    (rec,) = result.recoveries
+    assert rec["slices"] == 3 and rec["added_slices"] == 1
+    assert rec["wait_for_capacity_s"] >= 1.5
+    assert len(prov.added) == 1
+    assert result.summary["mesh"] == {"replica": 3, "fsdp": 2}
+    assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
+
+
+def test_replacement_dying_on_arrival(cluster, baseline):
+    prov = cluster.provisioner(delay_s=1.0)
+    seen = set(s.name for s in cluster.slices)
+    killed = []
+
+    def kill_first_arrival():
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            new = [s for s in cluster.slices if s.name not in seen]
+            if new:
+                time.sleep(0.3)  # the controller is forming a world on it now
+                cluster.kill_slice(new[0].name)
+                killed.append(new[0].name)
+                return
+            time.sleep(0.05)
+
+    try:
+        trainer, result = run(cluster, {20: lambda t: (in_thread(cluster.kill_slice, slice_name(t, 1)),
+                                                       in_thread(kill_first_arrival))},
+                              mode="pause-and-resume")
+    finally:
+        prov.stop()
+    assert killed and len(prov.added) >= 2
+    assert result.summary["slices"] == 3
+    assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
+
+
+def test_replica_resize_to_min_then_grow_back(cluster, baseline):
+    prov = cluster.provisioner(delay_s=3.0)
+    try:
+        trainer, result = run(cluster, {15: lambda t: in_thread(cluster.kill_slice, slice_name(t, 2))},
+                              min_slices=2)
+    finally:
+        prov.stop()
+    (rec,) = result.recoveries
+    assert rec["slices"] == 2
+    ups = [e for e in result.events if e["kind"] == "scale_up"]
+    assert len(ups) == 1 and ups[0]["to_slices"] == 3 and ups[0]["steps_rewound"] == 0
+    assert [w["mesh"]["replica"] for w in trainer.worlds] == [3, 2, 3]
+    assert max_rel_err(result.losses, baseline) <= RESIZED
+
+
+def test_pause_and_resume_timeout_fails_clearly(cluster):
+    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster, mode="pause-and-resume", replacement_timeout_s=2.0),
+                             progress=False)
+    plan = FaultPlan({10: lambda t: in_thread(cluster.kill_slice, slice_name(t, 0))})
+    trainer.on_chunk = plan.on_chunk
+    plan.trainer = trainer
+    with pytest.raises(ElasticRuntimeError, match="no replacement slice arrived in time.*fallback_to_resize"):
+        trainer.fit(STEPS)
+    assert trainer.state.value == "errored"
+
+
+def test_pause_and_resume_timeout_falls_back_to_resize(cluster, baseline):
+    trainer, result = run(cluster, {20: lambda t: in_thread(cluster.kill_slice, slice_name(t, 0))},
+                          mode="pause-and-resume", replacement_timeout_s=2.0, fallback_to_resize=True)
+    (rec,) = result.recoveries
+    assert rec["slices"] == 2 and rec["wait_for_capacity_s"] >= 2.0
+    assert max_rel_err(result.losses, baseline) <= RESIZED
+
+
+def test_user_code_error_is_not_retried(cluster):
+    @dataclasses.dataclass
+    class Exploding(DigitsMLPTask):
+        def loss(self, model, batch):
+            raise ValueError("bug in the loss")
+
+    with pytest.raises(ElasticRuntimeError, match="bug in the loss"):
+        ElasticTrainer(Exploding(), config(cluster), progress=False).fit(5)
+
+
+def test_retry_policy_and_callbacks(cluster):
+    calls = {"pre": 0, "events": [], "policy": []}
+
+    def policy(attempt, error):
+        calls["policy"].append(attempt)
+        return False
+
+    plan = FaultPlan({10: lambda t: kill_process_of_slice(t, 0)})
+    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster), progress=False, on_chunk=plan.on_chunk,
+                             retry_policy=policy, pre_callback=lambda: calls.__setitem__("pre", calls["pre"] + 1),
+                             on_elastic_event_callback=calls["events"].append)
+    plan.trainer = trainer
+    with pytest.raises(ElasticRuntimeError, match="retry_policy declined attempt 1"):
+        trainer.fit(STEPS)
+    assert calls["policy"] == [1] and calls["pre"] == 0
+    assert [e["kind"] for e in calls["events"]] == ["failure"]
