@@ -301,9 +301,11 @@ class ElasticTrainer:
             else:
                 survivors.append((name, res))
         teardown_s = time.perf_counter() - t0
-        return self._reform(survivors, t_detect, last_progress_at, teardown_s, verdict.reason)
+        return self._reform(survivors, t_detect, last_progress_at, teardown_s, verdict.reason,
+                            classify_s=t_classified - t_detect)
 
-    def _reform(self, survivors: list, t_detect: float, last_progress_at: float, teardown_s: float, reason: str) -> int:
+    def _reform(self, survivors: list, t_detect: float, last_progress_at: float, teardown_s: float, reason: str,
+                classify_s: float = 0.0) -> int:
         """Wait for capacity if needed, then form the next generation and load the newest snapshot."""
         cfg = self.config
         t_wait0 = time.perf_counter()
@@ -327,6 +329,7 @@ class ElasticTrainer:
                 continue
             break
         wait_s = time.perf_counter() - t_wait0 if waited else 0.0
+        capacity_ready_at = time.time()
         added = []
         for req in ready[: decision.replacements]:
             self._replacements.remove(req)
@@ -357,6 +360,7 @@ class ElasticTrainer:
             "restored_from_step": restore.step,
             "steps_rewound": rewound,
             "since_last_progress_s": t_detect - last_progress_at,
+            "classify_s": classify_s,
             "teardown_s": teardown_s,
             "wait_for_capacity_s": wait_s,
             "world_formation_s": times.start_actors_s + times.jax_init_s,
@@ -364,6 +368,7 @@ class ElasticTrainer:
             "compile_s": times.compile_s,
             "recovery_s": time.time() - t_detect,
             "detected_at": t_detect,
+            "capacity_ready_at": capacity_ready_at,
             "ready_at": time.time(),
         }
         self.recoveries.append(record)

@@ -245,6 +245,16 @@ class SimulatedTPUCluster:
         sl.alive = False
         logger.info("simulated slice %s killed", name)
 
+    def reap_dead_slices(self) -> list[str]:
+        """Kill and remove slices that Ray has declared dead (for example hung ones); returns their names."""
+        import ray
+
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        dead = [s.name for s in self.alive_slices() if any(nid not in alive for nid in s.node_ids)]
+        for name in dead:
+            self.kill_slice(name)
+        return dead
+
     def hang_slice(self, name: str) -> None:
         """A hung slice: SIGSTOP its hosts' processes (raylet and workers)."""
         self._signal_slice(name, signal.SIGSTOP)

@@ -12,6 +12,7 @@ import numpy as np
 
 def ensure_slices(cluster, n: int) -> None:
     """Exactly ``n`` live, running slices (add new ones; kill surplus and hung ones)."""
+    cluster.reap_dead_slices()
     for sl in cluster.alive_slices()[n:]:
         cluster.kill_slice(sl.name)
     while len(cluster.alive_slices()) < n:

@@ -25,7 +25,7 @@ SAME_SHAPE, RESIZED = 1e-6, 1e-4
 
 def config(cluster, **kw) -> ElasticConfig:
     base = dict(num_slices=3, global_batch_size=48, slice=cluster.slice_spec, steps_per_chunk=10, seed=0,
-                hang_timeout_min_s=3.0)
+                hang_timeout_min_s=3.0, slice_timeout_s=60.0, replacement_timeout_s=90.0)
     return ElasticConfig(**{**base, **kw})
 
 
