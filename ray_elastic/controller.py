@@ -176,7 +176,8 @@ class ElasticTrainer:
             if not self.state.is_terminal:
                 self._enter(S.ERRORED)
             self._event("errored", state=failed_in, error=repr(e))
-            if isinstance(e, (ValueError, KeyboardInterrupt, ElasticRuntimeError)):
+            ours = isinstance(e, (ValueError, KeyboardInterrupt)) and not isinstance(e, ray.exceptions.RayError)
+            if ours or isinstance(e, ElasticRuntimeError):
                 raise
             raise ElasticRuntimeError(f"training stopped in state {failed_in}: {e}") from e
         finally:

@@ -20,6 +20,7 @@ from faults import (FaultPlan, ensure_slices, in_thread, kill_process_of_slice, 
 
 SIM_CLUSTER = {"num_slices": 3}
 STEPS = 60
+LONG_STEPS = 300
 SAME_SHAPE, RESIZED = 1e-6, 1e-4
 
 
@@ -44,13 +45,20 @@ def baseline(sim_cluster):
     return result.losses
 
 
-def run(cluster, faults: dict, **cfg_kw):
+@pytest.fixture(scope="module")
+def baseline_long(sim_cluster):
+    """A longer failure-free run, for cases that must outlast a slice's provisioning."""
+    ensure_slices(sim_cluster, 3)
+    return ElasticTrainer(DigitsMLPTask(), config(sim_cluster), progress=False).fit(LONG_STEPS).losses
+
+
+def run(cluster, faults: dict, steps: int = STEPS, **cfg_kw):
     plan = FaultPlan(faults)
     trainer = ElasticTrainer(DigitsMLPTask(), config(cluster, **cfg_kw), progress=False, on_chunk=plan.on_chunk)
     plan.trainer = trainer
-    result = trainer.fit(STEPS)
+    result = trainer.fit(steps)
     assert not plan.faults, f"faults never fired: {plan.faults}"
-    assert result.steps == list(range(STEPS))
+    assert result.steps == list(range(steps))
     assert result.summary["steps_rewound"] == 0, result.recoveries
     return trainer, result
 
@@ -169,11 +177,11 @@ def test_replacement_dying_on_arrival(cluster, baseline):
     assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
 
 
-def test_replica_resize_to_min_then_grow_back(cluster, baseline):
-    prov = cluster.provisioner(delay_s=3.0)
+def test_replica_resize_to_min_then_grow_back(cluster, baseline_long):
+    prov = cluster.provisioner(delay_s=1.0)
     try:
         trainer, result = run(cluster, {15: lambda t: in_thread(cluster.kill_slice, slice_name(t, 2))},
-                              min_slices=2)
+                              steps=LONG_STEPS, min_slices=2)
     finally:
         prov.stop()
     (rec,) = result.recoveries
@@ -181,7 +189,7 @@ def test_replica_resize_to_min_then_grow_back(cluster, baseline):
     ups = [e for e in result.events if e["kind"] == "scale_up"]
     assert len(ups) == 1 and ups[0]["to_slices"] == 3 and ups[0]["steps_rewound"] == 0
     assert [w["mesh"]["replica"] for w in trainer.worlds] == [3, 2, 3]
-    assert max_rel_err(result.losses, baseline) <= RESIZED
+    assert max_rel_err(result.losses, baseline_long) <= RESIZED
 
 
 def test_pause_and_resume_timeout_fails_clearly(cluster):
@@ -229,3 +237,36 @@ def test_retry_policy_and_callbacks(cluster):
         trainer.fit(STEPS)
     assert calls["policy"] == [1] and calls["pre"] == 0
     assert [e["kind"] for e in calls["events"]] == ["failure"]
+
+
+def test_random_faults(cluster, baseline_long):
+    """10 faults of random kinds at random steps, one after another, with slices replaced."""
+    import random
+
+    rng = random.Random(7)
+    kinds = ["process_kill", "node_kill", "host_hang", "process_hang"]
+    steps = sorted(rng.sample(range(10, LONG_STEPS - 20, 12), 10))
+    chosen = [rng.choice(kinds) for _ in steps]
+
+    def fault(kind):
+        def fire(t):
+            i = rng.randrange(t.world.plan.num_slices)
+            if kind == "process_kill":
+                kill_process_of_slice(t, i)
+            elif kind == "process_hang":
+                stop_process_of_slice(t, i)
+            elif kind == "node_kill":
+                in_thread(cluster.kill_slice, slice_name(t, i))
+            else:
+                cluster.hang_slice(slice_name(t, i))
+        return fire
+
+    prov = cluster.provisioner(delay_s=0.5)
+    try:
+        trainer, result = run(cluster, {s: fault(k) for s, k in zip(steps, chosen)}, steps=LONG_STEPS,
+                              hang_timeout_min_s=2.0)
+    finally:
+        prov.stop()
+    assert result.summary["failures"] >= 10, (chosen, result.summary)
+    assert len(result.recoveries) >= 10
+    assert max_rel_err(result.losses, baseline_long) <= RESIZED
