@@ -81,29 +81,52 @@ def _print_summary(result, as_json: bool) -> None:
 
 
 def _fit(task, config, args, address=None):
-    if args.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {args.steps}")
     result = ElasticTrainer(task, config, address=address, progress=not args.no_progress).fit(args.steps)
     _print_summary(result, args.json)
     return result
 
 
 def cmd_demo(args) -> int:
+    import threading
+    import time
+
     from ray_elastic.sim import SimulatedTPUCluster
 
     spec = SliceSpec.for_hosts(args.accelerator, args.hosts_per_slice, args.devices_per_host)
     task = load_task(args.task)
     config = _config(args, spec)  # validated before the cluster starts
+    kill_at = args.steps // 2 if args.kill_at is None else args.kill_at
+    if kill_at >= args.steps:
+        raise ValueError(f"--kill-at {kill_at} must be below --steps {args.steps} (or -1 for no kill)")
     print(f"starting a simulated cluster: {args.num_slices} x {spec.pod_type} slice(s), "
-          f"{spec.num_hosts} host(s) each, {spec.host_devices} JAX CPU device(s) per host")
+          f"{spec.num_hosts} host(s) each, {spec.host_devices} JAX CPU device(s) per host; mode {args.mode}")
     with SimulatedTPUCluster(
         num_slices=args.num_slices,
         hosts_per_slice=args.hosts_per_slice,
         devices_per_host=args.devices_per_host,
         accelerator=args.accelerator,
         log_to_driver=False,
-    ):
-        _fit(task, config, args)
+    ) as cluster:
+        # Stands in for the autoscaler: a replacement slice arrives this long after it is asked for.
+        cluster.provisioner(delay_s=args.arrival_delay)
+        killed = {}
+        trainer_box = {}
+
+        def on_step(metrics):
+            if kill_at >= 0 and not killed and metrics[-1]["step"] >= kill_at:
+                victim = trainer_box["t"].world.plan.slice_names[-1]
+                killed.update(name=victim, at=time.time(), step=metrics[-1]["step"])
+                threading.Thread(target=cluster.kill_slice, args=(victim,), daemon=True).start()
+
+        trainer = ElasticTrainer(task, config, progress=not args.no_progress, on_chunk=on_step)
+        trainer_box["t"] = trainer
+        result = trainer.fit(args.steps)
+        if killed and result.recoveries:
+            rec = result.recoveries[0]
+            result.summary["killed_slice"] = f"{killed['name']} after step {killed['step']}"
+            result.summary["detection_s"] = round(rec["detected_at"] - killed["at"], 3)
+            result.summary["kill_to_training_again_s"] = round(rec["ready_at"] - killed["at"], 3)
+        _print_summary(result, args.json)
     return 0
 
 
@@ -125,6 +148,10 @@ def main(argv=None) -> int:
     demo.add_argument("--accelerator", default="v4", help="TPU generation the simulated hosts pretend to be")
     demo.add_argument("--hosts-per-slice", type=int, default=1)
     demo.add_argument("--devices-per-host", type=int, default=2, help="JAX CPU devices per simulated host")
+    demo.add_argument("--kill-at", type=int, default=None,
+                      help="kill a slice (node and processes) after this step (default: half way; -1: never)")
+    demo.add_argument("--arrival-delay", type=float, default=2.0,
+                      help="seconds until a replacement slice arrives (the simulated autoscaler)")
     demo.set_defaults(func=cmd_demo)
 
     train = sub.add_parser("train", help="train on an existing Ray cluster (RAY_ADDRESS or --address)")
@@ -137,6 +164,8 @@ def main(argv=None) -> int:
     train.set_defaults(func=cmd_train)
 
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

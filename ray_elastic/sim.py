@@ -12,6 +12,7 @@ autoscaler does not replace dead nodes.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -43,7 +44,7 @@ FAST_HEALTH_CHECKS = {
 
 
 def _allow_nodes_from_any_thread() -> None:
-    """Let the provisioner thread start Ray nodes.
+    """Let Ray nodes be started off the main thread.
 
     Each ``ray._private.node.Node`` installs a SIGTERM handler, which Python only
     permits on the main thread. Off the main thread we skip that one call; the
@@ -118,6 +119,7 @@ class SimulatedTPUCluster:
         self._next_slice = 0
         self.slices: list[SimulatedSlice] = []
         self._provisioners: list[Provisioner] = []
+        self._starter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sim-node-starter")
 
         import ray  # noqa: F401  (import here so the module can be inspected without Ray)
         from ray.cluster_utils import Cluster
@@ -178,7 +180,15 @@ class SimulatedTPUCluster:
 
     # -------------------------------------------------------------- operations
     def add_slice(self) -> SimulatedSlice:
-        """Start the Ray nodes of one more slice; returns when they are registered."""
+        """Start the Ray nodes of one more slice; returns when they are registered.
+
+        Nodes are always started from one long-lived thread: Ray starts node processes
+        with a parent-death signal, which Linux ties to the *thread* that started them,
+        so a node started from a short-lived thread (a provisioner's) would die with it.
+        """
+        return self._starter.submit(self._add_slice).result()
+
+    def _add_slice(self) -> SimulatedSlice:
         spec = self.slice_spec
         with self._lock:
             name = f"sim-{spec.pod_type}-{self._next_slice}"
@@ -316,6 +326,7 @@ class SimulatedTPUCluster:
             except Exception as e:
                 logger.warning("cluster shutdown: %s", e)
             self._cluster = None
+        self._starter.shutdown(wait=False)
         if self._old_ray_tmpdir is None:
             os.environ.pop("RAY_TMPDIR", None)
         else:

@@ -69,3 +69,4 @@ def max_rel_err(a, b) -> float:
     a, b = np.asarray(a), np.asarray(b)
     assert a.shape == b.shape, (a.shape, b.shape)
     return float(np.max(np.abs(a - b) / np.abs(b)))
+

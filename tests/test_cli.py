@@ -22,11 +22,15 @@ def _summary(proc):
     return json.loads(lines[-1])
 
 
-def test_demo_starts_its_own_cluster_and_trains():
-    proc = _run(["demo", "--example", "mlp", "--num-slices", "2", "--steps", "20", "--global-batch", "16", "--json", "--no-progress"])
+def test_demo_kills_a_slice_and_recovers():
+    proc = _run(["demo", "--example", "mlp", "--num-slices", "3", "--steps", "40", "--global-batch", "24",
+                 "--kill-at", "15", "--mode", "pause-and-resume", "--arrival-delay", "1", "--json", "--no-progress"])
     summary = _summary(proc)
-    assert summary["steps"] == 20 and summary["slices"] == 2
-    assert summary["mesh"] == {"replica": 2, "fsdp": 2}
+    assert summary["steps"] == 40 and summary["slices"] == 3
+    assert summary["mesh"] == {"replica": 3, "fsdp": 2}
+    assert summary["recoveries"] == 1 and summary["steps_rewound"] == 0
+    assert "after step 15" in summary["killed_slice"]
+    assert 0 < summary["detection_s"] < summary["kill_to_training_again_s"]
     assert summary["final_loss"] < summary["first_loss"]
 
 
