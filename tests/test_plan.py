@@ -39,3 +39,78 @@ def test_param_partition_shards_largest_divisible_dim_over_fsdp():
 def test_chunks_cover_range_in_order():
     assert chunks(0, 25, 10) == [(0, 10), (10, 10), (20, 5)]
     assert chunks(5, 5, 10) == []
+
+
+# ----------------------------------------------------------------------------- recovery decisions
+from ray_elastic.plan import (FailureVerdict, batch_for_world, choose_restore, classify_failure,  # noqa: E402
+                              decide_next_world, failures_exceeded, is_snapshot_step, lr_scale, should_grow,
+                              watchdog_timeout)
+from ray_elastic.snapshots import SnapshotStore  # noqa: E402
+
+
+def test_classify_dead_node_is_lost_slice_and_collateral_is_not():
+    v = classify_failure({"a": "actor_died", "b": "actor_died"}, dead_slices={"a"}, world_slices=["a", "b", "c"])
+    assert v == FailureVerdict(("a",), ("b",), True, "lost slice(s) a")
+    v = classify_failure({"b": "actor_died"}, dead_slices=set(), world_slices=["a", "b"])
+    assert v.lost_slices == () and v.crashed_slices == ("b",) and v.recoverable
+
+
+def test_classify_user_error_is_not_recoverable():
+    v = classify_failure({"a": "task_error"}, set(), ["a", "b"], "ValueError: nan")
+    assert not v.recoverable and "ValueError: nan" in v.reason
+    # A slice-down JaxRuntimeError is a slice failure, not user code.
+    assert classify_failure({"a": "slice_down"}, set(), ["a", "b"]).recoverable
+
+
+def test_decide_next_world_replica_resize():
+    assert decide_next_world("replica-resize", ["a", "b"], 0, 3, 1) .action == "form"
+    d = decide_next_world("replica-resize", ["a"], 0, 3, 2)
+    assert d.action == "wait" and "need 2" in d.reason
+    d = decide_next_world("replica-resize", ["a"], 5, 3, 2)
+    assert (d.action, d.survivors, d.replacements) == ("form", ("a",), 2)
+
+
+def test_decide_next_world_pause_and_resume():
+    assert decide_next_world("pause-and-resume", ["a", "b"], 0, 3, 1).action == "wait"
+    assert decide_next_world("pause-and-resume", ["a", "b"], 1, 3, 1).size == 3
+    d = decide_next_world("pause-and-resume", ["a", "b"], 0, 3, 1, timed_out=True)
+    assert d.action == "fail" and "fallback_to_resize is off" in d.reason
+    d = decide_next_world("pause-and-resume", ["a", "b"], 0, 3, 1, timed_out=True, fallback_to_resize=True)
+    assert (d.action, d.size) == ("form", 2)
+    d = decide_next_world("pause-and-resume", ["a"], 0, 3, 2, timed_out=True, fallback_to_resize=True)
+    assert d.action == "fail" and "fewer than min_slices=2" in d.reason
+
+
+def test_batch_policies_and_lr_rules():
+    assert batch_for_world(2, 3, 48, "constant") == 48
+    assert batch_for_world(2, 3, 48, "scale") == 32
+    with pytest.raises(ValueError):
+        batch_for_world(2, 3, 10, "scale")
+    assert lr_scale(2, 4, None) == 1.0 and lr_scale(2, 4, "linear") == 0.5 and lr_scale(1, 4, "sqrt") == 0.5
+
+
+def test_choose_restore_prefers_own_snapshot_and_newest_step():
+    r = choose_restore(["a", "b", "new"], {"a": 41, "b": 41, "c": 40})
+    assert r.step == 41 and r.donors == ("a", "b", "a")
+    assert choose_restore(["a"], {}).step == -1
+
+
+def test_snapshot_store_completes_per_slice_and_prunes():
+    st = SnapshotStore(hosts_per_slice=2, keep_steps=2)
+    for step in range(5):
+        st.add("a", 0, step, f"a0-{step}")
+        if step < 4:
+            st.add("a", 1, step, f"a1-{step}")
+    assert st.latest_complete(["a", "b"]) == {"a": 3}  # step 4 misses host 1
+    assert st.refs("a", 3) == ["a0-3", "a1-3"]
+    assert sorted(st._refs["a"]) == [2, 3, 4]  # older complete steps dropped
+    st.forget("a")
+    assert st.latest_complete(["a"]) == {}
+
+
+def test_misc_policies():
+    assert [s for s in range(10) if is_snapshot_step(s, 3)] == [2, 5, 8]
+    assert failures_exceeded([0, 1, 2, 100], now=101, max_failures=2, window_s=5) is False
+    assert failures_exceeded([97, 98, 99, 100], now=101, max_failures=2, window_s=5) is True
+    assert watchdog_timeout([], 10, 3) == 3 and watchdog_timeout([1.0] * 5, 10, 3) == 10
+    assert should_grow("replica-resize", 2, 1, 3) and not should_grow("replica-resize", 3, 1, 3)

