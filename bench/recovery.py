@@ -9,7 +9,10 @@ records. Medians over the kills; the last line is one JSON object:
 
     {"replica_resize_recovery_s": ..., "pause_resume_recovery_after_arrival_s": ..., "steps_rewound_max": ...}
 
-    .venv/bin/python bench/recovery.py [--kills 4] [--every 40]
+    .venv/bin/python bench/recovery.py [--kills 4] [--every 40] [--resize-every 200]
+
+In replica-resize mode the lost slice comes back ``--regrow-delay`` seconds later
+(after the recovery being measured), and kills happen only at full size.
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ def run_mode(cluster, mode: str, kills: int, every: int) -> list[dict]:
     def on_chunk(metrics):
         for m in metrics:
             arrivals.append((m["step"], time.time()))
+            t = trainer_box["t"]
             if m["step"] > 0 and m["step"] % every == 0 and len(kill_times) < kills \
-                    and all(s != m["step"] for s, _ in kill_times):
-                t = trainer_box["t"]
+                    and all(s != m["step"] for s, _ in kill_times) and t.world.plan.num_slices == 3:
                 victim = t.world.plan.slice_names[-1]
                 kill_times.append((m["step"], time.time()))
                 threading.Thread(target=cluster.kill_slice, args=(victim,), daemon=True).start()
@@ -58,7 +61,7 @@ def run_mode(cluster, mode: str, kills: int, every: int) -> list[dict]:
         row["after_arrival_s"] = first_after - rec["capacity_ready_at"]
         row["slices_after"] = rec["slices"]
         out.append(row)
-    # Wait until the provisioner has brought the cluster back to 3 free slices.
+    # Wait until the provisioner has brought the cluster back to 3 slices.
     deadline = time.time() + 60
     while len(cluster.alive_slices()) < 3 and time.time() < deadline:
         time.sleep(0.2)
@@ -68,17 +71,24 @@ def run_mode(cluster, mode: str, kills: int, every: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=4, help="kills per mode")
-    ap.add_argument("--every", type=int, default=40, help="steps between kills")
-    ap.add_argument("--arrival-delay", type=float, default=1.0, help="provisioner delay (s)")
+    ap.add_argument("--every", type=int, default=40, help="pause-and-resume: steps between kills")
+    ap.add_argument("--resize-every", type=int, default=200,
+                    help="replica-resize: steps between kills (the slice must have come back first)")
+    ap.add_argument("--arrival-delay", type=float, default=1.0,
+                    help="pause-and-resume: seconds until a replacement slice arrives")
+    ap.add_argument("--regrow-delay", type=float, default=8.0,
+                    help="replica-resize: seconds until a slice comes back (after the recovery being measured)")
     args = ap.parse_args()
 
     from ray_elastic.sim import SimulatedTPUCluster
 
     results = {}
     with SimulatedTPUCluster(num_slices=3, log_to_driver=False) as cluster:
-        cluster.provisioner(delay_s=args.arrival_delay)
         for mode in ("replica-resize", "pause-and-resume"):
-            rows = run_mode(cluster, mode, args.kills, args.every)
+            prov = cluster.provisioner(delay_s=args.regrow_delay if mode == "replica-resize" else args.arrival_delay)
+            every = args.resize_every if mode == "replica-resize" else args.every
+            rows = run_mode(cluster, mode, args.kills, every)
+            prov.stop()
             results[mode] = rows
             print(f"\n{mode}: {len(rows)} kills")
             print("  " + " ".join(f"{p:>20}" for p in PHASES + ("kill_to_step_s", "after_arrival_s")))

@@ -115,6 +115,7 @@ class ElasticTrainer:
         self._members: list[SliceReservation] = []  # slices of the current/next world, plan order
         self._replacements: list[ReplacementRequest] = []
         self._pool: Optional[WorkerPool] = None
+        self._replenish_pending = False
         self._bar = None
 
     # ------------------------------------------------------------------ states
@@ -199,6 +200,9 @@ class ElasticTrainer:
         return outcome
 
     def _on_metrics(self, m: dict) -> None:
+        if self._replenish_pending:
+            self._replenish_pending = False
+            self._pool.replenish(self._members)
         self._metrics[m["step"]] = m
         self._step_times.append(m["step_time_s"])
         if self.on_chunk is not None:
@@ -216,6 +220,13 @@ class ElasticTrainer:
 
     def _ready_replacements(self) -> list[ReplacementRequest]:
         return [r for r in self._replacements if r.ready() is not None]
+
+    def _take_replacements(self, n: int) -> list[SliceReservation]:
+        """Up to ``n`` ready replacement slices, no longer pending."""
+        taken = self._ready_replacements()[:n]
+        for req in taken:
+            self._replacements.remove(req)
+        return [req.ready() for req in taken]
 
     # ----------------------------------------------------------------- forming
     def _form(self, restore_step: int) -> World:
@@ -243,7 +254,9 @@ class ElasticTrainer:
         self._event("world_formed", generation=generation, slices=list(world.plan.slice_names),
                     mesh=world.plan.mesh_shape, global_batch_size=batch, restored_from_step=restore_step,
                     snapshot_donors=donors, **dataclasses.asdict(world.times))
-        self._pool.replenish(self._members)
+        # New standbys start once the new world has finished a step: starting processes
+        # competes for the CPUs the first steps need.
+        self._replenish_pending = True
         return world
 
     # ---------------------------------------------------------------- recovery
@@ -331,10 +344,7 @@ class ElasticTrainer:
             break
         wait_s = time.perf_counter() - t_wait0 if waited else 0.0
         capacity_ready_at = time.time()
-        added = []
-        for req in ready[: decision.replacements]:
-            self._replacements.remove(req)
-            added.append(req.ready())
+        added = self._take_replacements(decision.replacements)
         self._members = [res for _, res in survivors] + added
         if self.pre_callback is not None:
             self.pre_callback()
@@ -416,12 +426,7 @@ class ElasticTrainer:
         old = self.world
         last = self._last_step()
         old.teardown()
-        ready = self._ready_replacements()
-        need = self.config.num_slices - len(self._members)
-        added = []
-        for req in ready[:need]:
-            self._replacements.remove(req)
-            added.append(req.ready())
+        added = self._take_replacements(self.config.num_slices - len(self._members))
         survivors = list(zip(old.plan.slice_names, old.reservations))
         self._members = [res for _, res in survivors] + added
         if self.pre_callback is not None:

@@ -38,8 +38,8 @@ class SliceReservation:
 
     def node_ids(self) -> list[str]:
         """Nodes its bundles are placed on (empty while pending)."""
-        table = ray.util.placement_group_table(self.placement_group)
-        return [n for n in table.get("bundles_to_node_id", {}).values() if n]
+        placed = ray.util.placement_group_table(self.placement_group).get("bundles_to_node_id", {})
+        return [placed[i] for i in sorted(placed) if placed[i]]
 
     def ready(self) -> ray.ObjectRef:
         """One ref that resolves when every bundle is placed (made once: each call of

@@ -85,6 +85,26 @@ class WorkerPool:
         self._standby.clear()
 
 
+def _host_labels(reservations: list[SliceReservation]) -> Optional[list[list[dict]]]:
+    """Per slice, per bundle: the TPU slice name and worker id of the node it is placed on.
+
+    ``None`` when a node lacks the labels (the actors' own report is used instead).
+    """
+    node_labels = {n["NodeID"]: n.get("Labels") or {} for n in ray.nodes() if n["Alive"]}
+    out = []
+    for res in reservations:
+        hosts = []
+        for node in res.node_ids():
+            lab = node_labels.get(node, {})
+            if "ray.io/tpu-slice-name" not in lab:
+                return None
+            hosts.append({"slice_name": lab["ray.io/tpu-slice-name"], "tpu_worker_id": lab.get("ray.io/tpu-worker-id", "")})
+        if len(hosts) != res.spec.num_hosts:
+            return None
+        out.append(hosts)
+    return out
+
+
 def _kill(actor) -> None:
     try:
         ray.kill(actor, no_restart=True)
@@ -126,15 +146,22 @@ class World:
         taken = [[pool.take(res, h) for h in range(spec.num_hosts)] for res in reservations]
         actors = [[a for (a, _), _ in sa] for sa in taken]
         times = FormationTimes(standbys_used=sum(warm for sa in taken for _, warm in sa))
+        prepared = [[p for (_, p), _ in sa] for sa in taken]
         try:
-            infos_nested = [ray.get([p for (_, p), _ in sa], timeout=config.jax_init_timeout_s) for sa in taken]
+            # Slice names and host order come from the nodes' TPU labels when Ray has them, so a
+            # new process that is still starting does not hold the others back: they begin
+            # joining the JAX world at once and it catches up.
+            labels = _host_labels(reservations)
+            if labels is None:
+                labels = [[{"slice_name": i["slice_name"], "tpu_worker_id": i["tpu_worker_id"]}
+                           for i in ray.get(sp, timeout=config.jax_init_timeout_s)] for sp in prepared]
             # Order hosts inside a slice by TPU worker id: process ids follow the hardware.
-            workers, host_infos = [], []
-            for sa, si in zip(actors, infos_nested):
-                order = sorted(range(len(sa)), key=lambda i: int(si[i]["tpu_worker_id"] or i))
+            workers, host_prepared = [], []
+            for sa, sp, sl in zip(actors, prepared, labels):
+                order = sorted(range(len(sa)), key=lambda i: int(sl[i]["tpu_worker_id"] or i))
                 workers.append([sa[i] for i in order])
-                host_infos.append([si[i] for i in order])
-            names = [hi[0]["slice_name"] or f"slice-{i}" for i, hi in enumerate(host_infos)]
+                host_prepared.append([sp[i] for i in order])
+            names = [sl[0]["slice_name"] or f"slice-{i}" for i, sl in enumerate(labels)]
             for res, name in zip(reservations, names):
                 res.slice_name = name
             plan = plan_world(
@@ -151,6 +178,7 @@ class World:
                     src = [refs[h]] if refs is not None else None
                     joins.append(w.join_world.remote(plan, s, h, coordinator, config.jax_init_timeout_s, src))
             joins = ray.get(joins, timeout=config.jax_init_timeout_s * 2)
+            host_infos = [ray.get(sp, timeout=config.jax_init_timeout_s) for sp in host_prepared]
             times.jax_init_s = max(j["init_s"] for j in joins)
             times.state_load_s = max(j["snapshot_fetch_s"] + j["state_s"] for j in joins)
             flat = [w for sw in workers for w in sw]
