@@ -1,0 +1,26 @@
+"""The benchmarks run end to end and print their JSON line (tiny sizes; figures come from full runs)."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _last_json(args, timeout=600):
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+
+
+def test_overhead_bench_prints_ratio():
+    out = _last_json(["bench/overhead.py", "--steps", "40", "--reps", "1"])
+    assert out["overhead_ratio"] > 0 and out["bare_step_s"] > 0
+
+
+def test_recovery_bench_prints_recovery_times():
+    out = _last_json(["bench/recovery.py", "--kills", "1", "--every", "20", "--resize-every", "30",
+                      "--regrow-delay", "3"])
+    assert out["steps_rewound_max"] == 0
+    assert 0 < out["replica_resize_recovery_s"] < 60 and 0 < out["pause_resume_recovery_after_arrival_s"] < 60
