@@ -295,9 +295,7 @@ class ElasticTrainer:
         if not verdict.recoverable:
             world.teardown()
             raise ElasticRuntimeError(f"not recoverable: {verdict.reason}") from first
-        self._attempt += 1
-        self._failure_times.append(time.monotonic())
-        if planner.failures_exceeded(self._failure_times, time.monotonic(), cfg.max_failures, cfg.failure_window_s):
+        if self._record_failure():
             world.teardown()
             raise ElasticRuntimeError(
                 f"gave up after {len(self._failure_times)} failures within {cfg.failure_window_s:.0f}s "
@@ -402,12 +400,17 @@ class ElasticTrainer:
                 lost.append(res.slice_name)
                 self._drop_slice(res)
         self._event("failure", cause="forming", error=repr(error)[:2000], lost_slices=lost, last_step=self._last_step())
-        self._attempt += 1
-        self._failure_times.append(time.monotonic())
-        if planner.failures_exceeded(self._failure_times, time.monotonic(), self.config.max_failures,
-                                     self.config.failure_window_s):
+        if self._record_failure():
             raise ElasticRuntimeError(f"gave up after repeated failures while forming a world: {error}") from error
         return self._reform(survivors, t_detect, t_detect, 0.0, f"failure while forming a world: {error!r}"[:300])
+
+    def _record_failure(self) -> bool:
+        """Count a recovery attempt; True when there were too many within the failure window."""
+        self._attempt += 1
+        now = time.monotonic()
+        self._failure_times.append(now)
+        return planner.failures_exceeded(self._failure_times, now, self.config.max_failures,
+                                         self.config.failure_window_s)
 
     def _drop_slice(self, res: SliceReservation) -> None:
         """A slice left for good: free it, forget its snapshots, ask for a replacement."""
