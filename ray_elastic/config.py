@@ -127,7 +127,8 @@ class ElasticConfig:
         compilation_cache_dir: JAX persistent compilation cache (shared by all generations); ``None`` disables it.
         slice_timeout_s: how long to wait for the first slices to be reserved before giving up.
         jax_init_timeout_s: how long processes wait for each other in ``jax.distributed.initialize``.
-        snapshot_every: copy the live state to the object store every this many steps (1 = zero rewind).
+        snapshot_every: copy the live state to the object store every this many steps (1 = zero rewind;
+            0 = no snapshots: recovery restores the newest committed checkpoint).
         snapshot_replicas: how many slices keep snapshots (replicas hold identical state).
         replacement_timeout_s: pause-and-resume: how long to wait for a replacement slice.
         fallback_to_resize: pause-and-resume: on timeout continue on the survivors (if >= min_slices)
@@ -143,6 +144,13 @@ class ElasticConfig:
             ``failure_window_s`` seconds.
         standby_workers: keep one warm process per slice host ready for the next generation,
             so recovery does not wait for Python + JAX start-up.
+        checkpoint_dir: Orbax checkpoints go here: a local path (shared by all hosts on a
+            multi-host cluster) or ``gs://bucket/prefix``. Every host writes its own shards. A run
+            started on a directory that holds checkpoints resumes from the newest committed one.
+            ``None``: no checkpoints (in-memory snapshots only).
+        checkpoint_every: save after every this many steps (and after the last step).
+        max_to_keep: committed checkpoints kept; older ones are deleted. ``None`` keeps all.
+        async_checkpointing: write in the background; a step only waits for the device-to-host copy.
     """
 
     num_slices: int
@@ -169,6 +177,10 @@ class ElasticConfig:
     max_failures: int = 30
     failure_window_s: float = 3600.0
     standby_workers: bool = True
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 100
+    max_to_keep: Optional[int] = 3
+    async_checkpointing: bool = True
 
     def __post_init__(self):
         if not isinstance(self.slice, SliceSpec):
@@ -190,9 +202,15 @@ class ElasticConfig:
             raise ValueError(f"unknown lr_rule {self.lr_rule!r}: use None, 'linear' or 'sqrt'")
         if self.lr_rule is not None and self.batch_policy != "scale":
             raise ValueError("lr_rule only applies with batch_policy='scale'; remove it or set batch_policy='scale'")
-        for name in ("snapshot_every", "snapshot_replicas", "max_failures"):
+        for name in ("snapshot_replicas", "max_failures", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.snapshot_every < 0:
+            raise ValueError(f"snapshot_every must be >= 0 (0 turns snapshots off), got {self.snapshot_every}")
+        if self.max_to_keep is not None and self.max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1 (or None to keep every checkpoint), got {self.max_to_keep}")
+        if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir.strip()):
+            raise ValueError(f"checkpoint_dir must be a local path or gs://bucket/prefix, got {self.checkpoint_dir!r}")
         for name in ("replacement_timeout_s", "hang_timeout_min_s", "probe_timeout_s", "failure_window_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

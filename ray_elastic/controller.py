@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 import ray
 
+from ray_elastic import checkpoints
 from ray_elastic import plan as planner
 from ray_elastic.config import ElasticConfig
 from ray_elastic.errors import ElasticRuntimeError
@@ -39,6 +40,8 @@ logger = logging.getLogger(__name__)
 S = ControllerState
 WAIT_POLL_S = 0.2
 DRAIN_S = 0.3
+TEARDOWN_CONFIRM_S = 3.0
+CHECKPOINT_FINISH_TIMEOUT_S = 600.0
 
 __all__ = ["ElasticTrainer", "ElasticRuntimeError", "FitResult"]
 
@@ -141,27 +144,43 @@ class ElasticTrainer:
         if not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
         t_start = time.perf_counter()
+        cfg = self.config
+        resume = None
+        if cfg.checkpoint_dir:
+            # Before any cluster resource is taken: a bad location fails now, not at the first save.
+            checkpoints.check_location(cfg.checkpoint_dir)
+            resume = checkpoints.latest_checkpoint(cfg.checkpoint_dir)
         self.events = EventLog(self.run_dir)
+        self._event("run_started", num_steps=num_steps, num_slices=cfg.num_slices, mode=cfg.mode,
+                    checkpoint_dir=cfg.checkpoint_dir, resume_from_checkpoint=resume.step if resume else None)
+        if resume is not None:
+            self._check_resume(resume)
+            if resume.step >= num_steps:
+                self.events.close()
+                return self._already_done(resume, num_steps, time.perf_counter() - t_start)
         if not ray.is_initialized():
             ray.init(address=self.address, namespace="ray_elastic", log_to_driver=True)
-        cfg = self.config
         self._metrics: dict[int, dict] = {}
         self._step_times: list[float] = []
         self._store = SnapshotStore(cfg.slice.num_hosts)
         self._failure_times: list[float] = []
         self._attempt = 0
         self.recoveries: list[dict] = []
+        self._num_steps = num_steps
+        self._pending_saves: list[int] = []
+        self._first_step = resume.step if resume else 0
         try:
             self._enter(S.SCHEDULING)
-            self._pool = WorkerPool(ray.put(self.task), cfg)
+            self._pool = WorkerPool(ray.put(self.task), cfg, env=checkpoints.gcs_env())
             self._members = reserve_slices(cfg.slice, cfg.num_slices, cfg.slice_timeout_s)
             self._pool.replenish(self._members)  # processes start while the others reserve and join
             self._enter(S.FORMING_WORLD)
-            self.world = self._form(restore_step=-1)
+            first = planner.choose_restore([], {}, resume.restore_step if resume else None)
+            self.world = self._form(first)
             startup_s = time.perf_counter() - t_start
-            self._bar = self._progress_bar(num_steps)
+            self._bar = self._progress_bar(num_steps, initial=self._first_step)
             self._enter(S.RUNNING)
-            next_step = 0
+            next_step = first.step + 1
             while True:
                 outcome = self._run(next_step, num_steps)
                 if outcome.kind == "done":
@@ -171,6 +190,7 @@ class ElasticTrainer:
                 else:
                     next_step = self._recover(outcome)
                 self._enter(S.RUNNING)
+            self._finish_checkpoints()
             self._enter(S.FINISHED)
         except BaseException as e:
             failed_in = self.state.value
@@ -205,6 +225,10 @@ class ElasticTrainer:
             self._pool.replenish(self._members)
         self._metrics[m["step"]] = m
         self._step_times.append(m["step_time_s"])
+        if "checkpoint_step" in m:
+            self._pending_saves.append(m["checkpoint_step"])
+            self._event("checkpoint_save", step=m["checkpoint_step"], blocking_s=m["checkpoint_blocking_s"])
+        self._saves_committed(m.get("checkpoint_saves_finished_s", []))
         if self.on_chunk is not None:
             self.on_chunk([m])
         if self._bar is not None:
@@ -229,31 +253,36 @@ class ElasticTrainer:
         return [req.ready() for req in taken]
 
     # ----------------------------------------------------------------- forming
-    def _form(self, restore_step: int) -> World:
-        """Form the next generation on ``self._members``, loading the snapshot of ``restore_step``."""
+    def _form(self, restore: planner.RestorePlan) -> World:
+        """Form the next generation on ``self._members``, loading the state ``restore`` names."""
         cfg = self.config
         generation = len(self.worlds)
         n = len(self._members)
+        restore_step = restore.step
         batch = planner.batch_for_world(n, cfg.num_slices, cfg.global_batch_size, cfg.batch_policy)
         snap_steps = {s: st for s, st in self._store.latest_complete(self._store.slices()).items() if st == restore_step}
 
         donors: dict[str, str] = {}
 
-        def restore(name: str):
-            if restore_step < 0:
+        def from_snapshot(name: str):
+            if restore.source != "snapshot":
                 return None
             donors[name] = planner.choose_restore([name], snap_steps).donors[0]
             return self._store.refs(donors[name], restore_step)
 
         world = World.form(generation, self._members, self._pool, cfg, start_step=restore_step + 1,
                            global_batch_size=batch, lr_scale=planner.lr_scale(n, cfg.num_slices, cfg.lr_rule),
-                           restore=restore)
+                           restore=from_snapshot,
+                           checkpoint_step=restore_step + 1 if restore.source == "checkpoint" else None)
         self.worlds.append({"generation": generation, "slices": list(world.plan.slice_names),
                             "mesh": world.plan.mesh_shape, "global_batch_size": batch,
                             "times": dataclasses.asdict(world.times), "start_step": restore_step + 1})
         self._event("world_formed", generation=generation, slices=list(world.plan.slice_names),
                     mesh=world.plan.mesh_shape, global_batch_size=batch, restored_from_step=restore_step,
-                    snapshot_donors=donors, **dataclasses.asdict(world.times))
+                    restore_source=restore.source, snapshot_donors=donors, **dataclasses.asdict(world.times))
+        if restore.source == "checkpoint":
+            self._event("checkpoint_restore", step=restore_step + 1, generation=generation,
+                        seconds=world.times.state_load_s, saved_by=world.join_infos[0].get("checkpoint_metadata"))
         # New standbys start once the new world has finished a step: starting processes
         # competes for the CPUs the first steps need.
         self._replenish_pending = True
@@ -305,7 +334,9 @@ class ElasticTrainer:
             raise ElasticRuntimeError(f"retry_policy declined attempt {self._attempt} after {verdict.reason}") from first
 
         t0 = time.perf_counter()
-        world.teardown()
+        # With checkpoints, wait until the old processes are really gone: nothing of theirs may
+        # land in the checkpoint directory once the next world reads and cleans it.
+        world.teardown(confirm_s=TEARDOWN_CONFIRM_S if cfg.checkpoint_dir else 0.0)
         survivors = []
         for name, res in zip(world.plan.slice_names, world.reservations):
             if name in verdict.lost_slices:
@@ -347,11 +378,11 @@ class ElasticTrainer:
         if self.pre_callback is not None:
             self.pre_callback()
         alive_snapshots = self._store.latest_complete([n for n, _ in survivors])
-        restore = planner.choose_restore([n for n, _ in survivors], alive_snapshots)
+        restore = planner.choose_restore([n for n, _ in survivors], alive_snapshots, self._checkpoint_restore_step())
         last = self._last_step()
         self._enter(S.FORMING_WORLD)
         try:
-            self.world = self._form(restore.step)
+            self.world = self._form(restore)
         except Exception as e:  # noqa: BLE001 - a failure during recovery is another failure
             return self._failed_forming(e, t_detect)
         rewound = max(0, last - restore.step)
@@ -367,6 +398,7 @@ class ElasticTrainer:
             "slices": len(self._members),
             "added_slices": len(added),
             "restored_from_step": restore.step,
+            "restore_source": restore.source,
             "steps_rewound": rewound,
             "since_last_progress_s": t_detect - last_progress_at,
             "classify_s": classify_s,
@@ -428,16 +460,18 @@ class ElasticTrainer:
         t0 = time.time()
         old = self.world
         last = self._last_step()
+        self._finish_checkpoints()  # a planned stop: let the in-flight save commit first
         old.teardown()
         added = self._take_replacements(self.config.num_slices - len(self._members))
         survivors = list(zip(old.plan.slice_names, old.reservations))
         self._members = [res for _, res in survivors] + added
         if self.pre_callback is not None:
             self.pre_callback()
-        restore = planner.choose_restore(list(old.plan.slice_names), self._store.latest_complete(old.plan.slice_names))
+        restore = planner.choose_restore(list(old.plan.slice_names), self._store.latest_complete(old.plan.slice_names),
+                                         self._checkpoint_restore_step())
         self._enter(S.FORMING_WORLD)
         try:
-            self.world = self._form(restore.step)
+            self.world = self._form(restore)
         except Exception as e:  # noqa: BLE001
             return self._failed_forming(e, t0)
         record = {"generation": self.world.plan.generation, "from_slices": len(survivors),
@@ -445,6 +479,47 @@ class ElasticTrainer:
                   "steps_rewound": max(0, last - restore.step), "resize_s": time.time() - t0}
         self._event("scale_up", **record)
         return restore.step + 1
+
+    # ------------------------------------------------------------- checkpoints
+    def _checkpoint_restore_step(self) -> Optional[int]:
+        """Step index held by the newest committed checkpoint (None: no checkpoints)."""
+        if not self.config.checkpoint_dir:
+            return None
+        info = checkpoints.latest_checkpoint(self.config.checkpoint_dir)
+        return info.restore_step if info else None
+
+    def _saves_committed(self, durations: list[float]) -> None:
+        for total_s in durations:
+            step = self._pending_saves.pop(0) if self._pending_saves else None
+            self._event("checkpoint_committed", step=step, total_s=total_s)
+
+    def _finish_checkpoints(self) -> None:
+        """Wait for the in-flight save of the current world to commit."""
+        if not self.config.checkpoint_dir or self.world is None:
+            return
+        got = self.world.finish_checkpoints(CHECKPOINT_FINISH_TIMEOUT_S)
+        self._saves_committed(got["saves_finished_s"])
+        self._pending_saves.clear()
+
+    def _check_resume(self, info: checkpoints.CheckpointInfo) -> None:
+        """Resuming: say so, and warn when the data order of the checkpoint differs from this config."""
+        meta, cfg = info.metadata, self.config
+        self._event("resume", checkpoint_step=info.step, saved_world=meta.get("world"))
+        logger.info("resuming from checkpoint %d in %s", info.step, cfg.checkpoint_dir)
+        changed = {k: (meta.get(k), v) for k, v in (("seed", cfg.seed), ("data_stride", cfg.global_batch_size))
+                   if meta.get(k) is not None and meta.get(k) != v}
+        if changed:
+            logger.warning("checkpoint %d was written with %s; this run uses %s: the data order differs from "
+                           "the run that wrote it", info.step, {k: a for k, (a, _) in changed.items()},
+                           {k: b for k, (_, b) in changed.items()})
+            self._event("resume_config_changed", changed=changed)
+
+    def _already_done(self, info: checkpoints.CheckpointInfo, num_steps: int, wall_s: float) -> FitResult:
+        summary = {"steps": 0, "already_done": True, "resumed_from_checkpoint": info.step,
+                   "num_steps": num_steps, "wall_s": round(wall_s, 3)}
+        logger.warning("checkpoint %d in %s already covers num_steps=%d: nothing to train",
+                       info.step, self.config.checkpoint_dir, num_steps)
+        return FitResult([], [], [], [], summary, list(self.events.events))
 
     # ----------------------------------------------------------------- results
     def _result(self, num_steps: int, startup_s: float, wall_s: float) -> FitResult:
@@ -466,6 +541,10 @@ class ElasticTrainer:
             "failures": len(self.events.of_kind("failure")),
             "recoveries": len(rec),
             "scale_ups": len(self.events.of_kind("scale_up")),
+            "resumed_from_checkpoint": self._first_step or None,
+            "checkpoints_saved": len(self.events.of_kind("checkpoint_save")),
+            "checkpoints_committed": len(self.events.of_kind("checkpoint_committed")),
+            "checkpoint_restores": len(self.events.of_kind("checkpoint_restore")),
             "steps_rewound": sum(r["steps_rewound"] for r in rec),
             "max_recovery_s": round(max((r["recovery_s"] for r in rec), default=0.0), 3),
             "startup_s": round(startup_s, 3),
@@ -484,12 +563,12 @@ class ElasticTrainer:
         parts.append(f"state={self.state.value}")
         return ", ".join(parts)
 
-    def _progress_bar(self, total: int):
+    def _progress_bar(self, total: int, initial: int = 0):
         if not self.progress:
             return None
         from tqdm.auto import tqdm
 
-        return tqdm(total=total, desc="ray-elastic", unit="step", dynamic_ncols=True)
+        return tqdm(total=total, initial=initial, desc="ray-elastic", unit="step", dynamic_ncols=True)
 
     def _release(self) -> None:
         if self.world is not None:

@@ -115,10 +115,14 @@ class TrainLoop:
         restore: per-leaf blocks from :meth:`snapshot` of the same host position in an
             earlier world; ``None`` initialises fresh parameters.
         scale_updates: wrap the optimizer with the plan's ``lr_scale`` (scale policy + lr rule).
+        checkpointer: this world's :class:`~ray_elastic.checkpoints.Checkpointer` (None: no checkpoints).
+        checkpoint_step: load this committed checkpoint (steps completed) instead of ``restore``,
+            resharded onto this world's mesh.
     """
 
     def __init__(self, task, plan: WorldPlan, process_id: int, seed: int, mesh: Mesh, fsdp_min_size: int,
-                 batches: StepBatches, restore: Optional[list] = None, scale_updates: bool = False):
+                 batches: StepBatches, restore: Optional[list] = None, scale_updates: bool = False,
+                 checkpointer=None, checkpoint_step: Optional[int] = None):
         self.plan = plan
         self.mesh = mesh
         self.process_id = process_id
@@ -134,7 +138,13 @@ class TrainLoop:
         self.batch_sharding = NamedSharding(mesh, P((REPLICA_AXIS, FSDP_AXIS)))
         replicated = NamedSharding(mesh, P())
 
-        if restore is None:
+        self.checkpointer = checkpointer
+        self.restored_metadata: Optional[dict] = None
+        if checkpoint_step is not None:
+            target = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                  abstract, self.state_shardings)
+            self.state, self.restored_metadata = checkpointer.restore(checkpoint_step, target)
+        elif restore is None:
             self.state = jax.jit(lambda: nnx.split(make())[1], out_shardings=self.state_shardings)()
         else:
             leaves, treedef = jax.tree.flatten(abstract)
@@ -185,6 +195,10 @@ class TrainLoop:
     def run(self, start_step: int, num_steps: int) -> list[dict]:
         """Run ``num_steps`` steps from ``start_step``; per-step loss and wall time."""
         return [self.step(s) for s in range(start_step, start_step + num_steps)]
+
+    def save_checkpoint(self, steps_done: int, metadata: dict) -> float:
+        """Start an async save of the state as checkpoint ``steps_done``; seconds the step was blocked."""
+        return self.checkpointer.save(steps_done, self.state, metadata)
 
     def snapshot(self) -> list[np.ndarray]:
         """Host copy of this process's part of the train state (params and optimizer state)."""

@@ -158,8 +158,13 @@ def lr_scale(num_active: int, num_total: int, rule) -> float:
 
 
 def is_snapshot_step(step: int, every: int) -> bool:
-    """Snapshots are taken after steps every-1, 2*every-1, ... (after every step when every=1)."""
-    return (step + 1) % every == 0
+    """Snapshots are taken after steps every-1, 2*every-1, ... (after every step when every=1; never when 0)."""
+    return every > 0 and (step + 1) % every == 0
+
+
+def is_checkpoint_step(step: int, every: int, final_step: int) -> bool:
+    """Checkpoint after steps every-1, 2*every-1, ... and after the run's last step."""
+    return (step + 1) % every == 0 or step == final_step
 
 
 # --------------------------------------------------------------------------- failures
@@ -271,22 +276,33 @@ def watchdog_timeout(step_times: Sequence[float], factor: float, min_s: float) -
 # --------------------------------------------------------------------------- restore source
 @dataclasses.dataclass(frozen=True)
 class RestorePlan:
-    """Where each slice of the next world loads its state from.
+    """Where the next world loads its state from.
 
     step: the state is the one after this step (-1: fresh initialisation).
+    source: ``snapshot`` (in-memory, from living slices), ``checkpoint`` (Orbax, the
+        committed checkpoint holding step ``step``) or ``fresh``.
     donors: per new slice (plan order), the slice whose snapshot it loads (itself when it
-        has one: a zero-copy read from its own node).
+        has one: a zero-copy read from its own node); None unless source is ``snapshot``.
     """
 
     step: int
     donors: tuple[Optional[str], ...]
+    source: str = "snapshot"
 
 
-def choose_restore(new_slices: Sequence[str], snapshot_steps: dict[str, int]) -> RestorePlan:
-    """Newest complete snapshot among living slices; each slice prefers its own copy."""
+def choose_restore(new_slices: Sequence[str], snapshot_steps: dict[str, int],
+                   checkpoint_step: Optional[int] = None) -> RestorePlan:
+    """The newest state that survives: a complete snapshot among living slices (each slice
+    prefers its own copy), else a newer committed checkpoint, else fresh parameters.
+
+    ``checkpoint_step`` is the step index whose state the newest committed checkpoint holds.
+    On a tie the snapshot wins: it is read from memory, not from storage.
+    """
+    best = max(snapshot_steps.values()) if snapshot_steps else -1
+    if checkpoint_step is not None and checkpoint_step > best:
+        return RestorePlan(checkpoint_step, tuple(None for _ in new_slices), "checkpoint")
     if not snapshot_steps:
-        return RestorePlan(-1, tuple(None for _ in new_slices))
-    best = max(snapshot_steps.values())
+        return RestorePlan(-1, tuple(None for _ in new_slices), "fresh")
     holders = [s for s, st in snapshot_steps.items() if st == best]
     donors = tuple(s if snapshot_steps.get(s) == best else holders[0] for s in new_slices)
     return RestorePlan(best, donors)

@@ -66,7 +66,7 @@ class StepStreams:
                 draining = True  # finish what is queued, then stop at that step boundary
             while not draining and submitted < end_step and max(map(len, self.queues)) < CHUNKS_IN_FLIGHT:
                 n = min(self.config.steps_per_chunk, end_step - submitted)
-                for p, gen in enumerate(self.world.run_chunk(submitted, n)):
+                for p, gen in enumerate(self.world.run_chunk(submitted, n, end_step - 1)):
                     self.queues[p].append(_Stream(gen, submitted))
                 submitted += n
             heads = {q[0].gen: p for p, q in enumerate(self.queues) if q}

