@@ -50,6 +50,13 @@ def _add_training_args(p: argparse.ArgumentParser, default_slices: int) -> None:
     p.add_argument("--steps-per-chunk", type=int, default=10, help="steps per controller call")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slice-timeout", type=float, default=300.0, help="seconds to wait for slices to be reserved")
+    p.add_argument("--run-dir", default=None, help="write the event log (events.jsonl) here")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="Orbax checkpoints: local path or gs://bucket/prefix; a rerun resumes from the newest")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
+    p.add_argument("--max-to-keep", type=int, default=3, help="committed checkpoints kept")
+    p.add_argument("--snapshot-every", type=int, default=1,
+                   help="steps between in-memory snapshots (0: none, recover from checkpoints)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
 
@@ -65,6 +72,10 @@ def _config(args, spec: SliceSpec) -> ElasticConfig:
         steps_per_chunk=args.steps_per_chunk,
         seed=args.seed,
         slice_timeout_s=args.slice_timeout,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        max_to_keep=args.max_to_keep,
+        snapshot_every=args.snapshot_every,
     )
 
 
@@ -81,7 +92,8 @@ def _print_summary(result, as_json: bool) -> None:
 
 
 def _fit(task, config, args, address=None):
-    result = ElasticTrainer(task, config, address=address, progress=not args.no_progress).fit(args.steps)
+    result = ElasticTrainer(task, config, address=address, progress=not args.no_progress,
+                            run_dir=args.run_dir).fit(args.steps)
     _print_summary(result, args.json)
     return result
 
@@ -118,7 +130,7 @@ def cmd_demo(args) -> int:
                 killed.update(name=victim, at=time.time(), step=metrics[-1]["step"])
                 threading.Thread(target=cluster.kill_slice, args=(victim,), daemon=True).start()
 
-        trainer = ElasticTrainer(task, config, progress=not args.no_progress, on_chunk=on_step)
+        trainer = ElasticTrainer(task, config, progress=not args.no_progress, on_chunk=on_step, run_dir=args.run_dir)
         trainer_box["t"] = trainer
         result = trainer.fit(args.steps)
         if killed and result.recoveries:

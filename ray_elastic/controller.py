@@ -168,6 +168,7 @@ class ElasticTrainer:
         self.recoveries: list[dict] = []
         self._num_steps = num_steps
         self._pending_saves: list[int] = []
+        self._step_buffer: list[dict] = []
         self._first_step = resume.step if resume else 0
         try:
             self._enter(S.SCHEDULING)
@@ -215,6 +216,7 @@ class ElasticTrainer:
         self._streams = streams
         t0 = time.perf_counter()
         outcome = streams.run(start, end, self._capacity_returned)
+        self._flush_steps()
         self._event("chunk_run", generation=self.world.plan.generation, first_step=start,
                     last_step=self._last_step(), seconds=time.perf_counter() - t0, outcome=outcome.kind)
         return outcome
@@ -229,11 +231,21 @@ class ElasticTrainer:
             self._pending_saves.append(m["checkpoint_step"])
             self._event("checkpoint_save", step=m["checkpoint_step"], blocking_s=m["checkpoint_blocking_s"])
         self._saves_committed(m.get("checkpoint_saves_finished_s", []))
+        self._step_buffer.append(m)
+        if len(self._step_buffer) >= self.config.steps_per_chunk:
+            self._flush_steps()
         if self.on_chunk is not None:
             self.on_chunk([m])
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix_str(self._postfix(loss=m["loss"]), refresh=False)
+
+    def _flush_steps(self) -> None:
+        """Finished steps into the event log, one line per chunk (a rewound step appears again later)."""
+        buf, self._step_buffer = self._step_buffer, []
+        if buf:
+            self._event("steps", generation=self.world.plan.generation, steps=[m["step"] for m in buf],
+                        losses=[m["loss"] for m in buf], step_time_s=[m["step_time_s"] for m in buf])
 
     def _last_step(self) -> int:
         return max(self._metrics) if self._metrics else -1

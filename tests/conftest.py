@@ -11,11 +11,12 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def reference_losses(task, global_batch_size: int, seed: int, num_steps: int) -> np.ndarray:
+def reference_run(task, global_batch_size: int, seed: int, num_steps: int):
     """Single-process training on the same global batches from the same initial parameters.
 
     Written directly against Flax NNX + Optax (not through ray_elastic's train loop),
     so a wrong batch split, sharding or step in the distributed path shows up here.
+    Returns the per-step losses and the final train state as a pure dict of arrays.
     """
     from flax import nnx
 
@@ -31,7 +32,29 @@ def reference_losses(task, global_batch_size: int, seed: int, num_steps: int) ->
         optimizer.update(model, grads)
         return loss
 
-    return np.array([float(step(model, optimizer, batches.global_batch(s))) for s in range(num_steps)])
+    losses = np.array([float(step(model, optimizer, batches.global_batch(s))) for s in range(num_steps)])
+    return losses, nnx.state((model, optimizer)).to_pure_dict()
+
+
+def reference_losses(task, global_batch_size: int, seed: int, num_steps: int) -> np.ndarray:
+    return reference_run(task, global_batch_size, seed, num_steps)[0]
+
+
+@pytest.fixture(scope="session")
+def local_gcs():
+    """One fake-gcs-server for the whole session (GCS clients cache their endpoint per process)."""
+    from ray_elastic.local_gcs import LocalGCS
+
+    gcs = LocalGCS()
+    saved = {k: os.environ.get(k) for k in gcs.env}
+    gcs.activate()
+    yield gcs
+    gcs.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,10 @@ SIM = SliceSpec("v4", "2x2x1", devices_per_host=2)
         (dict(num_slices=3, global_batch_size=18), "use a multiple of 12"),
         (dict(num_slices=2, global_batch_size=0), "global_batch_size must be a positive integer"),
         (dict(num_slices=2, global_batch_size=12, steps_per_chunk=0), "steps_per_chunk must be >= 1"),
+        (dict(num_slices=2, global_batch_size=12, snapshot_every=-1), "snapshot_every must be >= 0"),
+        (dict(num_slices=2, global_batch_size=12, checkpoint_every=0), "checkpoint_every must be >= 1"),
+        (dict(num_slices=2, global_batch_size=12, max_to_keep=0), "max_to_keep must be >= 1"),
+        (dict(num_slices=2, global_batch_size=12, checkpoint_dir=" "), "checkpoint_dir must be a local path"),
     ],
 )
 def test_bad_config_raises_clear_value_error(kwargs, message):

@@ -43,8 +43,8 @@ def test_chunks_cover_range_in_order():
 
 # ----------------------------------------------------------------------------- recovery decisions
 from ray_elastic.plan import (FailureVerdict, batch_for_world, choose_restore, classify_failure,  # noqa: E402
-                              decide_next_world, failures_exceeded, is_snapshot_step, lr_scale, should_grow,
-                              watchdog_timeout)
+                              decide_next_world, failures_exceeded, is_checkpoint_step, is_snapshot_step, lr_scale,
+                              should_grow, watchdog_timeout)
 from ray_elastic.snapshots import SnapshotStore  # noqa: E402
 
 
@@ -93,6 +93,19 @@ def test_choose_restore_prefers_own_snapshot_and_newest_step():
     r = choose_restore(["a", "b", "new"], {"a": 41, "b": 41, "c": 40})
     assert r.step == 41 and r.donors == ("a", "b", "a")
     assert choose_restore(["a"], {}).step == -1
+    assert choose_restore(["a"], {}).source == "fresh"
+
+
+def test_choose_restore_falls_back_to_the_newest_committed_checkpoint():
+    # No snapshot survived: the checkpoint (state after step 99) is the restore point.
+    r = choose_restore(["a", "b"], {}, checkpoint_step=99)
+    assert (r.step, r.source, r.donors) == (99, "checkpoint", (None, None))
+    # A newer snapshot wins; on a tie the in-memory snapshot wins too.
+    assert choose_restore(["a"], {"a": 120}, 99).source == "snapshot"
+    assert choose_restore(["a"], {"a": 99}, 99).source == "snapshot"
+    # A snapshot older than the checkpoint (snapshot_every > checkpoint_every) loses.
+    r = choose_restore(["a"], {"a": 95}, 99)
+    assert (r.step, r.source) == (99, "checkpoint")
 
 
 def test_snapshot_store_completes_per_slice_and_prunes():
@@ -110,6 +123,8 @@ def test_snapshot_store_completes_per_slice_and_prunes():
 
 def test_misc_policies():
     assert [s for s in range(10) if is_snapshot_step(s, 3)] == [2, 5, 8]
+    assert not any(is_snapshot_step(s, 0) for s in range(10))  # snapshots off
+    assert [s for s in range(25) if is_checkpoint_step(s, 10, final_step=24)] == [9, 19, 24]
     assert failures_exceeded([0, 1, 2, 100], now=101, max_failures=2, window_s=5) is False
     assert failures_exceeded([97, 98, 99, 100], now=101, max_failures=2, window_s=5) is True
     assert watchdog_timeout([], 10, 3) == 3 and watchdog_timeout([1.0] * 5, 10, 3) == 10

@@ -1,0 +1,277 @@
+"""Orbax checkpoints on local disk and on the real GCS API (fake-gcs-server), on the simulated cluster."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import jax
+import numpy as np
+import pytest
+import ray
+
+from ray_elastic import ElasticConfig, ElasticTrainer
+from ray_elastic.checkpoints import Checkpointer, latest_checkpoint
+from ray_elastic.examples.digits_mlp import DigitsMLPTask
+
+from conftest import reference_losses, reference_run
+from faults import ensure_slices, max_rel_err
+
+SIM_CLUSTER = {"num_slices": 4}
+BIN = os.path.join(os.path.dirname(sys.executable), "ray-elastic")
+GBS, SEED = 48, 3
+
+
+def _config(cluster, num_slices=3, **kw) -> ElasticConfig:
+    return ElasticConfig(num_slices=num_slices, global_batch_size=GBS, slice=cluster.slice_spec, seed=SEED,
+                         steps_per_chunk=5, **kw)
+
+
+def _fit(cluster, directory: str, steps: int, num_slices: int = 3, every: int = 10):
+    cfg = _config(cluster, num_slices=num_slices, checkpoint_dir=directory, checkpoint_every=every)
+    return ElasticTrainer(DigitsMLPTask(), cfg, progress=False).fit(steps)
+
+
+def _bucket(gcs) -> str:
+    name = f"ckpt-{uuid.uuid4().hex[:12]}"
+    gcs.create_bucket(name)
+    return name
+
+
+def _steps_in_bucket(gcs, bucket: str, prefix: str) -> dict[int, bool]:
+    """step -> committed (has commit_success.txt), from a raw GCS listing."""
+    out: dict[int, bool] = {}
+    for name in gcs.list(bucket, prefix=prefix + "/"):
+        parts = name[len(prefix) + 1:].split("/")
+        if parts[0].isdigit():
+            step = int(parts[0])
+            out[step] = out.get(step, False) or parts[1:] == ["commit_success.txt"]
+    return out
+
+
+def _restore_in_this_process(directory: str, step: int):
+    """Load a checkpoint written by a multi-process world into one local device."""
+    from flax import nnx
+
+    task = DigitsMLPTask()
+    model = task.create_model(nnx.Rngs(0))
+    state = nnx.state((model, nnx.Optimizer(model, task.create_optimizer(), wrt=nnx.Param)))
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), state)
+    ckpt = Checkpointer(directory, max_to_keep=None)
+    try:
+        restored, meta = ckpt.restore(step, target)
+    finally:
+        ckpt.close()
+    return restored.to_pure_dict(), meta
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Single-process losses for 40 steps and the train state after 20."""
+    losses, _ = reference_run(DigitsMLPTask(), GBS, SEED, 40)
+    _, state20 = reference_run(DigitsMLPTask(), GBS, SEED, 20)
+    return losses, state20
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_round_trip_values_equal_and_resume_on_fewer_slices(where, sim_cluster, local_gcs, tmp_path, reference):
+    ensure_slices(sim_cluster, 4)
+    ref_losses, ref_state20 = reference
+    directory = str(tmp_path / "ckpt") if where == "local" else f"gs://{_bucket(local_gcs)}/run"
+    result = _fit(sim_cluster, directory, 20)
+    assert result.summary["checkpoints_committed"] == 2
+    info = latest_checkpoint(directory)
+    assert info.step == 20 and info.metadata["data_position"] == 20 * GBS
+    assert info.metadata["world"]["mesh"] == {"replica": 3, "fsdp": 2}
+
+    # Saved values are the training state: equal to a single-process run of the same 20 steps.
+    saved, meta = _restore_in_this_process(directory, 20)
+    assert meta["step"] == 20
+    got, want = jax.tree.leaves(saved), jax.tree.leaves(ref_state20)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)
+
+    # And restored values are what training continues from, here on 2 slices.
+    resumed = _fit(sim_cluster, directory, 30, num_slices=2)
+    assert resumed.steps == list(range(20, 30))
+    assert resumed.summary["resumed_from_checkpoint"] == 20 and resumed.summary["mesh"]["replica"] == 2
+    assert max_rel_err(resumed.losses, ref_losses[20:30]) <= 1e-4
+
+
+def test_save_on_three_slices_restore_on_two_and_four(sim_cluster, local_gcs, reference):
+    ensure_slices(sim_cluster, 4)
+    ref_losses, _ = reference
+    bucket = _bucket(local_gcs)
+    src = f"gs://{bucket}/three"
+    _fit(sim_cluster, src, 10)
+    for n in (2, 4):
+        # A copy of the 3-slice checkpoint per target world, so each restores the same step.
+        dst = f"gs://{bucket}/on{n}"
+        from google.cloud import storage
+
+        b = storage.Client().bucket(bucket)
+        for blob in b.list_blobs(prefix="three/"):
+            b.copy_blob(blob, b, "on%d/%s" % (n, blob.name[len("three/"):]))
+        result = _fit(sim_cluster, dst, 20, num_slices=n)
+        assert result.steps == list(range(10, 20))
+        assert result.summary["mesh"] == {"replica": n, "fsdp": 2}
+        restore = [e for e in result.events if e["kind"] == "checkpoint_restore"]
+        assert restore and restore[0]["step"] == 10 and restore[0]["saved_by"]["world"]["num_slices"] == 3
+        assert max_rel_err(result.losses, ref_losses[10:20]) <= 1e-4, n
+
+
+def test_unfinished_step_is_ignored_and_cleaned(sim_cluster, local_gcs, reference):
+    ensure_slices(sim_cluster, 4)
+    ref_losses, _ = reference
+    bucket = _bucket(local_gcs)
+    directory = f"gs://{bucket}/run"
+    _fit(sim_cluster, directory, 20)
+    # What a crash between the shards and the commit marker leaves behind.
+    from google.cloud import storage
+
+    storage.Client().bucket(bucket).blob("run/20/commit_success.txt").delete()
+    assert _steps_in_bucket(local_gcs, bucket, "run") == {10: True, 20: False}
+    assert latest_checkpoint(directory).step == 10
+
+    result = _fit(sim_cluster, directory, 30)
+    assert result.steps == list(range(10, 30))  # resumed from 10, never from the unfinished 20
+    assert max_rel_err(result.losses, ref_losses[10:30]) <= 1e-4
+    assert _steps_in_bucket(local_gcs, bucket, "run") == {10: True, 20: True, 30: True}
+
+
+def test_slice_killed_during_a_save(sim_cluster, local_gcs, reference):
+    """SIGKILL a slice while a checkpoint is being written: the previous committed step is restored,
+    the unfinished one never is, and later saves land."""
+    ensure_slices(sim_cluster, 4)
+    ref_losses, _ = reference
+    bucket = _bucket(local_gcs)
+    cfg = _config(sim_cluster, checkpoint_dir=f"gs://{bucket}/run", checkpoint_every=5, snapshot_every=0)
+    trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False)
+    seen: dict = {}
+    done = threading.Event()
+
+    def kill_mid_save():
+        while not done.is_set():
+            steps = _steps_in_bucket(local_gcs, bucket, "run")
+            unfinished = [s for s, ok in steps.items() if not ok and s >= 15]
+            world = trainer.world
+            if unfinished and world is not None:
+                pid = world.host_infos[1]["pid"]  # slice 1's process: the commit waits for it
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(0.5)
+                now = _steps_in_bucket(local_gcs, bucket, "run")
+                if not now.get(unfinished[0], True):
+                    seen.update(step=unfinished[0], committed=sorted(s for s, ok in now.items() if ok))
+                    os.kill(pid, signal.SIGKILL)
+                    return
+                os.kill(pid, signal.SIGCONT)  # it got committed first: try the next save
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=kill_mid_save, daemon=True)
+    watcher.start()
+    try:
+        result = trainer.fit(40)
+    finally:
+        done.set()
+        watcher.join(timeout=10)
+    assert seen, "no save was caught in flight"
+    unfinished, previous = seen["step"], max(seen["committed"])
+    rec = result.recoveries[0]
+    assert rec["restore_source"] == "checkpoint"
+    assert rec["restored_from_step"] + 1 == previous < unfinished
+    restored = [e["step"] for e in result.events if e["kind"] == "checkpoint_restore"]
+    assert unfinished not in restored
+    # Later saves landed, the unfinished step among them (re-saved by the next world), and
+    # nothing unfinished is left in the bucket (max_to_keep=3 keeps the last three).
+    failed_at = [i for i, e in enumerate(result.events) if e["kind"] == "failure"][0]
+    later = [e["step"] for e in result.events[failed_at:] if e["kind"] == "checkpoint_committed"]
+    assert unfinished in later and later[-1] == 40, later
+    final = _steps_in_bucket(local_gcs, bucket, "run")
+    assert final == {30: True, 35: True, 40: True}, final
+    assert result.steps == list(range(40))
+    assert max_rel_err(result.losses, ref_losses) <= 1e-4
+
+
+def _train_cmd(address_env, directory, run_dir):
+    return [BIN, "train", "--example", "mlp", "--num-slices", "3", "--topology", "2x2x1", "--devices-per-host", "2",
+            "--steps", "80", "--global-batch", str(GBS), "--seed", str(SEED), "--steps-per-chunk", "5",
+            "--checkpoint-dir", directory, "--checkpoint-every", "10", "--run-dir", run_dir, "--json", "--no-progress"]
+
+
+def _run_losses(run_dir: str) -> list[dict]:
+    """Per run start in the event log: {step: loss} (last value wins for a recomputed step)."""
+    runs = []
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        for line in f:
+            e = json.loads(line)
+            if e["kind"] == "run_started":
+                runs.append({"resume": e["resume_from_checkpoint"], "losses": {}})
+            elif e["kind"] == "steps":
+                runs[-1]["losses"].update(zip(e["steps"], e["losses"]))
+    return runs
+
+
+def test_driver_killed_and_rerun_resumes_with_the_same_losses(sim_cluster, local_gcs, tmp_path):
+    ensure_slices(sim_cluster, 4)
+    bucket = _bucket(local_gcs)
+    directory, run_dir = f"gs://{bucket}/job", str(tmp_path / "run")
+    env = {**os.environ, "RAY_ADDRESS": sim_cluster.address}
+    log = open(tmp_path / "first.log", "w")
+    first = subprocess.Popen(_train_cmd(env, directory, run_dir), env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and first.poll() is None:
+        if any(ok and s >= 20 for s, ok in _steps_in_bucket(local_gcs, bucket, "job").items()):
+            break
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)  # the driver itself dies mid-run
+    assert first.wait(timeout=30) == -signal.SIGKILL
+    log.close()
+    killed_at = latest_checkpoint(directory).step
+    assert 20 <= killed_at < 80
+
+    second = subprocess.run(_train_cmd(env, directory, run_dir), env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    summary = json.loads([ln for ln in second.stdout.splitlines() if ln.startswith("{")][-1])
+    assert summary["resumed_from_checkpoint"] == killed_at
+
+    runs = _run_losses(run_dir)
+    assert [r["resume"] for r in runs] == [None, killed_at]
+    resumed = runs[1]["losses"]
+    assert sorted(resumed) == list(range(killed_at, 80))
+
+    # The same run uninterrupted, on the same world shape.
+    whole = ElasticTrainer(DigitsMLPTask(), _config(sim_cluster), progress=False).fit(80)
+    assert max_rel_err([resumed[s] for s in range(killed_at, 80)], whole.losses[killed_at:]) <= 1e-6
+
+
+def test_bad_checkpoint_locations_fail_before_any_slice_is_taken(sim_cluster, local_gcs, tmp_path):
+    ensure_slices(sim_cluster, 4)
+    deadline = time.monotonic() + 60  # earlier runs' slices are given back asynchronously
+    while ray.available_resources().get("TPU", 0) < ray.cluster_resources()["TPU"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    free = ray.available_resources().get("TPU", 0)
+    assert free == ray.cluster_resources()["TPU"]
+    pgs = len(ray.util.placement_group_table())
+    with pytest.raises(ValueError, match="bucket 'no-such-bucket-x' does not exist"):
+        ElasticTrainer(DigitsMLPTask(), _config(sim_cluster, checkpoint_dir="gs://no-such-bucket-x/run"),
+                       progress=False).fit(5)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="is not writable"):
+        ElasticTrainer(DigitsMLPTask(), _config(sim_cluster, checkpoint_dir=str(blocker / "ckpt")),
+                       progress=False).fit(5)
+    assert len(ray.util.placement_group_table()) == pgs
+    assert ray.available_resources().get("TPU", 0) == free
+
+    env = {**os.environ, "RAY_ADDRESS": sim_cluster.address}
+    proc = subprocess.run(_train_cmd(env, "gs://no-such-bucket-x/run", str(tmp_path / "r")), env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "does not exist" in proc.stderr and "gcloud storage buckets create" in proc.stderr, proc.stderr[-2000:]
