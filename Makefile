@@ -28,6 +28,8 @@ test-soak: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py
+	$(PY) bench/recovery.py
+	$(PY) bench/checkpoint.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -17,6 +17,7 @@ step index 99, and training resumes at step index 100.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -128,6 +129,7 @@ def _manager(directory: str, read_only: bool, max_to_keep: Optional[int] = None,
 
     options = ocp.CheckpointManagerOptions(
         read_only=read_only,
+        save_interval_steps=0 if read_only else 1,
         max_to_keep=max_to_keep,
         create=not read_only,
         # The primary host deletes steps a crash left unfinished, when a world starts.
@@ -149,7 +151,13 @@ def latest_checkpoint(directory: str) -> Optional[CheckpointInfo]:
         backend.fsspec_backend.fs(directory).invalidate_cache()
     elif not os.path.isdir(directory):
         return None
-    mgr = _manager(directory, read_only=True)
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)  # orbax warns that a read-only manager is read-only
+    try:
+        mgr = _manager(directory, read_only=True)
+    finally:
+        absl_logger.setLevel(level)
     try:
         step = mgr.latest_step()
         if step is None:

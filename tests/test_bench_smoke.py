@@ -24,3 +24,9 @@ def test_recovery_bench_prints_recovery_times():
                       "--regrow-delay", "3"])
     assert out["steps_rewound_max"] == 0
     assert 0 < out["replica_resize_recovery_s"] < 60 and 0 < out["pause_resume_recovery_after_arrival_s"] < 60
+
+
+def test_checkpoint_bench_prints_save_and_restore_times():
+    out = _last_json(["bench/checkpoint.py", "--steps", "20", "--every", "10"])
+    assert 0 < out["save_blocking_fraction"] < 1
+    assert out["save_total_s"] > 0 and out["restore_s"] > 0 and out["local"]["saves"] == 2
