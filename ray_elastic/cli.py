@@ -79,10 +79,14 @@ def _config(args, spec: SliceSpec) -> ElasticConfig:
     )
 
 
-def _print_summary(result, as_json: bool) -> None:
+def _print_summary(result, as_json: bool, goodput_printed: bool = False) -> None:
     if as_json:
         print(json.dumps(result.summary))
         return
+    if not goodput_printed and result.events:
+        from ray_elastic.goodput import account
+
+        print(account(result.events).table())
     print("\nray-elastic summary")
     width = max(len(k) for k in result.summary)
     for k, v in result.summary.items():
@@ -94,7 +98,7 @@ def _print_summary(result, as_json: bool) -> None:
 def _fit(task, config, args, address=None):
     result = ElasticTrainer(task, config, address=address, progress=not args.no_progress,
                             run_dir=args.run_dir).fit(args.steps)
-    _print_summary(result, args.json)
+    _print_summary(result, args.json, goodput_printed=not args.no_progress)
     return result
 
 
@@ -138,7 +142,17 @@ def cmd_demo(args) -> int:
             result.summary["killed_slice"] = f"{killed['name']} after step {killed['step']}"
             result.summary["detection_s"] = round(rec["detected_at"] - killed["at"], 3)
             result.summary["kill_to_training_again_s"] = round(rec["ready_at"] - killed["at"], 3)
-        _print_summary(result, args.json)
+        _print_summary(result, args.json, goodput_printed=not args.no_progress)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from ray_elastic import report
+
+    events = report.load_events(args.run_dir)
+    out = report.render(args.run_dir, args.out)
+    print(report.timeline(events).goodput.table())
+    print(f"timeline: {out}")
     return 0
 
 
@@ -175,8 +189,13 @@ def main(argv=None) -> int:
                        help="JAX devices per host (default: one per TPU chip)")
     train.set_defaults(func=cmd_train)
 
+    rep = sub.add_parser("report", help="draw a run's timeline and goodput (PNG) from its run directory")
+    rep.add_argument("run_dir", help="the --run-dir of a run (holds events.jsonl)")
+    rep.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/report.png)")
+    rep.set_defaults(func=cmd_report)
+
     args = parser.parse_args(argv)
-    if args.steps < 1:
+    if getattr(args, "steps", 1) < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Callable, Optional
 
 import ray
 
-from ray_elastic import checkpoints
+from ray_elastic import checkpoints, goodput
 from ray_elastic import plan as planner
 from ray_elastic.config import ElasticConfig
 from ray_elastic.errors import ElasticRuntimeError
@@ -41,6 +42,7 @@ S = ControllerState
 WAIT_POLL_S = 0.2
 DRAIN_S = 0.3
 TEARDOWN_CONFIRM_S = 3.0
+GOODPUT_EVERY_S = 10.0
 CHECKPOINT_FINISH_TIMEOUT_S = 600.0
 
 __all__ = ["ElasticTrainer", "ElasticRuntimeError", "FitResult"]
@@ -78,7 +80,9 @@ class ElasticTrainer:
         pre_callback: called before every new world is formed after a failure or resize.
         on_elastic_event_callback: called with each elastic event (failure, recovered,
             resize, scale_up, waiting_for_capacity) as a dict.
-        run_dir: where ``events.jsonl`` is written (``None``: events kept in memory only).
+        run_dir: where ``events.jsonl`` is written (``None``: events kept in memory only);
+            ``ray-elastic report RUN_DIR`` draws it.
+        name: the run's name in Ray metrics (default: the run directory's name, else ``ray-elastic``).
     """
 
     def __init__(
@@ -93,6 +97,7 @@ class ElasticTrainer:
         pre_callback: Optional[Callable[[], None]] = None,
         on_elastic_event_callback: Optional[Callable[[dict], None]] = None,
         run_dir: Optional[str] = None,
+        name: Optional[str] = None,
     ):
         if not isinstance(task, TrainTask):
             raise ValueError(f"task must be a ray_elastic.TrainTask, got {type(task).__name__}")
@@ -111,6 +116,9 @@ class ElasticTrainer:
         self.pre_callback = pre_callback
         self.on_elastic_event_callback = on_elastic_event_callback
         self.run_dir = run_dir
+        self.name = name or (os.path.basename(os.path.normpath(run_dir)) if run_dir else "ray-elastic")
+        self._ray_metrics = None
+        self._goodput_at = 0.0
         self.state = S.INITIALIZING
         self.state_history: list[tuple[str, float]] = [(self.state.value, time.time())]
         self.world: Optional[World] = None
@@ -128,7 +136,7 @@ class ElasticTrainer:
         self.state = new
         self.state_history.append((new.value, time.time()))
         if self._bar is not None:
-            self._bar.set_postfix_str(self._postfix(), refresh=False)
+            self._bar.set_postfix_str(self._postfix(), refresh=True)
 
     def _event(self, kind: str, **fields) -> dict:
         event = self.events.emit(kind, **fields)
@@ -160,6 +168,7 @@ class ElasticTrainer:
                 return self._already_done(resume, num_steps, time.perf_counter() - t_start)
         if not ray.is_initialized():
             ray.init(address=self.address, namespace="ray_elastic", log_to_driver=True)
+        self._ray_metrics = _run_metrics(self.name)
         self._metrics: dict[int, dict] = {}
         self._step_times: list[float] = []
         self._store = SnapshotStore(cfg.slice.num_hosts)
@@ -193,6 +202,11 @@ class ElasticTrainer:
                 self._enter(S.RUNNING)
             self._finish_checkpoints()
             self._enter(S.FINISHED)
+            self._event("run_finished", steps=len(self._metrics), wall_s=time.perf_counter() - t_start)
+            if self._ray_metrics is not None and self._metrics:
+                last = self._metrics[self._last_step()]
+                self._ray_metrics.on_step(last["step"], last["loss"], force=True)
+                self._ray_metrics.on_goodput(goodput.account(self.events.events).goodput)
         except BaseException as e:
             failed_in = self.state.value
             if not self.state.is_terminal:
@@ -208,7 +222,10 @@ class ElasticTrainer:
                 self._bar = None
             self._release()
             self.events.close()
-        return self._result(num_steps, startup_s, time.perf_counter() - t_start)
+        result = self._result(num_steps, startup_s, time.perf_counter() - t_start)
+        if self.progress:
+            print(goodput.account(result.events).table())
+        return result
 
     # ----------------------------------------------------------------- running
     def _run(self, start: int, end: int) -> RunOutcome:
@@ -236,6 +253,8 @@ class ElasticTrainer:
             self._flush_steps()
         if self.on_chunk is not None:
             self.on_chunk([m])
+        if self._ray_metrics is not None:
+            self._ray_metrics.on_step(m["step"], m["loss"])
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix_str(self._postfix(loss=m["loss"]), refresh=False)
@@ -243,9 +262,14 @@ class ElasticTrainer:
     def _flush_steps(self) -> None:
         """Finished steps into the event log, one line per chunk (a rewound step appears again later)."""
         buf, self._step_buffer = self._step_buffer, []
+        snaps = self._streams.take_snapshot_steps() if getattr(self, "_streams", None) is not None else []
         if buf:
             self._event("steps", generation=self.world.plan.generation, steps=[m["step"] for m in buf],
-                        losses=[m["loss"] for m in buf], step_time_s=[m["step_time_s"] for m in buf])
+                        losses=[m["loss"] for m in buf], step_time_s=[m["step_time_s"] for m in buf],
+                        snapshot_steps=snaps)
+        if self._ray_metrics is not None and time.monotonic() - self._goodput_at > GOODPUT_EVERY_S:
+            self._goodput_at = time.monotonic()
+            self._ray_metrics.on_goodput(goodput.account(self.events.events).goodput)
 
     def _last_step(self) -> int:
         return max(self._metrics) if self._metrics else -1
@@ -289,6 +313,8 @@ class ElasticTrainer:
         self.worlds.append({"generation": generation, "slices": list(world.plan.slice_names),
                             "mesh": world.plan.mesh_shape, "global_batch_size": batch,
                             "times": dataclasses.asdict(world.times), "start_step": restore_step + 1})
+        if self._ray_metrics is not None:
+            self._ray_metrics.on_world(len(world.plan.slice_names))
         self._event("world_formed", generation=generation, slices=list(world.plan.slice_names),
                     mesh=world.plan.mesh_shape, global_batch_size=batch, restored_from_step=restore_step,
                     restore_source=restore.source, snapshot_donors=donors, **dataclasses.asdict(world.times))
@@ -332,7 +358,10 @@ class ElasticTrainer:
         self._event("failure", generation=world.plan.generation, cause=cause, kinds=kinds,
                     lost_slices=list(verdict.lost_slices), crashed_slices=list(verdict.crashed_slices),
                     error=str(first)[:2000], last_step=self._last_step(),
-                    since_last_progress_s=t_detect - last_progress_at, classify_s=t_classified - t_detect)
+                    since_last_progress_s=t_detect - last_progress_at, classify_s=t_classified - t_detect,
+                    detection_latency_s=t_classified - last_progress_at)
+        if self._ray_metrics is not None:
+            self._ray_metrics.on_world(world.plan.num_slices - len(verdict.lost_slices))
         if not verdict.recoverable:
             world.teardown()
             raise ElasticRuntimeError(f"not recoverable: {verdict.reason}") from first
@@ -426,6 +455,11 @@ class ElasticTrainer:
         }
         self.recoveries.append(record)
         self._event("recovered", **record)
+        before = len(self.worlds[-2]["slices"]) if len(self.worlds) > 1 else None
+        if before is not None and before != len(self._members):
+            self._event("resize", generation=record["generation"], from_slices=before, to_slices=len(self._members))
+        if self._ray_metrics is not None:
+            self._ray_metrics.on_recovery()
         return restore.step + 1
 
     def _failed_forming(self, error: Exception, t_detect: float) -> int:
@@ -543,6 +577,7 @@ class ElasticTrainer:
         rec = self.recoveries
         summary = {
             "steps": len(steps),
+            "goodput": round(goodput.account(self.events.events).goodput, 4),
             "slices": plan.num_slices,
             "hosts_per_slice": plan.hosts_per_slice,
             "mesh": plan.mesh_shape,
@@ -567,6 +602,7 @@ class ElasticTrainer:
         return FitResult(steps, losses, times, list(rec), summary, list(self.events.events))
 
     def _postfix(self, loss: Optional[float] = None) -> str:
+        """Step, loss, slices training and the controller's state, for the progress bar."""
         parts = []
         if loss is not None:
             parts.append(f"loss={loss:.4f}")
@@ -595,3 +631,14 @@ class ElasticTrainer:
                 r.release()
             except Exception as e:  # noqa: BLE001
                 logger.debug("release reservation: %s", e)
+
+
+def _run_metrics(name: str):
+    """Ray metrics for this run; a run goes on without them if they cannot be set up."""
+    from ray_elastic.metrics import RunMetrics
+
+    try:
+        return RunMetrics(name)
+    except Exception as e:  # noqa: BLE001
+        logger.warning("Ray metrics disabled: %s", e)
+        return None

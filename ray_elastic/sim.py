@@ -72,6 +72,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclasses.dataclass(frozen=True)
+class TPUHost:
+    """What a Ray node must carry to pass for one host of a TPU slice (for ``ray.util.tpu``)."""
+
+    resources: dict
+    labels: dict
+    env: dict
+
+    def ray_start_args(self) -> list[str]:
+        """The same as ``ray start`` flags (the environment goes into the process's env)."""
+        import json
+
+        return ["--resources", json.dumps(self.resources),
+                "--labels", ",".join(f"{k}={v}" for k, v in self.labels.items())]
+
+
+def tpu_host(spec, slice_name: str, worker_id: int, devices_per_host: int) -> TPUHost:
+    """Resources, labels and environment of host ``worker_id`` of a simulated slice."""
+    acc = f"TPU-{spec.accelerator.upper()}"
+    resources = {"TPU": spec.chips_per_host, f"accelerator_type:{acc}": 1}
+    if worker_id == 0:
+        resources[f"TPU-{spec.pod_type}-head"] = 1
+    labels = {
+        "ray.io/tpu-slice-name": slice_name,
+        "ray.io/tpu-worker-id": str(worker_id),
+        "ray.io/tpu-pod-type": spec.pod_type,
+        "ray.io/tpu-topology": spec.topology,
+        "ray.io/accelerator-type": acc,
+    }
+    env = {
+        "TPU_NAME": slice_name,
+        "TPU_WORKER_ID": str(worker_id),
+        # What makes a CPU process look like a TPU host with N devices.
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_host}",
+    }
+    return TPUHost(resources, labels, env)
+
+
 @dataclasses.dataclass
 class SimulatedSlice:
     """One slice: its name and the Ray nodes of its hosts (worker 0 first)."""
@@ -195,29 +234,13 @@ class SimulatedTPUCluster:
             self._next_slice += 1
         nodes = []
         for worker_id in range(spec.num_hosts):
-            resources = {"TPU": spec.chips_per_host, f"accelerator_type:TPU-{spec.accelerator.upper()}": 1}
-            if worker_id == 0:
-                resources[f"TPU-{spec.pod_type}-head"] = 1
-            labels = {
-                "ray.io/tpu-slice-name": name,
-                "ray.io/tpu-worker-id": str(worker_id),
-                "ray.io/tpu-pod-type": spec.pod_type,
-                "ray.io/tpu-topology": spec.topology,
-                "ray.io/accelerator-type": f"TPU-{spec.accelerator.upper()}",
-            }
-            env = {
-                "TPU_NAME": name,
-                "TPU_WORKER_ID": str(worker_id),
-                # What makes a CPU process look like a TPU host with N devices.
-                "JAX_PLATFORMS": "cpu",
-                "XLA_FLAGS": f"--xla_force_host_platform_device_count={self.devices_per_host}",
-            }
+            host = tpu_host(spec, name, worker_id, self.devices_per_host)
             nodes.append(
                 self._cluster.add_node(
                     num_cpus=2,
-                    resources=resources,
-                    labels=labels,
-                    env_vars=env,
+                    resources=host.resources,
+                    labels=host.labels,
+                    env_vars=host.env,
                     object_store_memory=self._object_store_bytes,
                 )
             )

@@ -55,6 +55,12 @@ class StepStreams:
         n = len(world.workers)
         self.queues: list[collections.deque] = [collections.deque() for _ in range(n)]
         self.streaming = [world.plan.takes_snapshots(p) for p in range(n)]
+        self._snapshot_steps: list[int] = []  # steps whose snapshot process 0 delivered, not yet reported
+
+    def take_snapshot_steps(self) -> list[int]:
+        """Steps snapshotted since the last call (for the event log)."""
+        out, self._snapshot_steps = self._snapshot_steps, []
+        return out
 
     def run(self, start_step: int, end_step: int, grow_requested: Callable[[], bool]) -> RunOutcome:
         submitted = start_step
@@ -105,6 +111,8 @@ class StepStreams:
         metrics = ray.get(ref)
         if s.snapshot is not None:
             self.store.add(self.world.slice_of(p), p % plan.hosts_per_slice, s.cursor, s.snapshot)
+            if p == 0:
+                self._snapshot_steps.append(s.cursor)
             s.snapshot = None
         s.cursor += 1
         if p == 0:

@@ -1,0 +1,77 @@
+"""The cluster configs in ``cluster/`` are valid for Ray's cluster launcher and KubeRay, and describe
+the slices ray-elastic expects (checked against Ray's own validation and TPU tables)."""
+
+import copy
+import json
+import os
+import shlex
+
+import pytest
+import yaml
+
+from ray_elastic import SliceSpec
+
+CLUSTER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cluster")
+HEALTH_KEYS = {"health_check_period_ms", "health_check_timeout_ms", "health_check_failure_threshold"}
+
+
+def _load(name):
+    with open(os.path.join(CLUSTER, name)) as f:
+        return yaml.safe_load(f)
+
+
+def _system_config(cmdline: str) -> dict:
+    args = shlex.split(cmdline)
+    for a in args:
+        if a.startswith("--system-config="):
+            return json.loads(a.split("=", 1)[1])
+    raise AssertionError(f"no --system-config in {cmdline!r}")
+
+
+def test_gce_launcher_yaml_passes_rays_own_validation():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = _load("gce-tpu.yaml")
+    validate_config(prepare_config(copy.deepcopy(config)))
+
+    tpu = config["available_node_types"]["ray_tpu_v4_16"]
+    spec = SliceSpec("v4", "2x2x2")
+    assert tpu["node_config"]["acceleratorType"] == spec.pod_type == "v4-16"
+    assert tpu["resources"]["TPU"] == spec.chips_per_host
+    assert config["max_workers"] >= 4 * spec.num_hosts
+    head_cmd = " ".join(config["head_start_ray_commands"])
+    sysconf = _system_config(head_cmd[head_cmd.index("ray start"):])
+    assert set(sysconf) == HEALTH_KEYS and sysconf["health_check_period_ms"] <= 500
+
+
+def test_gce_launcher_validation_catches_a_broken_config():
+    # The validation above can fail: a node type without resources/node_config is rejected.
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = _load("gce-tpu.yaml")
+    config["available_node_types"]["ray_tpu_v4_16"]["bogus_field"] = 1
+    with pytest.raises(Exception):
+        validate_config(prepare_config(config))
+
+
+def test_kuberay_manifest_has_tpu_worker_groups_and_autoscaling():
+    m = _load("kuberay-tpu.yaml")
+    assert m["apiVersion"] == "ray.io/v1" and m["kind"] == "RayCluster" and m["metadata"]["name"]
+    spec = m["spec"]
+    assert spec["enableInTreeAutoscaling"] is True
+    head = spec["headGroupSpec"]
+    assert head["template"]["spec"]["containers"][0]["image"].startswith("rayproject/ray:")
+    assert set(json.loads(head["rayStartParams"]["system-config"])) == HEALTH_KEYS
+
+    (group,) = spec["workerGroupSpecs"]
+    assert group["groupName"]
+    assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    pod = group["template"]["spec"]
+    selector = pod["nodeSelector"]
+    topology = selector["cloud.google.com/gke-tpu-topology"]
+    assert selector["cloud.google.com/gke-tpu-accelerator"] == "tpu-v4-podslice"
+    slice_spec = SliceSpec("v4", topology)  # a topology Ray's TPU tables accept
+    assert group["numOfHosts"] == slice_spec.num_hosts == 2
+    (container,) = pod["containers"]
+    res = container["resources"]
+    assert res["limits"]["google.com/tpu"] == res["requests"]["google.com/tpu"] == str(slice_spec.chips_per_host)

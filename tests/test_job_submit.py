@@ -1,0 +1,177 @@
+"""``ray job submit -- ray-elastic train ...`` on a cluster started with ``ray start``, a slice killed mid-job.
+
+The head and every simulated slice host are ``ray start --block`` processes of this test, on
+free ports and a private temp dir; a slice is killed by SIGKILLing its process tree, and at the
+end only those trees are stopped.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import psutil
+import pytest
+
+from ray_elastic.config import SliceSpec
+from ray_elastic.sim import FAST_HEALTH_CHECKS, free_port, tpu_host
+
+BIN_DIR = os.path.dirname(sys.executable)
+RAY = os.path.join(BIN_DIR, "ray")
+STEPS, KILL_AFTER = 80, 20
+
+
+def _ports(*names) -> list[str]:
+    return [a for n in names for a in (f"--{n}", str(free_port()))]
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a ``ray start --block`` process and everything it started."""
+    try:
+        root = psutil.Process(proc.pid)
+        procs = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+class RayStartCluster:
+    """A head and slice hosts, each a ``ray start --block`` child process."""
+
+    NODE_PORTS = ("node-manager-port", "object-manager-port", "metrics-export-port", "dashboard-agent-listen-port",
+                  "dashboard-agent-grpc-port", "runtime-env-agent-port")
+
+    def __init__(self):
+        self.temp_dir = tempfile.mkdtemp(prefix="rel-job-", dir="/tmp")
+        self.env = {**os.environ, "PATH": BIN_DIR + os.pathsep + os.environ.get("PATH", ""), "RAY_TMPDIR": self.temp_dir}
+        self.env.pop("RAY_ADDRESS", None)
+        self.gcs_port, self.dashboard_port = free_port(), free_port()
+        self.logs = open(os.path.join(self.temp_dir, "ray-start.log"), "ab")
+        self.head = self._start(["--head", "--port", str(self.gcs_port), "--dashboard-port", str(self.dashboard_port),
+                                 "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--num-cpus", "1",
+                                 "--system-config", json.dumps(FAST_HEALTH_CHECKS),
+                                 *_ports("ray-client-server-port")], self.env)
+        self.slices: dict[str, subprocess.Popen] = {}
+        self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
+        self._wait(lambda: urllib.request.urlopen(f"{self.dashboard}/api/version", timeout=2).read(), 90, "dashboard")
+
+    def _start(self, args, env) -> subprocess.Popen:
+        cmd = [RAY, "start", "--block", "--temp-dir", os.path.join(self.temp_dir, "ray"),
+               *_ports(*self.NODE_PORTS), *args]
+        return subprocess.Popen(cmd, env=env, stdout=self.logs, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def add_slice(self, name: str, spec: SliceSpec, devices_per_host: int = 2) -> None:
+        """Start a one-host slice and wait until Ray lists it (one at a time: on a loaded 2-core
+        machine, nodes started together can time out registering; a timed-out start is retried)."""
+        host = tpu_host(spec, name, 0, devices_per_host)
+        want = self.alive_tpu_nodes() + 1
+        for _ in range(3):
+            self.slices[name] = self._start(["--address", f"127.0.0.1:{self.gcs_port}", "--num-cpus", "2",
+                                             *host.ray_start_args()], {**self.env, **host.env})
+            deadline = time.monotonic() + 90
+            while self.slices[name].poll() is None and time.monotonic() < deadline:
+                if self.alive_tpu_nodes() >= want:
+                    return
+                time.sleep(0.5)
+            _kill_tree(self.slices[name])
+        raise TimeoutError(f"slice host {name} did not join the cluster")
+
+    def alive_tpu_nodes(self) -> int:
+        from ray.util.state import list_nodes
+
+        nodes = list_nodes(address=self.dashboard, filters=[("state", "=", "ALIVE")], detail=True)
+        return sum(1 for n in nodes if "TPU" in (n.resources_total or {}))
+
+    def kill_slice(self, name: str) -> None:
+        _kill_tree(self.slices[name])
+
+    def shutdown(self) -> None:
+        for proc in list(self.slices.values()) + [self.head]:
+            _kill_tree(proc)
+        self.logs.close()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    @staticmethod
+    def _wait(fn, timeout_s: float, what: str):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                got = fn()
+                if got:
+                    return got
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} not ready after {timeout_s}s")
+            time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = RayStartCluster()
+    try:
+        spec = SliceSpec("v4", "2x2x1", devices_per_host=2)
+        for i in range(3):
+            c.add_slice(f"job-slice-{i}", spec)
+        yield c
+    finally:
+        c.shutdown()
+
+
+def _events(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "events.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def test_ray_job_submit_recovers_from_a_killed_slice(cluster, tmp_path):
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    run_dir = str(tmp_path / "job-run")
+    job_id = f"ray-elastic-{int(time.time())}"
+    submit = subprocess.run(
+        [RAY, "job", "submit", "--address", cluster.dashboard, "--submission-id", job_id, "--no-wait", "--",
+         "ray-elastic", "train", "--example", "mlp", "--num-slices", "3", "--topology", "2x2x1",
+         "--devices-per-host", "2", "--steps", str(STEPS), "--global-batch", "48", "--steps-per-chunk", "5",
+         "--run-dir", run_dir, "--json"],
+        env=cluster.env, capture_output=True, text=True, timeout=120,
+    )
+    assert submit.returncode == 0, submit.stdout[-2000:] + submit.stderr[-2000:]
+    client = JobSubmissionClient(cluster.dashboard)
+
+    def trained_past_kill_point():
+        done = [s for e in _events(run_dir) if e["kind"] == "steps" for s in e["steps"]]
+        status = client.get_job_status(job_id)
+        assert status not in (JobStatus.FAILED, JobStatus.STOPPED), client.get_job_logs(job_id)[-3000:]
+        return done and max(done) >= KILL_AFTER
+
+    cluster._wait(trained_past_kill_point, 180, "the job's first steps")
+    formed = [e for e in _events(run_dir) if e["kind"] == "world_formed"][0]
+    victim = formed["slices"][-1]
+    cluster.kill_slice(victim)
+
+    cluster._wait(lambda: client.get_job_status(job_id) in (JobStatus.SUCCEEDED, JobStatus.FAILED), 240, "job end")
+    logs = client.get_job_logs(job_id)
+    assert client.get_job_status(job_id) == JobStatus.SUCCEEDED, logs[-4000:]
+
+    summary = json.loads([ln for ln in logs.splitlines() if ln.startswith("{")][-1])
+    assert summary["steps"] == STEPS and summary["recoveries"] == 1 and summary["steps_rewound"] == 0
+    assert summary["slices"] == 2  # replica-resize: continued on the survivors
+    events = _events(run_dir)
+    (failure,) = [e for e in events if e["kind"] == "failure"]
+    assert failure["lost_slices"] == [victim]
+    assert [e["kind"] for e in events][-1] == "run_finished"
+    done = sorted({s for e in events if e["kind"] == "steps" for s in e["steps"]})
+    assert done == list(range(STEPS))
