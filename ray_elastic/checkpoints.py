@@ -212,6 +212,8 @@ class Checkpointer:
 
     def __init__(self, directory: str, max_to_keep: Optional[int], async_save: bool = True):
         _SaveDurations.install()
+        _SaveDurations.take()  # durations of an earlier world in this process are not ours
+        self._started: list[int] = []  # saves in flight, oldest first
         self.directory = directory
         self._mgr = _manager(directory, read_only=False, max_to_keep=max_to_keep, async_save=async_save)
 
@@ -224,6 +226,7 @@ class Checkpointer:
             STATE_ITEM: ocp.args.StandardSave(state),
             META_ITEM: ocp.args.JsonSave(metadata),
         }), force=True)
+        self._started.append(step)
         return time.perf_counter() - t0
 
     def restore(self, step: int, target: Any) -> tuple[Any, dict]:
@@ -236,9 +239,9 @@ class Checkpointer:
         }))
         return got[STATE_ITEM], dict(got[META_ITEM])
 
-    def finished_saves(self) -> list[float]:
-        """Total seconds of each async save that finished since the last call."""
-        return _SaveDurations.take()
+    def finished_saves(self) -> list[tuple[int, float]]:
+        """(step, total seconds) of each save that finished since the last call (orbax finishes them in order)."""
+        return [(self._started.pop(0), d) for d in _SaveDurations.take() if self._started]
 
     def wait(self) -> None:
         """Block until the in-flight save is committed."""

@@ -111,6 +111,10 @@ def cmd_demo(args) -> int:
     spec = SliceSpec.for_hosts(args.accelerator, args.hosts_per_slice, args.devices_per_host)
     task = load_task(args.task)
     config = _config(args, spec)  # validated before the cluster starts
+    if args.run_dir is None:
+        import tempfile
+
+        args.run_dir = tempfile.mkdtemp(prefix="ray-elastic-demo-")
     kill_at = args.steps // 2 if args.kill_at is None else args.kill_at
     if kill_at >= args.steps:
         raise ValueError(f"--kill-at {kill_at} must be below --steps {args.steps} (or -1 for no kill)")
@@ -143,6 +147,10 @@ def cmd_demo(args) -> int:
             result.summary["detection_s"] = round(rec["detected_at"] - killed["at"], 3)
             result.summary["kill_to_training_again_s"] = round(rec["ready_at"] - killed["at"], 3)
         _print_summary(result, args.json, goodput_printed=not args.no_progress)
+    if not args.json:
+        from ray_elastic import report
+
+        print(f"timeline of this run: {report.render(args.run_dir)}  (ray-elastic report {args.run_dir})")
     return 0
 
 

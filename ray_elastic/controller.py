@@ -169,16 +169,7 @@ class ElasticTrainer:
         if not ray.is_initialized():
             ray.init(address=self.address, namespace="ray_elastic", log_to_driver=True)
         self._ray_metrics = _run_metrics(self.name)
-        self._metrics: dict[int, dict] = {}
-        self._step_times: list[float] = []
-        self._store = SnapshotStore(cfg.slice.num_hosts)
-        self._failure_times: list[float] = []
-        self._attempt = 0
-        self.recoveries: list[dict] = []
-        self._num_steps = num_steps
-        self._pending_saves: list[int] = []
-        self._step_buffer: list[dict] = []
-        self._first_step = resume.step if resume else 0
+        self._reset(resume)
         try:
             self._enter(S.SCHEDULING)
             self._pool = WorkerPool(ray.put(self.task), cfg, env=checkpoints.gcs_env())
@@ -200,13 +191,7 @@ class ElasticTrainer:
                 else:
                     next_step = self._recover(outcome)
                 self._enter(S.RUNNING)
-            self._finish_checkpoints()
-            self._enter(S.FINISHED)
-            self._event("run_finished", steps=len(self._metrics), wall_s=time.perf_counter() - t_start)
-            if self._ray_metrics is not None and self._metrics:
-                last = self._metrics[self._last_step()]
-                self._ray_metrics.on_step(last["step"], last["loss"], force=True)
-                self._ray_metrics.on_goodput(goodput.account(self.events.events).goodput)
+            self._finish(time.perf_counter() - t_start)
         except BaseException as e:
             failed_in = self.state.value
             if not self.state.is_terminal:
@@ -227,6 +212,27 @@ class ElasticTrainer:
             print(goodput.account(result.events).table())
         return result
 
+    def _reset(self, resume: Optional[checkpoints.CheckpointInfo]) -> None:
+        """Per-run bookkeeping (a trainer can ``fit`` more than once)."""
+        self._metrics: dict[int, dict] = {}
+        self._step_times: list[float] = []
+        self._store = SnapshotStore(self.config.slice.num_hosts)
+        self._failure_times: list[float] = []
+        self._attempt = 0
+        self.recoveries: list[dict] = []
+        self._step_buffer: list[dict] = []
+        self._first_step = resume.step if resume else 0
+
+    def _finish(self, wall_s: float) -> None:
+        """All steps done: let the last checkpoint commit, then record the end everywhere."""
+        self._finish_checkpoints()
+        self._enter(S.FINISHED)
+        self._event("run_finished", steps=len(self._metrics), wall_s=wall_s)
+        if self._ray_metrics is not None and self._metrics:
+            last = self._metrics[self._last_step()]
+            self._ray_metrics.on_step(last["step"], last["loss"], force=True)
+            self._ray_metrics.on_goodput(goodput.account(self.events.events).goodput)
+
     # ----------------------------------------------------------------- running
     def _run(self, start: int, end: int) -> RunOutcome:
         streams = StepStreams(self.world, self.config, self._store, self._on_metrics, self._step_times)
@@ -245,9 +251,8 @@ class ElasticTrainer:
         self._metrics[m["step"]] = m
         self._step_times.append(m["step_time_s"])
         if "checkpoint_step" in m:
-            self._pending_saves.append(m["checkpoint_step"])
             self._event("checkpoint_save", step=m["checkpoint_step"], blocking_s=m["checkpoint_blocking_s"])
-        self._saves_committed(m.get("checkpoint_saves_finished_s", []))
+        self._saves_committed(m.get("checkpoints_committed", []))
         self._step_buffer.append(m)
         if len(self._step_buffer) >= self.config.steps_per_chunk:
             self._flush_steps()
@@ -534,9 +539,8 @@ class ElasticTrainer:
         info = checkpoints.latest_checkpoint(self.config.checkpoint_dir)
         return info.restore_step if info else None
 
-    def _saves_committed(self, durations: list[float]) -> None:
-        for total_s in durations:
-            step = self._pending_saves.pop(0) if self._pending_saves else None
+    def _saves_committed(self, finished: list) -> None:
+        for step, total_s in finished:
             self._event("checkpoint_committed", step=step, total_s=total_s)
 
     def _finish_checkpoints(self) -> None:
@@ -544,8 +548,7 @@ class ElasticTrainer:
         if not self.config.checkpoint_dir or self.world is None:
             return
         got = self.world.finish_checkpoints(CHECKPOINT_FINISH_TIMEOUT_S)
-        self._saves_committed(got["saves_finished_s"])
-        self._pending_saves.clear()
+        self._saves_committed(got["committed"])
 
     def _check_resume(self, info: checkpoints.CheckpointInfo) -> None:
         """Resuming: say so, and warn when the data order of the checkpoint differs from this config."""

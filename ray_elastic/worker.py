@@ -150,7 +150,7 @@ class SliceWorker:
             if self.loop.checkpointer is not None:
                 finished = self.loop.checkpointer.finished_saves()
                 if finished:
-                    metrics["checkpoint_saves_finished_s"] = finished
+                    metrics["checkpoints_committed"] = finished
             self.last_step = step
             if streams:
                 if is_snapshot_step(step, c.snapshot_every):
@@ -179,7 +179,7 @@ class SliceWorker:
     def finish_checkpoints(self) -> dict:
         """Wait until the in-flight save is committed (before a planned teardown or the end)."""
         if self.loop is None or self.loop.checkpointer is None:
-            return {"waited_s": 0.0, "saves_finished_s": []}
+            return {"waited_s": 0.0, "committed": []}
         t0 = time.perf_counter()
         self.loop.checkpointer.wait()
-        return {"waited_s": time.perf_counter() - t0, "saves_finished_s": self.loop.checkpointer.finished_saves()}
+        return {"waited_s": time.perf_counter() - t0, "committed": self.loop.checkpointer.finished_saves()}
