@@ -27,20 +27,19 @@ import statistics
 import tempfile
 
 
-def measure(cluster, directory: str, steps: int, every: int) -> dict:
+def measure(cluster, task, directory: str, steps: int, every: int) -> dict:
     from ray_elastic import ElasticConfig, ElasticTrainer
-    from ray_elastic.examples.char_transformer import CharTransformerTask
 
     cfg = ElasticConfig(num_slices=3, global_batch_size=48, slice=cluster.slice_spec, steps_per_chunk=10,
                         checkpoint_dir=directory, checkpoint_every=every)
-    result = ElasticTrainer(CharTransformerTask(), cfg, progress=False).fit(steps)
+    result = ElasticTrainer(task, cfg, progress=False).fit(steps)
     saves = [e for e in result.events if e["kind"] == "checkpoint_save"]
     committed = [e for e in result.events if e["kind"] == "checkpoint_committed"]
     ckpt_steps = {e["step"] - 1 for e in saves}
     plain = sorted(t for s, t in zip(result.steps, result.step_times_s) if s not in ckpt_steps and s > 0)
     step_s = statistics.median(plain)
     blocking = statistics.mean(e["blocking_s"] for e in saves)
-    resumed = ElasticTrainer(CharTransformerTask(), cfg, progress=False).fit(steps + 1)
+    resumed = ElasticTrainer(task, cfg, progress=False).fit(steps + 1)
     restore = [e for e in resumed.events if e["kind"] == "checkpoint_restore"][0]
     return {
         "saves": len(saves),
@@ -56,7 +55,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300, help="training steps per run")
     ap.add_argument("--every", type=int, default=100, help="checkpoint_every")
+    ap.add_argument("--example", default="transformer", help="example task (transformer, mlp)")
     args = ap.parse_args()
+
+    from ray_elastic.cli import load_task
+
+    task = load_task(args.example)
 
     from ray_elastic.local_gcs import LocalGCS
 
@@ -68,11 +72,11 @@ def main() -> None:
         local = tempfile.mkdtemp(prefix="ray-elastic-ckpt-bench-")
         try:
             with SimulatedTPUCluster(num_slices=3, log_to_driver=False) as cluster:
-                rows = {"local": measure(cluster, local + "/run", args.steps, args.every),
-                        "gcs": measure(cluster, bucket + "/run", args.steps, args.every)}
+                rows = {"local": measure(cluster, task, local + "/run", args.steps, args.every),
+                        "gcs": measure(cluster, task, bucket + "/run", args.steps, args.every)}
         finally:
             shutil.rmtree(local, ignore_errors=True)
-    print(f"\ncheckpoints of the example transformer, 3 slices, every {args.every} steps, {args.steps} steps")
+    print(f"\ncheckpoints of the example {args.example}, 3 slices, every {args.every} steps, {args.steps} steps")
     keys = list(rows["local"])
     print("  " + f"{'':>6}" + "".join(f"{k:>24}" for k in keys))
     for where, row in rows.items():

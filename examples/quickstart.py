@@ -35,10 +35,34 @@ class SineRegression(TrainTask):
 
 # %% A simulated 3-slice TPU cluster (a real local Ray cluster: one node per slice host).
 if __name__ == "__main__":
+    import tempfile
+    import threading
+
+    from ray_elastic.report import render
+
     with SimulatedTPUCluster(num_slices=3, log_to_driver=False) as cluster:
         config = ElasticConfig(num_slices=3, global_batch_size=96, slice=cluster.slice_spec, steps_per_chunk=25)
         result = ElasticTrainer(SineRegression(), config).fit(100)
 
-    # %% Per-step losses and a summary come back to the notebook.
-    print(f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f} in {len(result.steps)} steps")
-    print(result.summary)
+        # %% Per-step losses and a summary come back to the notebook.
+        print(f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f} in {len(result.steps)} steps")
+        print(result.summary)
+
+        # %% Now lose a slice half way: its host is removed and its processes SIGKILLed.
+        killed = []
+
+        def kill_a_slice_once(metrics):
+            if metrics[-1]["step"] >= 50 and not killed:
+                killed.append(trainer.world.plan.slice_names[-1])
+                threading.Thread(target=cluster.kill_slice, args=(killed[0],)).start()
+
+        run_dir = tempfile.mkdtemp(prefix="quickstart-run-")
+        config = ElasticConfig(num_slices=3, global_batch_size=96, slice=cluster.slice_spec, steps_per_chunk=10)
+        trainer = ElasticTrainer(SineRegression(), config, on_chunk=kill_a_slice_once, run_dir=run_dir)
+        result = trainer.fit(100)   # the progress bar shows state=recovering, then slices=2/3
+
+        # %% The run went on with the survivors (replica-resize); nothing was recomputed.
+        rec = result.recoveries[0]
+        print(f"lost {killed[0]}: training again after {rec['recovery_s']:.2f}s on {rec['slices']} slices, "
+              f"{rec['steps_rewound']} steps rewound, {len(result.steps)} steps done")
+        print("timeline:", render(run_dir))   # in a notebook: IPython.display.Image(render(run_dir))

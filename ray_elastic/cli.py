@@ -154,6 +154,52 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_sim(args) -> int:
+    """A simulated TPU cluster in the foreground, for ``ray job submit`` and fault drills by hand."""
+    import math
+    import os
+
+    from ray_elastic.sim import SimulatedTPUCluster
+
+    # Jobs run on this cluster's nodes: they must find this installation's ray-elastic.
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    spec = SliceSpec.for_hosts(args.accelerator, args.hosts_per_slice, args.devices_per_host)
+    with SimulatedTPUCluster(num_slices=args.num_slices, hosts_per_slice=args.hosts_per_slice,
+                             devices_per_host=args.devices_per_host, accelerator=args.accelerator,
+                             log_to_driver=False, dashboard=True) as cluster:
+        if args.provision_delay >= 0:
+            cluster.provisioner(delay_s=args.provision_delay)
+        url = f"http://127.0.0.1:{cluster.dashboard_port}"
+        print(f"simulated cluster up: {args.num_slices} x {spec.pod_type} slice(s) ({spec.topology}), "
+              f"{spec.num_hosts} host(s) each, {spec.host_devices} JAX CPU device(s) per host")
+        print(f"dashboard and job server: {url}")
+        print("submit a job from another terminal:")
+        print(f"  ray job submit --address {url} -- ray-elastic train --example mlp --num-slices {args.num_slices} "
+              f"--topology {spec.topology} --devices-per-host {spec.host_devices} --global-batch "
+              f"{4 * math.lcm(*range(1, args.num_slices + 1)) * spec.devices_per_slice} --steps 300 "
+              "--run-dir /tmp/ray-elastic/job")
+        print("commands: list | kill [SLICE] (default: the newest) | add | quit", flush=True)
+        for line in sys.stdin:
+            cmd, *rest = line.split() or [""]
+            alive = [s.name for s in cluster.alive_slices()]
+            if cmd == "list":
+                print("slices:", " ".join(alive) or "(none)", flush=True)
+            elif cmd == "kill" and alive:
+                name = rest[0] if rest else alive[-1]
+                if name not in alive:
+                    print(f"no live slice {name!r}; live: {' '.join(alive)}", flush=True)
+                    continue
+                cluster.kill_slice(name)
+                print(f"killed {name}", flush=True)
+            elif cmd == "add":
+                print(f"added {cluster.add_slice().name}", flush=True)
+            elif cmd in ("quit", "exit"):
+                break
+            elif cmd:
+                print("commands: list | kill [SLICE] | add | quit", flush=True)
+    return 0
+
+
 def cmd_report(args) -> int:
     from ray_elastic import report
 
@@ -196,6 +242,16 @@ def main(argv=None) -> int:
     train.add_argument("--devices-per-host", type=int, default=None,
                        help="JAX devices per host (default: one per TPU chip)")
     train.set_defaults(func=cmd_train)
+
+    sim = sub.add_parser("sim", help="run a simulated TPU cluster in the foreground (for ray job submit); "
+                                     "kill/add slices from stdin")
+    sim.add_argument("--num-slices", type=int, default=3)
+    sim.add_argument("--accelerator", default="v4", help="TPU generation the simulated hosts pretend to be")
+    sim.add_argument("--hosts-per-slice", type=int, default=1)
+    sim.add_argument("--devices-per-host", type=int, default=2, help="JAX CPU devices per simulated host")
+    sim.add_argument("--provision-delay", type=float, default=-1,
+                     help="add a slice this many seconds after one is asked for, like the autoscaler (-1: never)")
+    sim.set_defaults(func=cmd_sim)
 
     rep = sub.add_parser("report", help="draw a run's timeline and goodput (PNG) from its run directory")
     rep.add_argument("run_dir", help="the --run-dir of a run (holds events.jsonl)")

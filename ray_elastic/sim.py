@@ -136,6 +136,7 @@ class SimulatedTPUCluster:
         accelerator: TPU generation the hosts pretend to be.
         fast_health_checks: use :data:`FAST_HEALTH_CHECKS` (sub-second node-death detection).
         object_store_mb: object store size per node.
+        dashboard: start Ray's dashboard on ``dashboard_port`` (needed for ``ray job submit``).
     """
 
     def __init__(
@@ -148,6 +149,7 @@ class SimulatedTPUCluster:
         object_store_mb: int = 100,
         connect: bool = True,
         log_to_driver: bool = True,
+        dashboard: bool = False,
     ):
         self.slice_spec = SliceSpec.for_hosts(accelerator, hosts_per_slice, devices_per_host)
         self.devices_per_host = devices_per_host
@@ -175,7 +177,8 @@ class SimulatedTPUCluster:
             num_cpus=1,
             gcs_server_port=free_port(),
             temp_dir=os.path.join(self.temp_dir, "ray"),
-            include_dashboard=False,
+            include_dashboard=dashboard,
+            dashboard_host="127.0.0.1",
             dashboard_port=self.dashboard_port,
             object_store_memory=self._object_store_bytes,
             _system_config=dict(FAST_HEALTH_CHECKS) if fast_health_checks else {},

@@ -27,6 +27,6 @@ def test_recovery_bench_prints_recovery_times():
 
 
 def test_checkpoint_bench_prints_save_and_restore_times():
-    out = _last_json(["bench/checkpoint.py", "--steps", "20", "--every", "10"])
+    out = _last_json(["bench/checkpoint.py", "--steps", "20", "--every", "10", "--example", "mlp"])
     assert 0 < out["save_blocking_fraction"] < 1
     assert out["save_total_s"] > 0 and out["restore_s"] > 0 and out["local"]["saves"] == 2

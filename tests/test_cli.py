@@ -54,3 +54,77 @@ def test_train_reports_missing_capacity_clearly(sim_cluster):
     )
     assert proc.returncode == 1
     assert "v4-16" in proc.stderr and "Add TPU capacity" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_sim_command_serves_ray_job_submit_and_kills_a_slice_on_request(tmp_path):
+    """``ray-elastic sim`` in the foreground; a job submitted to it survives ``kill`` typed on stdin."""
+    import queue
+    import threading
+    import time
+
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    sim = subprocess.Popen([BIN, "sim", "--num-slices", "3"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, env=env)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(ln) for ln in sim.stdout], daemon=True).start()
+
+    def wait_line(prefix, timeout=120):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                ln = lines.get(timeout=1).strip()
+            except queue.Empty:
+                continue
+            if ln.startswith(prefix):
+                return ln
+        raise TimeoutError(prefix)
+
+    try:
+        submit_cmd = wait_line("ray job submit").split()
+        address = submit_cmd[submit_cmd.index("--address") + 1]
+        run_dir = str(tmp_path / "job")
+        train = submit_cmd[submit_cmd.index("--") + 1:]
+        train[train.index("--steps") + 1] = "60"
+        train[train.index("--run-dir") + 1] = run_dir
+        job_id = f"sim-{int(time.time())}"
+        proc = subprocess.run([os.path.join(os.path.dirname(BIN), "ray"), "job", "submit", "--address", address,
+                               "--submission-id", job_id, "--no-wait", "--", *train, "--json"],
+                              capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        client = JobSubmissionClient(address)
+        events = os.path.join(run_dir, "events.jsonl")
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if os.path.exists(events) and '"kind": "steps"' in open(events).read():
+                break
+            assert client.get_job_status(job_id) not in (JobStatus.FAILED, JobStatus.STOPPED), \
+                client.get_job_logs(job_id)[-3000:]
+            time.sleep(0.5)
+        sim.stdin.write("kill\n")
+        sim.stdin.flush()
+        killed = wait_line("killed ").split()[1]
+        while client.get_job_status(job_id) not in (JobStatus.SUCCEEDED, JobStatus.FAILED) \
+                and time.monotonic() < deadline + 120:
+            time.sleep(1)
+        logs = client.get_job_logs(job_id)
+        assert client.get_job_status(job_id) == JobStatus.SUCCEEDED, logs[-3000:]
+        summary = json.loads([ln for ln in logs.splitlines() if ln.startswith("{")][-1])
+        assert summary["steps"] == 60 and summary["recoveries"] == 1 and summary["slices"] == 2
+        assert killed in open(events).read()
+        sim.stdin.write("list\n")
+        sim.stdin.flush()
+        assert killed not in wait_line("slices:")
+        sim.stdin.write("quit\n")
+        sim.stdin.flush()
+        assert sim.wait(timeout=120) == 0
+    finally:
+        if sim.poll() is None:  # stop it the way a user does, so it stops its nodes
+            try:
+                sim.stdin.write("quit\n")
+                sim.stdin.flush()
+                sim.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                sim.kill()
+                sim.wait(timeout=30)

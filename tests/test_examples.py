@@ -18,3 +18,8 @@ def test_quickstart_example_trains_and_learns():
     assert m, proc.stdout[-2000:]
     first, last = map(float, m.groups())
     assert last < 0.2 * first
+    # Second half: a slice is killed and the run recovers without rewinding.
+    m = re.search(r"training again after ([\d.]+)s on 2 slices, 0 steps rewound, 100 steps done", proc.stdout)
+    assert m, proc.stdout[-2000:]
+    png = re.search(r"timeline: (\S+\.png)", proc.stdout).group(1)
+    assert os.path.getsize(png) > 10_000
