@@ -33,7 +33,7 @@ def reference_run(task, global_batch_size: int, seed: int, num_steps: int):
         return loss
 
     losses = np.array([float(step(model, optimizer, batches.global_batch(s))) for s in range(num_steps)])
-    return losses, nnx.state((model, optimizer)).to_pure_dict()
+    return losses, nnx.to_pure_dict(nnx.state((model, optimizer)))
 
 
 def reference_losses(task, global_batch_size: int, seed: int, num_steps: int) -> np.ndarray:
