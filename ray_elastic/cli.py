@@ -159,7 +159,7 @@ def cmd_sim(args) -> int:
     import math
     import os
 
-    from ray_elastic.sim import SimulatedTPUCluster
+    from ray_elastic.sim import SimulatedTPUCluster, wait_for_job_server
 
     # Jobs run on this cluster's nodes: they must find this installation's ray-elastic.
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
@@ -170,6 +170,7 @@ def cmd_sim(args) -> int:
         if args.provision_delay >= 0:
             cluster.provisioner(delay_s=args.provision_delay)
         url = f"http://127.0.0.1:{cluster.dashboard_port}"
+        wait_for_job_server(url)
         print(f"simulated cluster up: {args.num_slices} x {spec.pod_type} slice(s) ({spec.topology}), "
               f"{spec.num_hosts} host(s) each, {spec.host_devices} JAX CPU device(s) per host")
         print(f"dashboard and job server: {url}")

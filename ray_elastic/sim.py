@@ -72,6 +72,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_job_server(url: str, timeout_s: float = 120.0) -> None:
+    """Block until ``ray job submit`` to ``url`` works: a no-op job is accepted and finishes.
+
+    The dashboard answers before its job agent has registered, and a submission in
+    between fails with "No available agent to submit job".
+    """
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    deadline = time.monotonic() + timeout_s
+    last: Exception = TimeoutError(url)
+    while time.monotonic() < deadline:
+        try:
+            client = JobSubmissionClient(url)
+            job = client.submit_job(entrypoint="true")
+            while client.get_job_status(job) not in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"probe job {job} did not finish")
+                time.sleep(0.2)
+            client.delete_job(job)
+            return
+        except Exception as e:  # noqa: BLE001 - not ready yet
+            last = e
+            time.sleep(0.5)
+    raise TimeoutError(f"Ray job server at {url} not ready after {timeout_s:.0f}s: {last}")
+
+
 @dataclasses.dataclass(frozen=True)
 class TPUHost:
     """What a Ray node must carry to pass for one host of a TPU slice (for ``ray.util.tpu``)."""

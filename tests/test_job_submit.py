@@ -13,13 +13,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 import psutil
 import pytest
 
 from ray_elastic.config import SliceSpec
-from ray_elastic.sim import FAST_HEALTH_CHECKS, free_port, tpu_host
+from ray_elastic.sim import FAST_HEALTH_CHECKS, free_port, tpu_host, wait_for_job_server
 
 BIN_DIR = os.path.dirname(sys.executable)
 RAY = os.path.join(BIN_DIR, "ray")
@@ -63,7 +62,7 @@ class RayStartCluster:
                                  *_ports("ray-client-server-port")], self.env)
         self.slices: dict[str, subprocess.Popen] = {}
         self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
-        self._wait(lambda: urllib.request.urlopen(f"{self.dashboard}/api/version", timeout=2).read(), 90, "dashboard")
+        wait_for_job_server(self.dashboard)
 
     def _start(self, args, env) -> subprocess.Popen:
         cmd = [RAY, "start", "--block", "--temp-dir", os.path.join(self.temp_dir, "ray"),
