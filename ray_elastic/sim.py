@@ -206,6 +206,8 @@ class SimulatedTPUCluster:
             include_dashboard=dashboard,
             dashboard_host="127.0.0.1",
             dashboard_port=self.dashboard_port,
+            # Every node's agent on its own port (the default, 52365, is one per machine).
+            dashboard_agent_listen_port=free_port(),
             object_store_memory=self._object_store_bytes,
             _system_config=dict(FAST_HEALTH_CHECKS) if fast_health_checks else {},
         )
@@ -270,6 +272,7 @@ class SimulatedTPUCluster:
                     resources=host.resources,
                     labels=host.labels,
                     env_vars=host.env,
+                    dashboard_agent_listen_port=free_port(),
                     object_store_memory=self._object_store_bytes,
                 )
             )

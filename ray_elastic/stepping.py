@@ -64,6 +64,7 @@ class StepStreams:
 
     def run(self, start_step: int, end_step: int, grow_requested: Callable[[], bool]) -> RunOutcome:
         submitted = start_step
+        self._reported = self._snapshot_reported = start_step - 1
         draining = False
         last_progress = time.monotonic()
         last_progress_wall = time.time()
@@ -92,7 +93,13 @@ class StepStreams:
                 return RunOutcome("hang", {}, time.time(), last_progress_wall)
 
     def _consume(self, p: int) -> bool:
-        """Take one item of process ``p``'s current stream; True when process 0 finished a step."""
+        """Take one item of process ``p``'s current stream; True when a step finished for the first time.
+
+        Every streaming process reports every step (the loss is replicated, so all report the
+        same value); the first report of a step is the one kept. Relying on process 0 alone
+        would lose the metrics of steps that only a surviving snapshot holder finished when
+        process 0's slice died, though their state is what the next world restores.
+        """
         s = self.queues[p][0]
         try:
             ref = next(s.gen)
@@ -109,13 +116,16 @@ class StepStreams:
             s.snapshot = ref
             return False
         metrics = ray.get(ref)
+        step = s.cursor
         if s.snapshot is not None:
-            self.store.add(self.world.slice_of(p), p % plan.hosts_per_slice, s.cursor, s.snapshot)
-            if p == 0:
-                self._snapshot_steps.append(s.cursor)
+            self.store.add(self.world.slice_of(p), p % plan.hosts_per_slice, step, s.snapshot)
+            if step > self._snapshot_reported:
+                self._snapshot_reported = step
+                self._snapshot_steps.append(step)
             s.snapshot = None
         s.cursor += 1
-        if p == 0:
+        if step > self._reported:
+            self._reported = step
             self.on_metrics(metrics)
             return True
         return False

@@ -70,16 +70,19 @@ def test_sim_command_serves_ray_job_submit_and_kills_a_slice_on_request(tmp_path
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(ln) for ln in sim.stdout], daemon=True).start()
 
-    def wait_line(prefix, timeout=120):
+    seen = []
+
+    def wait_line(prefix, timeout=180):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
                 ln = lines.get(timeout=1).strip()
             except queue.Empty:
                 continue
+            seen.append(ln)
             if ln.startswith(prefix):
                 return ln
-        raise TimeoutError(prefix)
+        raise TimeoutError(f"no line starting with {prefix!r}; the sim printed:\n" + "\n".join(seen[-30:]))
 
     try:
         submit_cmd = wait_line("ray job submit").split()
@@ -111,7 +114,8 @@ def test_sim_command_serves_ray_job_submit_and_kills_a_slice_on_request(tmp_path
         logs = client.get_job_logs(job_id)
         assert client.get_job_status(job_id) == JobStatus.SUCCEEDED, logs[-3000:]
         summary = json.loads([ln for ln in logs.splitlines() if ln.startswith("{")][-1])
-        assert summary["steps"] == 60 and summary["recoveries"] == 1 and summary["slices"] == 2
+        assert summary["steps"] == 60 and summary["recoveries"] == 1 and summary["slices"] == 2, \
+            (summary, [ln for ln in open(events) if '"failure"' in ln or '"recovered"' in ln])
         assert killed in open(events).read()
         sim.stdin.write("list\n")
         sim.stdin.flush()
