@@ -204,9 +204,9 @@ def cmd_sim(args) -> int:
 def cmd_report(args) -> int:
     from ray_elastic import report
 
-    events = report.load_events(args.run_dir)
-    out = report.render(args.run_dir, args.out)
-    print(report.timeline(events).goodput.table())
+    tl = report.timeline(report.load_events(args.run_dir))
+    out = report.render(args.run_dir, args.out, tl)
+    print(tl.goodput.table())
     print(f"timeline: {out}")
     return 0
 

@@ -207,10 +207,12 @@ class ElasticTrainer:
                 self._bar = None
             self._release()
             self.events.close()
-        result = self._result(num_steps, startup_s, time.perf_counter() - t_start)
+        gp = goodput.account(self.events.events)
+        if self._ray_metrics is not None:
+            self._ray_metrics.on_goodput(gp.goodput)
         if self.progress:
-            print(goodput.account(result.events).table())
-        return result
+            print(gp.table())
+        return self._result(num_steps, startup_s, time.perf_counter() - t_start, gp)
 
     def _reset(self, resume: Optional[checkpoints.CheckpointInfo]) -> None:
         """Per-run bookkeeping (a trainer can ``fit`` more than once)."""
@@ -221,6 +223,7 @@ class ElasticTrainer:
         self._attempt = 0
         self.recoveries: list[dict] = []
         self._step_buffer: list[dict] = []
+        self._streams: Optional[StepStreams] = None
         self._first_step = resume.step if resume else 0
 
     def _finish(self, wall_s: float) -> None:
@@ -231,7 +234,6 @@ class ElasticTrainer:
         if self._ray_metrics is not None and self._metrics:
             last = self._metrics[self._last_step()]
             self._ray_metrics.on_step(last["step"], last["loss"], force=True)
-            self._ray_metrics.on_goodput(goodput.account(self.events.events).goodput)
 
     # ----------------------------------------------------------------- running
     def _run(self, start: int, end: int) -> RunOutcome:
@@ -267,7 +269,7 @@ class ElasticTrainer:
     def _flush_steps(self) -> None:
         """Finished steps into the event log, one line per chunk (a rewound step appears again later)."""
         buf, self._step_buffer = self._step_buffer, []
-        snaps = self._streams.take_snapshot_steps() if getattr(self, "_streams", None) is not None else []
+        snaps = self._streams.take_snapshot_steps() if self._streams is not None else []
         if buf:
             self._event("steps", generation=self.world.plan.generation, steps=[m["step"] for m in buf],
                         losses=[m["loss"] for m in buf], step_time_s=[m["step_time_s"] for m in buf],
@@ -547,8 +549,7 @@ class ElasticTrainer:
         """Wait for the in-flight save of the current world to commit."""
         if not self.config.checkpoint_dir or self.world is None:
             return
-        got = self.world.finish_checkpoints(CHECKPOINT_FINISH_TIMEOUT_S)
-        self._saves_committed(got["committed"])
+        self._saves_committed(self.world.finish_checkpoints(CHECKPOINT_FINISH_TIMEOUT_S))
 
     def _check_resume(self, info: checkpoints.CheckpointInfo) -> None:
         """Resuming: say so, and warn when the data order of the checkpoint differs from this config."""
@@ -571,7 +572,7 @@ class ElasticTrainer:
         return FitResult([], [], [], [], summary, list(self.events.events))
 
     # ----------------------------------------------------------------- results
-    def _result(self, num_steps: int, startup_s: float, wall_s: float) -> FitResult:
+    def _result(self, num_steps: int, startup_s: float, wall_s: float, gp: goodput.Goodput) -> FitResult:
         steps = sorted(self._metrics)
         losses = [self._metrics[s]["loss"] for s in steps]
         times = [self._metrics[s]["step_time_s"] for s in steps]
@@ -580,7 +581,7 @@ class ElasticTrainer:
         rec = self.recoveries
         summary = {
             "steps": len(steps),
-            "goodput": round(goodput.account(self.events.events).goodput, 4),
+            "goodput": round(gp.goodput, 4),
             "slices": plan.num_slices,
             "hosts_per_slice": plan.hosts_per_slice,
             "mesh": plan.mesh_shape,

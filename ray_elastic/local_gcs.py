@@ -10,18 +10,13 @@ here with its output going to a file.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import tempfile
 import time
 import urllib.request
 from typing import Optional
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ray_elastic.sim import free_port
 
 
 class LocalGCS:
@@ -40,7 +35,7 @@ class LocalGCS:
         self.log_path = os.path.join(log_dir, "fake-gcs-server.log")
         self._log = open(self.log_path, "ab")
         for _ in range(3):  # a free port can be taken between choosing and binding it
-            self.port = _free_port()
+            self.port = free_port()
             self.url = f"http://127.0.0.1:{self.port}"
             self._proc = subprocess.Popen(
                 [_get_binary_path(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),

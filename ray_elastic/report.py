@@ -79,14 +79,17 @@ def timeline(events: list[dict]) -> Timeline:
     return Timeline(alive, rate, losses, fails, recs, waits, ckpts, account(events), start.get("num_slices", 0))
 
 
-def render(run_dir: str, out: Optional[str] = None) -> str:
-    """Draw the timeline of the run in ``run_dir`` to ``out`` (default ``RUN_DIR/report.png``)."""
+def render(run_dir: str, out: Optional[str] = None, tl: Optional[Timeline] = None) -> str:
+    """Draw the timeline of the run in ``run_dir`` to ``out`` (default ``RUN_DIR/report.png``).
+
+    ``tl``: the run's :func:`timeline` when the caller has it already (else read from ``run_dir``).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tl = timeline(load_events(run_dir))
+    tl = tl or timeline(load_events(run_dir))
     out = out or os.path.join(run_dir, "report.png")
     fig, axes = plt.subplots(4, 1, figsize=(11, 10), gridspec_kw={"height_ratios": [1, 1, 1, 0.55]})
     ax_sl, ax_rate, ax_loss, ax_gp = axes

@@ -176,10 +176,10 @@ class SliceWorker:
             "saved_at": time.time(),
         }
 
-    def finish_checkpoints(self) -> dict:
-        """Wait until the in-flight save is committed (before a planned teardown or the end)."""
+    def finish_checkpoints(self) -> list:
+        """Wait until the in-flight save is committed (before a planned teardown or the end);
+        the (step, total seconds) of saves that finished since they were last reported."""
         if self.loop is None or self.loop.checkpointer is None:
-            return {"waited_s": 0.0, "committed": []}
-        t0 = time.perf_counter()
+            return []
         self.loop.checkpointer.wait()
-        return {"waited_s": time.perf_counter() - t0, "committed": self.loop.checkpointer.finished_saves()}
+        return self.loop.checkpointer.finished_saves()

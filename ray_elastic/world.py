@@ -208,10 +208,10 @@ class World:
         """Start a chunk of steps on every process; one streaming generator per process."""
         return [w.run_chunk.remote(start_step, num_steps, final_step) for w in self.workers]
 
-    def finish_checkpoints(self, timeout_s: float) -> dict:
-        """Wait for every process's in-flight checkpoint save to commit (a planned stop, not a failure)."""
-        got = ray.get([w.finish_checkpoints.remote() for w in self.workers], timeout=timeout_s)
-        return got[0] | {"waited_s": max(g["waited_s"] for g in got)}
+    def finish_checkpoints(self, timeout_s: float) -> list:
+        """Wait for every process's in-flight checkpoint save to commit (a planned stop, not a failure);
+        returns process 0's newly committed (step, total seconds)."""
+        return ray.get([w.finish_checkpoints.remote() for w in self.workers], timeout=timeout_s)[0]
 
     def teardown(self, confirm_s: float = 0.0) -> None:
         """Stop every process of this generation (SIGKILL: a hung JAX worker ignores SIGTERM).
