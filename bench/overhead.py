@@ -80,7 +80,7 @@ def run_ray(steps: int, spec, snapshot_every: int) -> float:
     cfg = ElasticConfig(num_slices=NUM_SLICES, global_batch_size=BATCH, slice=spec, steps_per_chunk=CHUNK,
                         snapshot_every=snapshot_every)
     result = ElasticTrainer(task(), cfg, progress=False,
-                            on_chunk=lambda m: arrivals.append((time.perf_counter(), m[-1]["step"]))).fit(steps)
+                            on_step=lambda m: arrivals.append((time.perf_counter(), m["step"]))).fit(steps)
     # Steady state: the second half of the run. The first half also pays one-time work
     # (standby processes for the next generation start after the first step).
     t_half = next(t for t, step in arrivals if step == steps // 2 - 1)

@@ -35,31 +35,30 @@ def run_mode(cluster, mode: str, kills: int, every: int) -> list[dict]:
     arrivals: list[tuple[int, float]] = []  # (step, wall time) of every finished step
     trainer_box = {}
 
-    def on_chunk(metrics):
-        for m in metrics:
-            arrivals.append((m["step"], time.time()))
-            t = trainer_box["t"]
-            if m["step"] > 0 and m["step"] % every == 0 and len(kill_times) < kills \
-                    and all(s != m["step"] for s, _ in kill_times) and t.world.plan.num_slices == 3:
-                victim = t.world.plan.slice_names[-1]
-                kill_times.append((m["step"], time.time()))
-                threading.Thread(target=cluster.kill_slice, args=(victim,), daemon=True).start()
+    def on_step(m):
+        arrivals.append((m["step"], time.time()))
+        t = trainer_box["t"]
+        if m["step"] > 0 and m["step"] % every == 0 and len(kill_times) < kills \
+                and all(s != m["step"] for s, _ in kill_times) and t.world.plan.num_slices == 3:
+            victim = t.world.plan.slice_names[-1]
+            kill_times.append((m["step"], time.time()))
+            threading.Thread(target=cluster.kill_slice, args=(victim,), daemon=True).start()
 
     cfg = ElasticConfig(num_slices=3, global_batch_size=48, slice=cluster.slice_spec, steps_per_chunk=10, mode=mode)
-    trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_chunk=on_chunk)
+    trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=on_step)
     trainer_box["t"] = trainer
     result = trainer.fit(every * (kills + 1) + 20)
     out = []
     recs = result.recoveries
     for (step, t_kill), rec in zip(kill_times, recs):
-        first_after = min(t for s, t in arrivals if t > rec["ready_at"])
-        row = {k: rec[k] for k in ("classify_s", "teardown_s", "wait_for_capacity_s", "world_formation_s",
+        first_after = min(t for s, t in arrivals if t > rec.ready_at)
+        row = {k: getattr(rec, k) for k in ("classify_s", "teardown_s", "wait_for_capacity_s", "world_formation_s",
                                     "state_load_s", "compile_s", "steps_rewound")}
-        row["detection_s"] = rec["detected_at"] - t_kill
-        row["first_step_s"] = first_after - rec["ready_at"]
+        row["detection_s"] = rec.detected_at - t_kill
+        row["first_step_s"] = first_after - rec.ready_at
         row["kill_to_step_s"] = first_after - t_kill
-        row["after_arrival_s"] = first_after - rec["capacity_ready_at"]
-        row["slices_after"] = rec["slices"]
+        row["after_arrival_s"] = first_after - rec.capacity_ready_at
+        row["slices_after"] = rec.slices
         out.append(row)
     # Wait until the provisioner has brought the cluster back to 3 slices.
     deadline = time.time() + 60

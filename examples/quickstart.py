@@ -52,17 +52,17 @@ if __name__ == "__main__":
         killed = []
 
         def kill_a_slice_once(metrics):
-            if metrics[-1]["step"] >= 50 and not killed:
+            if metrics["step"] >= 50 and not killed:
                 killed.append(trainer.world.plan.slice_names[-1])
                 threading.Thread(target=cluster.kill_slice, args=(killed[0],)).start()
 
         run_dir = tempfile.mkdtemp(prefix="quickstart-run-")
         config = ElasticConfig(num_slices=3, global_batch_size=96, slice=cluster.slice_spec, steps_per_chunk=10)
-        trainer = ElasticTrainer(SineRegression(), config, on_chunk=kill_a_slice_once, run_dir=run_dir)
+        trainer = ElasticTrainer(SineRegression(), config, on_step=kill_a_slice_once, run_dir=run_dir)
         result = trainer.fit(100)   # the progress bar shows state=recovering, then slices=2/3
 
         # %% The run went on with the survivors (replica-resize); nothing was recomputed.
         rec = result.recoveries[0]
-        print(f"lost {killed[0]}: training again after {rec['recovery_s']:.2f}s on {rec['slices']} slices, "
-              f"{rec['steps_rewound']} steps rewound, {len(result.steps)} steps done")
+        print(f"lost {killed[0]}: training again after {rec.recovery_s:.2f}s on {rec.slices} slices, "
+              f"{rec.steps_rewound} steps rewound, {len(result.steps)} steps done")
         print("timeline:", render(run_dir))   # in a notebook: IPython.display.Image(render(run_dir))

@@ -12,7 +12,8 @@ import json
 import logging
 import sys
 
-from ray_elastic.controller import ElasticRuntimeError, ElasticTrainer
+from ray_elastic.controller import ElasticTrainer
+from ray_elastic.errors import ElasticRuntimeError
 from ray_elastic.config import BATCH_POLICIES, MODES, ElasticConfig, SliceSpec
 from ray_elastic.examples import EXAMPLES
 from ray_elastic.task import TrainTask
@@ -133,19 +134,19 @@ def cmd_demo(args) -> int:
         trainer_box = {}
 
         def on_step(metrics):
-            if kill_at >= 0 and not killed and metrics[-1]["step"] >= kill_at:
+            if kill_at >= 0 and not killed and metrics["step"] >= kill_at:
                 victim = trainer_box["t"].world.plan.slice_names[-1]
-                killed.update(name=victim, at=time.time(), step=metrics[-1]["step"])
+                killed.update(name=victim, at=time.time(), step=metrics["step"])
                 threading.Thread(target=cluster.kill_slice, args=(victim,), daemon=True).start()
 
-        trainer = ElasticTrainer(task, config, progress=not args.no_progress, on_chunk=on_step, run_dir=args.run_dir)
+        trainer = ElasticTrainer(task, config, progress=not args.no_progress, on_step=on_step, run_dir=args.run_dir)
         trainer_box["t"] = trainer
         result = trainer.fit(args.steps)
         if killed and result.recoveries:
             rec = result.recoveries[0]
             result.summary["killed_slice"] = f"{killed['name']} after step {killed['step']}"
-            result.summary["detection_s"] = round(rec["detected_at"] - killed["at"], 3)
-            result.summary["kill_to_training_again_s"] = round(rec["ready_at"] - killed["at"], 3)
+            result.summary["detection_s"] = round(rec.detected_at - killed["at"], 3)
+            result.summary["kill_to_training_again_s"] = round(rec.ready_at - killed["at"], 3)
         _print_summary(result, args.json, goodput_printed=not args.no_progress)
     if not args.json:
         from ray_elastic import report

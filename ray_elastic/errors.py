@@ -1,8 +1,25 @@
-"""Errors shared by the controller and the slice actors (no Ray, no JAX imports)."""
+"""Errors a caller can catch, shared by the controller and the slice actors (no Ray, no JAX imports).
+
+Every error that ends a run is an :class:`ElasticRuntimeError`; the subclasses say
+why, so a caller (a notebook cell, a job script, an outer retry loop) can decide
+what to do without parsing the message.
+"""
 
 
 class ElasticRuntimeError(RuntimeError):
     """Training could not go on; the message says why and what was tried."""
+
+
+class TrainingCodeError(ElasticRuntimeError):
+    """The task's own code (model, loss, data, optimizer) raised: a bug, not a lost slice. Not retried."""
+
+
+class RetriesExhaustedError(ElasticRuntimeError):
+    """Recovery was given up: too many failures in the window, or the ``retry_policy`` declined."""
+
+
+class CapacityTimeoutError(ElasticRuntimeError):
+    """Not enough slices came back in ``replacement_timeout_s`` to form a world the config allows."""
 
 
 class SliceDownError(RuntimeError):

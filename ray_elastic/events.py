@@ -1,7 +1,11 @@
-"""The run's event log: every chunk, failure, recovery phase and resize, with timestamps.
+"""The run's event log, and the listeners that observe the controller through it.
 
-Kept in memory for the summary and, when a run directory is given, appended as
-JSON lines to ``events.jsonl`` there.
+Every chunk of steps, failure, recovery phase and resize is an event with a wall-clock
+timestamp, kept in memory for the summary and, when a run directory is given,
+appended as JSON lines to ``events.jsonl`` there. Everything that only *observes* a
+run (progress bar, Ray metrics, the user's callbacks, standby replenishing) is an
+:class:`EventListener`, the way Ray Train's ``ControllerCallback`` hooks observe its
+controller, so the controller itself only emits.
 """
 
 from __future__ import annotations
@@ -9,13 +13,30 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Callable, Optional
+from typing import Iterable, Optional
+
+
+class EventListener:
+    """Hooks called by :class:`EventLog`; override the ones you need. Errors propagate (a
+    listener that raises stops the run, as a user callback that raises should)."""
+
+    def on_event(self, event: dict) -> None:
+        """A logged event (``event["kind"]``, ``event["ts"]`` and its fields)."""
+
+    def on_step(self, metrics: dict) -> None:
+        """A step finished for the first time (not logged one by one: ``steps`` events batch them)."""
+
+    def on_state(self, old, new) -> None:
+        """The controller moved from state ``old`` to ``new``."""
+
+    def close(self) -> None:
+        """The run ended (successfully or not)."""
 
 
 class EventLog:
-    def __init__(self, run_dir: Optional[str] = None, listener: Optional[Callable[[dict], None]] = None):
+    def __init__(self, run_dir: Optional[str] = None, listeners: Iterable[EventListener] = ()):
         self.events: list[dict] = []
-        self.listener = listener
+        self.listeners = list(listeners)
         self._file = None
         if run_dir:
             os.makedirs(run_dir, exist_ok=True)
@@ -26,12 +47,24 @@ class EventLog:
         self.events.append(event)
         if self._file is not None:
             self._file.write(json.dumps(event, default=str) + "\n")
+        for listener in self.listeners:
+            listener.on_event(event)
         return event
+
+    def step(self, metrics: dict) -> None:
+        for listener in self.listeners:
+            listener.on_step(metrics)
+
+    def state(self, old, new) -> None:
+        for listener in self.listeners:
+            listener.on_state(old, new)
 
     def of_kind(self, kind: str) -> list[dict]:
         return [e for e in self.events if e["kind"] == kind]
 
     def close(self) -> None:
+        for listener in self.listeners:
+            listener.close()
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -10,22 +10,23 @@ import time
 import ray
 
 from ray_elastic.errors import SliceDownError
+from ray_elastic.plan import ErrorKind
 
 
-def error_kind(exc: BaseException) -> str:
-    """Map an exception from a slice actor to one of ``plan.FAILURE_KINDS``."""
+def error_kind(exc: BaseException) -> ErrorKind:
+    """What an exception from a slice actor says about its slice."""
     if isinstance(exc, ray.exceptions.ActorUnavailableError):
-        return "unavailable"  # maybe dead: the node check decides
+        return ErrorKind.UNAVAILABLE  # maybe dead: the node check decides
     if isinstance(exc, ray.exceptions.RayActorError):
-        return "actor_died"
+        return ErrorKind.ACTOR_DIED
     if isinstance(exc, ray.exceptions.RayTaskError):
         cause = exc.cause if hasattr(exc, "cause") else None
         if isinstance(cause, SliceDownError) or isinstance(exc, SliceDownError):
-            return "slice_down"
-        return "task_error"
+            return ErrorKind.SLICE_DOWN
+        return ErrorKind.TASK_ERROR
     if isinstance(exc, (ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError)):
-        return "actor_died"
-    return "task_error"
+        return ErrorKind.ACTOR_DIED
+    return ErrorKind.TASK_ERROR
 
 
 def alive_nodes() -> set[str]:

@@ -118,8 +118,8 @@ class ReplacementRequest:
     def _submit(self):
         return ReplacementRequest._executor.submit(SliceReservation, self.spec, self.head_timeout_s)
 
-    def ready(self) -> Optional[SliceReservation]:
-        """The reservation if its slice is ready now (never blocks)."""
+    def poll(self) -> Optional[SliceReservation]:
+        """The reservation if its slice is ready now (never blocks); asks again if the head reservation failed."""
         if not self._future.done():
             return None
         try:

@@ -9,6 +9,7 @@ batch a process feeds, how parameters are split) is decided here, once.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Optional, Sequence
 
 REPLICA_AXIS = "replica"
@@ -122,17 +123,6 @@ def param_partition(shape: Sequence[int], fsdp_size: int, min_size: int) -> tupl
     return tuple(spec)
 
 
-def chunks(start_step: int, end_step: int, steps_per_chunk: int) -> list[tuple[int, int]]:
-    """Split [start_step, end_step) into (first_step, num_steps) chunks."""
-    out = []
-    s = start_step
-    while s < end_step:
-        n = min(steps_per_chunk, end_step - s)
-        out.append((s, n))
-        s += n
-    return out
-
-
 # --------------------------------------------------------------------------- batch policy
 def batch_for_world(num_active: int, num_total: int, global_batch_size: int, policy: str) -> int:
     """Global batch of a world of ``num_active`` slices.
@@ -168,7 +158,28 @@ def is_checkpoint_step(step: int, every: int, final_step: int) -> bool:
 
 
 # --------------------------------------------------------------------------- failures
-FAILURE_KINDS = ("actor_died", "unavailable", "slice_down", "hang", "task_error")
+class ErrorKind(enum.StrEnum):
+    """What an error from a slice process says about its slice."""
+
+    ACTOR_DIED = "actor_died"  # the process is gone (its node may or may not be)
+    UNAVAILABLE = "unavailable"  # maybe dead: node health decides
+    SLICE_DOWN = "slice_down"  # JAX reported a lost peer (pathwaysutils' slice-down statuses)
+    HANG = "hang"  # no step finished and the process did not answer a probe
+    TASK_ERROR = "task_error"  # the task's own code raised
+
+
+class Action(enum.StrEnum):
+    """The controller's next move after a failure or when capacity returns."""
+
+    FORM = "form"
+    WAIT = "wait"
+    FAIL = "fail"
+
+
+class RestoreSource(enum.StrEnum):
+    SNAPSHOT = "snapshot"  # in-memory, from living slices
+    CHECKPOINT = "checkpoint"  # the newest committed Orbax checkpoint
+    FRESH = "fresh"  # nothing survived (or the first run): fresh parameters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,10 +194,12 @@ class FailureVerdict:
     crashed_slices: tuple[str, ...]
     recoverable: bool
     reason: str
+    training_code: bool = False  # the task's own code raised: a bug, never retried
 
 
 def classify_failure(
-    errors: dict[str, str],
+    *,
+    errors: dict[str, ErrorKind],
     dead_slices: set[str],
     world_slices: Sequence[str],
     error_text: str = "",
@@ -194,7 +207,7 @@ def classify_failure(
     """Decide which slices are lost from per-slice error kinds and node health.
 
     Args:
-        errors: slice name -> kind (one of FAILURE_KINDS) of the worst error seen on it.
+        errors: slice name -> kind of the worst error seen on it.
         dead_slices: slices with a host that Ray reports dead (or that was hung: SIGSTOPped
             hosts stop answering and are marked dead the same way).
         world_slices: the slices of the failed world.
@@ -206,9 +219,9 @@ def classify_failure(
     """
     lost = tuple(s for s in world_slices if s in dead_slices)
     crashed = tuple(s for s in world_slices if s in errors and s not in dead_slices)
-    user = [s for s, k in errors.items() if k == "task_error" and s not in dead_slices]
+    user = [s for s, k in errors.items() if k is ErrorKind.TASK_ERROR and s not in dead_slices]
     if user:
-        return FailureVerdict(lost, crashed, False, f"training code failed on slice {user[0]}: {error_text}")
+        return FailureVerdict(lost, crashed, False, f"training code failed on slice {user[0]}: {error_text}", True)
     if not errors and not lost:
         return FailureVerdict((), (), False, "no failure to recover from")
     what = f"lost slice(s) {', '.join(lost)}" if lost else f"process failure on {', '.join(crashed)}"
@@ -219,8 +232,8 @@ def classify_failure(
 class NextWorld:
     """The controller's next move after a failure: form a world, wait for capacity, or fail."""
 
-    action: str  # "form" | "wait" | "fail"
-    survivors: tuple[str, ...] = ()
+    action: Action
+    survivors: tuple[str, ...] = ()  # the slices that stay, in replica order
     replacements: int = 0  # ready replacement slices to add
     reason: str = ""
 
@@ -230,6 +243,7 @@ class NextWorld:
 
 
 def decide_next_world(
+    *,
     mode: str,
     survivors: Sequence[str],
     ready_replacements: int,
@@ -243,20 +257,21 @@ def decide_next_world(
     need = max(0, num_slices - len(survivors))
     add = min(need, ready_replacements)
     if len(survivors) + add >= num_slices:
-        return NextWorld("form", survivors[:num_slices], add, "full size")
+        return NextWorld(Action.FORM, survivors[:num_slices], add, "full size")
     can_resize = mode == "replica-resize" or (timed_out and fallback_to_resize)
     if can_resize and len(survivors) + add >= min_slices:
-        return NextWorld("form", survivors, add, f"resize to {len(survivors) + add} of {num_slices} slices")
+        return NextWorld(Action.FORM, survivors, add, f"resize to {len(survivors) + add} of {num_slices} slices")
     if mode == "pause-and-resume" and timed_out:
         why = (f"only {len(survivors) + add} slice(s) available, fewer than min_slices={min_slices}"
                if fallback_to_resize else "fallback_to_resize is off")
-        return NextWorld("fail", survivors, add, f"no replacement slice arrived in time and {why}")
-    return NextWorld("wait", survivors, add, f"{len(survivors) + add} of {num_slices} slices, need "
+        return NextWorld(Action.FAIL, survivors, add, f"no replacement slice arrived in time and {why}")
+    return NextWorld(Action.WAIT, survivors, add, f"{len(survivors) + add} of {num_slices} slices, need "
                      f"{num_slices if mode == 'pause-and-resume' else min_slices}")
 
 
 def should_grow(mode: str, world_size: int, ready_replacements: int, num_slices: int) -> bool:
-    """Replica-resize grows back at a step boundary as soon as a slice is ready."""
+    """Grow back at a step boundary as soon as a replacement is ready: replica-resize after a
+    shrink, and pause-and-resume after a ``fallback_to_resize`` left it smaller."""
     return mode in ("replica-resize", "pause-and-resume") and world_size < num_slices and ready_replacements > 0
 
 
@@ -279,30 +294,32 @@ class RestorePlan:
     """Where the next world loads its state from.
 
     step: the state is the one after this step (-1: fresh initialisation).
-    source: ``snapshot`` (in-memory, from living slices), ``checkpoint`` (Orbax, the
-        committed checkpoint holding step ``step``) or ``fresh``.
-    donors: per new slice (plan order), the slice whose snapshot it loads (itself when it
-        has one: a zero-copy read from its own node); None unless source is ``snapshot``.
+    source: a snapshot of living slices, the committed checkpoint holding step ``step``, or fresh.
+    holders: slices with a complete snapshot of ``step`` (empty unless source is ``snapshot``).
     """
 
     step: int
-    donors: tuple[Optional[str], ...]
-    source: str = "snapshot"
+    source: RestoreSource
+    holders: tuple[str, ...] = ()
+
+    def donor(self, slice_name: str) -> Optional[str]:
+        """Whose snapshot ``slice_name`` loads: its own when it holds one (a zero-copy read from its
+        own node), else the first holder's; None when the state does not come from a snapshot."""
+        if self.source is not RestoreSource.SNAPSHOT:
+            return None
+        return slice_name if slice_name in self.holders else self.holders[0]
 
 
-def choose_restore(new_slices: Sequence[str], snapshot_steps: dict[str, int],
-                   checkpoint_step: Optional[int] = None) -> RestorePlan:
-    """The newest state that survives: a complete snapshot among living slices (each slice
-    prefers its own copy), else a newer committed checkpoint, else fresh parameters.
+def choose_restore(snapshot_steps: dict[str, int], checkpoint_step: Optional[int] = None) -> RestorePlan:
+    """The newest state that survives: a complete snapshot among living slices (``snapshot_steps``:
+    slice -> its newest complete step), else a newer committed checkpoint, else fresh parameters.
 
     ``checkpoint_step`` is the step index whose state the newest committed checkpoint holds.
     On a tie the snapshot wins: it is read from memory, not from storage.
     """
     best = max(snapshot_steps.values()) if snapshot_steps else -1
     if checkpoint_step is not None and checkpoint_step > best:
-        return RestorePlan(checkpoint_step, tuple(None for _ in new_slices), "checkpoint")
+        return RestorePlan(checkpoint_step, RestoreSource.CHECKPOINT)
     if not snapshot_steps:
-        return RestorePlan(-1, tuple(None for _ in new_slices), "fresh")
-    holders = [s for s, st in snapshot_steps.items() if st == best]
-    donors = tuple(s if snapshot_steps.get(s) == best else holders[0] for s in new_slices)
-    return RestorePlan(best, donors)
+        return RestorePlan(-1, RestoreSource.FRESH)
+    return RestorePlan(best, RestoreSource.SNAPSHOT, tuple(s for s, st in snapshot_steps.items() if st == best))

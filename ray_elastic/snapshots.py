@@ -50,6 +50,3 @@ class SnapshotStore:
     def forget(self, slice_name: str) -> None:
         """The slice's node is gone: so are its objects."""
         self._refs.pop(slice_name, None)
-
-    def clear(self) -> None:
-        self._refs.clear()

@@ -1,12 +1,14 @@
-"""The controller's explicit states and the transitions allowed between them.
+"""The controller's explicit states, the outcomes that move it, and the transitions allowed.
 
-Modelled on Ray Train v2's controller states: the controller is always in
-exactly one state, every change goes through :func:`check_transition`, and the
-history is kept so a run can say where its time went.
+Modelled on Ray Train v2's controller states: the controller is always in exactly
+one state and every change goes through :func:`check_transition`. Driving a world
+ends in one :class:`RunOutcome`; the controller's loop turns each outcome into the
+next world (or the end of the run).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 
@@ -14,7 +16,7 @@ class ControllerState(enum.Enum):
     INITIALIZING = "initializing"  # validating, connecting to Ray
     SCHEDULING = "scheduling"  # reserving slices with placement groups
     FORMING_WORLD = "forming_world"  # starting actors, jax.distributed, state, compile
-    RUNNING = "running"  # driving chunks of steps
+    RUNNING = "running"  # driving steps
     RECOVERING = "recovering"  # a slice or process failed: classify, tear down, choose the next world
     WAITING_FOR_CAPACITY = "waiting_for_capacity"  # too few slices: waiting for replacements
     RESIZING = "resizing"  # capacity returned: growing the world at a step boundary
@@ -24,6 +26,25 @@ class ControllerState(enum.Enum):
     @property
     def is_terminal(self) -> bool:
         return self in (ControllerState.FINISHED, ControllerState.ERRORED)
+
+
+class OutcomeKind(enum.StrEnum):
+    """Why a world stopped: the controller's loop has one branch per kind."""
+
+    DONE = "done"  # every requested step finished
+    FAILURE = "failure"  # a process of the world raised or died
+    HANG = "hang"  # the watchdog saw no finished step for too long
+    GROW = "grow"  # capacity returned: stopped at a step boundary to form a bigger world
+    FORMING_FAILED = "forming_failed"  # the next world failed before its first step
+
+
+@dataclasses.dataclass
+class RunOutcome:
+    """How driving (or forming) a world ended."""
+
+    kind: OutcomeKind
+    errors: dict[int, BaseException] = dataclasses.field(default_factory=dict)  # process id -> error
+    last_progress_at: float = 0.0  # wall clock of the last finished step
 
 
 S = ControllerState

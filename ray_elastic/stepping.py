@@ -19,20 +19,11 @@ import ray
 from ray_elastic.config import ElasticConfig
 from ray_elastic.plan import is_snapshot_step, watchdog_timeout
 from ray_elastic.snapshots import SnapshotStore
+from ray_elastic.states import OutcomeKind, RunOutcome
 from ray_elastic.world import World
 
 CHUNKS_IN_FLIGHT = 2
 POLL_S = 0.25
-
-
-@dataclasses.dataclass
-class RunOutcome:
-    """Why driving a world stopped."""
-
-    kind: str  # "done" | "failure" | "hang" | "grow"
-    errors: dict[int, BaseException] = dataclasses.field(default_factory=dict)  # process id -> error
-    detected_at: float = 0.0  # wall clock
-    last_progress_at: float = 0.0  # wall clock of the last finished step
 
 
 @dataclasses.dataclass
@@ -78,7 +69,7 @@ class StepStreams:
                 submitted += n
             heads = {q[0].gen: p for p, q in enumerate(self.queues) if q}
             if not heads:
-                return RunOutcome("grow" if draining and submitted < end_step else "done")
+                return RunOutcome(OutcomeKind.GROW if draining and submitted < end_step else OutcomeKind.DONE)
             limit = watchdog_timeout(self.step_times, self.config.hang_timeout_factor, self.config.hang_timeout_min_s)
             ready, _ = ray.wait(list(heads), num_returns=1, timeout=POLL_S)
             for gen in ready:
@@ -86,11 +77,11 @@ class StepStreams:
                 try:
                     progressed = self._consume(p)
                 except Exception as e:  # noqa: BLE001 - any error of a slice process is an event
-                    return RunOutcome("failure", {p: e}, time.time(), last_progress_wall)
+                    return RunOutcome(OutcomeKind.FAILURE, {p: e}, last_progress_wall)
                 if progressed:
                     last_progress, last_progress_wall = time.monotonic(), time.time()
             if time.monotonic() - last_progress > limit:
-                return RunOutcome("hang", {}, time.time(), last_progress_wall)
+                return RunOutcome(OutcomeKind.HANG, {}, last_progress_wall)
 
     def _consume(self, p: int) -> bool:
         """Take one item of process ``p``'s current stream; True when a step finished for the first time.

@@ -70,7 +70,7 @@ class SliceWorker:
             port = s.getsockname()[1]
         return f"{ray.util.get_node_ip_address()}:{port}"
 
-    def join_world(self, plan: WorldPlan, slice_index: int, host_index: int, coordinator_address: str,
+    def join_world(self, plan: WorldPlan, *, slice_index: int, host_index: int, coordinator_address: str,
                    timeout_s: float, snapshot: Optional[list] = None, checkpoint_step: Optional[int] = None) -> dict:
         """``jax.distributed.initialize``, mesh, and the state: fresh, from a snapshot or from a checkpoint.
 

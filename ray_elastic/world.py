@@ -127,6 +127,7 @@ class World:
     @classmethod
     def form(
         cls,
+        *,
         generation: int,
         reservations: list[SliceReservation],
         pool: WorkerPool,
@@ -178,8 +179,9 @@ class World:
                 refs = restore(names[s]) if restore is not None else None
                 for h, w in enumerate(sw):
                     src = [refs[h]] if refs is not None else None
-                    joins.append(w.join_world.remote(plan, s, h, coordinator, config.jax_init_timeout_s, src,
-                                                     checkpoint_step))
+                    joins.append(w.join_world.remote(
+                        plan, slice_index=s, host_index=h, coordinator_address=coordinator,
+                        timeout_s=config.jax_init_timeout_s, snapshot=src, checkpoint_step=checkpoint_step))
             joins = ray.get(joins, timeout=config.jax_init_timeout_s * 2)
             host_infos = [ray.get(sp, timeout=config.jax_init_timeout_s) for sp in host_prepared]
             times.jax_init_s = max(j["init_s"] for j in joins)

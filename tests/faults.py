@@ -33,19 +33,18 @@ def in_thread(fn, *args, delay: float = 0.0) -> threading.Thread:
 
 
 class FaultPlan:
-    """Calls ``faults[step](trainer)`` once, when step ``step`` has finished (from ``on_chunk``)."""
+    """Calls ``faults[step](trainer)`` once, when step ``step`` has finished (from ``on_step``)."""
 
     def __init__(self, faults: dict):
         self.faults = dict(faults)
         self.trainer = None
         self.fired: list[tuple[int, float]] = []
 
-    def on_chunk(self, metrics: list[dict]) -> None:
-        for m in metrics:
-            fault = self.faults.pop(m["step"], None)
-            if fault is not None:
-                self.fired.append((m["step"], time.time()))
-                fault(self.trainer)
+    def on_step(self, m: dict) -> None:
+        fault = self.faults.pop(m["step"], None)
+        if fault is not None:
+            self.fired.append((m["step"], time.time()))
+            fault(self.trainer)
 
 
 def kill_process_of_slice(trainer, slice_index: int) -> None:

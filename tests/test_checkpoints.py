@@ -188,8 +188,8 @@ def test_slice_killed_during_a_save(sim_cluster, local_gcs, reference):
     assert seen, "no save was caught in flight"
     unfinished, previous = seen["step"], max(seen["committed"])
     rec = result.recoveries[0]
-    assert rec["restore_source"] == "checkpoint"
-    assert rec["restored_from_step"] + 1 == previous < unfinished
+    assert rec.restore_source == "checkpoint"
+    assert rec.restored_from_step + 1 == previous < unfinished
     restored = [e["step"] for e in result.events if e["kind"] == "checkpoint_restore"]
     assert unfinished not in restored
     # Later saves landed, the unfinished step among them (re-saved by the next world), and

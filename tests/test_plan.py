@@ -2,7 +2,7 @@
 
 import pytest
 
-from ray_elastic.plan import chunks, param_partition, plan_world
+from ray_elastic.plan import param_partition, plan_world
 
 
 def test_mesh_has_replica_axis_across_slices_and_fsdp_inside():
@@ -36,12 +36,8 @@ def test_param_partition_shards_largest_divisible_dim_over_fsdp():
     assert param_partition((64, 128), 1, 1024) == (None, None)
 
 
-def test_chunks_cover_range_in_order():
-    assert chunks(0, 25, 10) == [(0, 10), (10, 10), (20, 5)]
-    assert chunks(5, 5, 10) == []
-
-
 # ----------------------------------------------------------------------------- recovery decisions
+from ray_elastic.plan import Action, ErrorKind as K, RestoreSource  # noqa: E402
 from ray_elastic.plan import (FailureVerdict, batch_for_world, choose_restore, classify_failure,  # noqa: E402
                               decide_next_world, failures_exceeded, is_checkpoint_step, is_snapshot_step, lr_scale,
                               should_grow, watchdog_timeout)
@@ -49,35 +45,42 @@ from ray_elastic.snapshots import SnapshotStore  # noqa: E402
 
 
 def test_classify_dead_node_is_lost_slice_and_collateral_is_not():
-    v = classify_failure({"a": "actor_died", "b": "actor_died"}, dead_slices={"a"}, world_slices=["a", "b", "c"])
+    v = classify_failure(errors={"a": K.ACTOR_DIED, "b": K.ACTOR_DIED}, dead_slices={"a"}, world_slices=["a", "b", "c"])
     assert v == FailureVerdict(("a",), ("b",), True, "lost slice(s) a")
-    v = classify_failure({"b": "actor_died"}, dead_slices=set(), world_slices=["a", "b"])
+    v = classify_failure(errors={"b": K.ACTOR_DIED}, dead_slices=set(), world_slices=["a", "b"])
     assert v.lost_slices == () and v.crashed_slices == ("b",) and v.recoverable
 
 
 def test_classify_user_error_is_not_recoverable():
-    v = classify_failure({"a": "task_error"}, set(), ["a", "b"], "ValueError: nan")
-    assert not v.recoverable and "ValueError: nan" in v.reason
+    v = classify_failure(errors={"a": K.TASK_ERROR}, dead_slices=set(), world_slices=["a", "b"],
+                         error_text="ValueError: nan")
+    assert not v.recoverable and v.training_code and "ValueError: nan" in v.reason
     # A slice-down JaxRuntimeError is a slice failure, not user code.
-    assert classify_failure({"a": "slice_down"}, set(), ["a", "b"]).recoverable
+    v = classify_failure(errors={"a": K.SLICE_DOWN}, dead_slices=set(), world_slices=["a", "b"])
+    assert v.recoverable and not v.training_code
+
+
+def nw(mode, survivors, ready, num_slices, min_slices, **kw):
+    return decide_next_world(mode=mode, survivors=survivors, ready_replacements=ready, num_slices=num_slices,
+                             min_slices=min_slices, **kw)
 
 
 def test_decide_next_world_replica_resize():
-    assert decide_next_world("replica-resize", ["a", "b"], 0, 3, 1) .action == "form"
-    d = decide_next_world("replica-resize", ["a"], 0, 3, 2)
+    assert nw("replica-resize", ["a", "b"], 0, 3, 1).action is Action.FORM
+    d = nw("replica-resize", ["a"], 0, 3, 2)
     assert d.action == "wait" and "need 2" in d.reason
-    d = decide_next_world("replica-resize", ["a"], 5, 3, 2)
+    d = nw("replica-resize", ["a"], 5, 3, 2)
     assert (d.action, d.survivors, d.replacements) == ("form", ("a",), 2)
 
 
 def test_decide_next_world_pause_and_resume():
-    assert decide_next_world("pause-and-resume", ["a", "b"], 0, 3, 1).action == "wait"
-    assert decide_next_world("pause-and-resume", ["a", "b"], 1, 3, 1).size == 3
-    d = decide_next_world("pause-and-resume", ["a", "b"], 0, 3, 1, timed_out=True)
+    assert nw("pause-and-resume", ["a", "b"], 0, 3, 1).action == "wait"
+    assert nw("pause-and-resume", ["a", "b"], 1, 3, 1).size == 3
+    d = nw("pause-and-resume", ["a", "b"], 0, 3, 1, timed_out=True)
     assert d.action == "fail" and "fallback_to_resize is off" in d.reason
-    d = decide_next_world("pause-and-resume", ["a", "b"], 0, 3, 1, timed_out=True, fallback_to_resize=True)
+    d = nw("pause-and-resume", ["a", "b"], 0, 3, 1, timed_out=True, fallback_to_resize=True)
     assert (d.action, d.size) == ("form", 2)
-    d = decide_next_world("pause-and-resume", ["a"], 0, 3, 2, timed_out=True, fallback_to_resize=True)
+    d = nw("pause-and-resume", ["a"], 0, 3, 2, timed_out=True, fallback_to_resize=True)
     assert d.action == "fail" and "fewer than min_slices=2" in d.reason
 
 
@@ -90,21 +93,22 @@ def test_batch_policies_and_lr_rules():
 
 
 def test_choose_restore_prefers_own_snapshot_and_newest_step():
-    r = choose_restore(["a", "b", "new"], {"a": 41, "b": 41, "c": 40})
-    assert r.step == 41 and r.donors == ("a", "b", "a")
-    assert choose_restore(["a"], {}).step == -1
-    assert choose_restore(["a"], {}).source == "fresh"
+    r = choose_restore({"a": 41, "b": 41, "c": 40})
+    assert r.step == 41 and r.source is RestoreSource.SNAPSHOT
+    assert [r.donor(n) for n in ("a", "b", "c", "new")] == ["a", "b", "a", "a"]
+    assert choose_restore({}).step == -1
+    assert choose_restore({}).source == "fresh" and choose_restore({}).donor("a") is None
 
 
 def test_choose_restore_falls_back_to_the_newest_committed_checkpoint():
     # No snapshot survived: the checkpoint (state after step 99) is the restore point.
-    r = choose_restore(["a", "b"], {}, checkpoint_step=99)
-    assert (r.step, r.source, r.donors) == (99, "checkpoint", (None, None))
+    r = choose_restore({}, checkpoint_step=99)
+    assert (r.step, r.source, r.donor("a")) == (99, "checkpoint", None)
     # A newer snapshot wins; on a tie the in-memory snapshot wins too.
-    assert choose_restore(["a"], {"a": 120}, 99).source == "snapshot"
-    assert choose_restore(["a"], {"a": 99}, 99).source == "snapshot"
+    assert choose_restore({"a": 120}, 99).source == "snapshot"
+    assert choose_restore({"a": 99}, 99).source == "snapshot"
     # A snapshot older than the checkpoint (snapshot_every > checkpoint_every) loses.
-    r = choose_restore(["a"], {"a": 95}, 99)
+    r = choose_restore({"a": 95}, 99)
     assert (r.step, r.source) == (99, "checkpoint")
 
 

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from ray_elastic import ElasticConfig, ElasticRuntimeError, ElasticTrainer
+from ray_elastic import ElasticConfig, ElasticTrainer
+from ray_elastic.errors import CapacityTimeoutError, RetriesExhaustedError, TrainingCodeError
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
 
 from faults import (FaultPlan, ensure_slices, in_thread, kill_process_of_slice, max_rel_err, slice_name,
@@ -54,7 +55,7 @@ def baseline_long(sim_cluster):
 
 def run(cluster, faults: dict, steps: int = STEPS, **cfg_kw):
     plan = FaultPlan(faults)
-    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster, **cfg_kw), progress=False, on_chunk=plan.on_chunk)
+    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster, **cfg_kw), progress=False, on_step=plan.on_step)
     plan.trainer = trainer
     result = trainer.fit(steps)
     assert not plan.faults, f"faults never fired: {plan.faults}"
@@ -67,7 +68,7 @@ def test_process_sigkilled_mid_step(cluster, baseline):
     trainer, result = run(cluster, {20: lambda t: kill_process_of_slice(t, 1)})
     (rec,) = result.recoveries
     # The host is healthy: the same three slices form the next world.
-    assert rec["slices"] == 3 and rec["added_slices"] == 0
+    assert rec.slices == 3 and rec.added_slices == 0
     failure = next(e for e in result.events if e["kind"] == "failure")
     assert failure["lost_slices"] == [] and failure["crashed_slices"]
     assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
@@ -76,7 +77,7 @@ def test_process_sigkilled_mid_step(cluster, baseline):
 def test_slice_node_removed_replica_resize(cluster, baseline):
     trainer, result = run(cluster, {20: lambda t: in_thread(cluster.kill_slice, slice_name(t, 1))})
     (rec,) = result.recoveries
-    assert rec["slices"] == 2 and rec["restored_from_step"] >= 20
+    assert rec.slices == 2 and rec.restored_from_step >= 20
     assert result.summary["mesh"] == {"replica": 2, "fsdp": 2}
     failure = next(e for e in result.events if e["kind"] == "failure")
     assert len(failure["lost_slices"]) == 1
@@ -86,7 +87,7 @@ def test_slice_node_removed_replica_resize(cluster, baseline):
 def test_slice_hung_by_sigstop(cluster, baseline):
     trainer, result = run(cluster, {20: lambda t: cluster.hang_slice(slice_name(t, 2))})
     (rec,) = result.recoveries
-    assert rec["slices"] == 2
+    assert rec.slices == 2
     assert max_rel_err(result.losses, baseline) <= RESIZED
 
 
@@ -98,7 +99,7 @@ def test_hung_process_found_by_watchdog_and_probe(cluster, baseline):
     assert failure["cause"] == "hang"
     assert list(failure["kinds"].values()) == ["hang"]
     (rec,) = result.recoveries
-    assert rec["slices"] == 3
+    assert rec.slices == 3
     assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
 
 
@@ -128,8 +129,8 @@ def test_second_failure_during_recovery(cluster, baseline):
             in_thread(cluster.kill_slice, names["second"], delay=0.3)
 
     plan = FaultPlan({20: first})
-    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster), progress=False, on_chunk=plan.on_chunk,
-                             on_elastic_event_callback=on_event)
+    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster), progress=False, on_step=plan.on_step,
+                             on_event=on_event)
     plan.trainer = trainer
     result = trainer.fit(STEPS)
     assert result.steps == list(range(STEPS))
@@ -147,8 +148,8 @@ def test_pause_and_resume_with_provisioning_delay(cluster, baseline):
     finally:
         prov.stop()
     (rec,) = result.recoveries
-    assert rec["slices"] == 3 and rec["added_slices"] == 1
-    assert rec["wait_for_capacity_s"] >= 1.5
+    assert rec.slices == 3 and rec.added_slices == 1
+    assert rec.wait_for_capacity_s >= 1.5
     assert len(prov.added) == 1
     assert result.summary["mesh"] == {"replica": 3, "fsdp": 2}
     assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
@@ -189,20 +190,19 @@ def test_replica_resize_to_min_then_grow_back(cluster, baseline_long):
     finally:
         prov.stop()
     (rec,) = result.recoveries
-    assert rec["slices"] == 2
+    assert rec.slices == 2
     ups = [e for e in result.events if e["kind"] == "scale_up"]
     assert len(ups) == 1 and ups[0]["to_slices"] == 3 and ups[0]["steps_rewound"] == 0
-    assert [w["mesh"]["replica"] for w in trainer.worlds] == [3, 2, 3]
+    assert [w.mesh["replica"] for w in trainer.worlds] == [3, 2, 3]
     assert max_rel_err(result.losses, baseline_long) <= RESIZED
 
 
 def test_pause_and_resume_timeout_fails_clearly(cluster):
-    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster, mode="pause-and-resume", replacement_timeout_s=2.0),
-                             progress=False)
     plan = FaultPlan({10: lambda t: in_thread(cluster.kill_slice, slice_name(t, 0))})
-    trainer.on_chunk = plan.on_chunk
+    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster, mode="pause-and-resume", replacement_timeout_s=2.0),
+                             progress=False, on_step=plan.on_step)
     plan.trainer = trainer
-    with pytest.raises(ElasticRuntimeError, match="no replacement slice arrived in time.*fallback_to_resize"):
+    with pytest.raises(CapacityTimeoutError, match="no replacement slice arrived in time.*fallback_to_resize"):
         trainer.fit(STEPS)
     assert trainer.state.value == "errored"
 
@@ -211,7 +211,7 @@ def test_pause_and_resume_timeout_falls_back_to_resize(cluster, baseline):
     trainer, result = run(cluster, {20: lambda t: in_thread(cluster.kill_slice, slice_name(t, 0))},
                           mode="pause-and-resume", replacement_timeout_s=2.0, fallback_to_resize=True)
     (rec,) = result.recoveries
-    assert rec["slices"] == 2 and rec["wait_for_capacity_s"] >= 2.0
+    assert rec.slices == 2 and rec.wait_for_capacity_s >= 2.0
     assert max_rel_err(result.losses, baseline) <= RESIZED
 
 
@@ -221,7 +221,7 @@ def test_user_code_error_is_not_retried(cluster):
         def loss(self, model, batch):
             raise ValueError("bug in the loss")
 
-    with pytest.raises(ElasticRuntimeError, match="bug in the loss"):
+    with pytest.raises(TrainingCodeError, match="bug in the loss"):
         ElasticTrainer(Exploding(), config(cluster), progress=False).fit(5)
 
 
@@ -233,13 +233,13 @@ def test_retry_policy_and_callbacks(cluster):
         return False
 
     plan = FaultPlan({10: lambda t: kill_process_of_slice(t, 0)})
-    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster), progress=False, on_chunk=plan.on_chunk,
+    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster), progress=False, on_step=plan.on_step,
                              retry_policy=policy, pre_callback=lambda: calls.__setitem__("pre", calls["pre"] + 1),
-                             on_elastic_event_callback=calls["events"].append)
+                             on_event=calls["events"].append)
     plan.trainer = trainer
-    with pytest.raises(ElasticRuntimeError, match="retry_policy declined attempt 1"):
+    with pytest.raises(RetriesExhaustedError, match="retry_policy declined attempt 1"):
         trainer.fit(STEPS)
-    assert calls["policy"] == [1] and calls["pre"] == 0
+    assert calls["policy"] == [1] and calls["pre"] == 1  # before the first world, as pathwaysutils does
     assert [e["kind"] for e in calls["events"]] == ["failure"]
 
 
@@ -283,7 +283,7 @@ def test_random_faults(cluster, baseline_long):
 def test_scale_batch_policy_with_linear_lr_rule(cluster, baseline):
     trainer, result = run(cluster, {20: lambda t: in_thread(cluster.kill_slice, slice_name(t, 1))},
                           batch_policy="scale", lr_rule="linear")
-    assert [w["global_batch_size"] for w in trainer.worlds] == [48, 32]
+    assert [w.global_batch_size for w in trainer.worlds] == [48, 32]
     # Before the loss, the run is the full-size run (the lr scale is 1 at full size).
     assert max_rel_err(result.losses[:21], baseline[:21]) <= SAME_SHAPE
     # After it, a smaller batch and smaller updates: a different (still finite, still learning) curve.

@@ -61,3 +61,14 @@ def test_transformer_trains_on_three_slices(sim_cluster):
     ref = reference_losses(task, global_batch_size=12, seed=0, num_steps=20)
     rel = np.abs(np.array(result.losses) - ref) / np.abs(ref)
     assert rel.max() <= 1e-4, rel.max()
+
+
+def test_a_trainer_can_fit_again(mlp_run):
+    """A second ``fit`` is a new run: fresh worlds, events and records, the same losses from step 0."""
+    trainer, first = mlp_run
+    again = trainer.fit(12)
+    assert again.steps == list(range(12))
+    np.testing.assert_allclose(again.losses, first.losses[:12], rtol=1e-6)
+    assert len(trainer.worlds) == 1 and again.summary["generations"] == 1
+    assert [e["kind"] for e in again.events].count("run_started") == 1
+    assert trainer.state.value == "finished"

@@ -1,0 +1,88 @@
+"""Every Ray effect the controller causes, behind one object: the seam a test replaces.
+
+The controller and :class:`~ray_elastic.generations.Generations` never call Ray
+themselves: they reserve slices, start processes, form and drive worlds and gather
+failure evidence through a backend. :class:`RayBackend` is the real one (placement
+groups, slice actors, streaming generators, node health); tests swap in a scripted
+fake through ``ElasticTrainer.backend_cls``, as Ray Train's controller takes a
+``worker_group_cls``, so a whole recovery sequence runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import ray
+
+from ray_elastic import checkpoints, health
+from ray_elastic.config import ElasticConfig
+from ray_elastic.placement import ReplacementRequest, SliceReservation, reserve_slices
+from ray_elastic.plan import ErrorKind
+from ray_elastic.snapshots import SnapshotStore
+from ray_elastic.stepping import StepStreams
+from ray_elastic.task import TrainTask
+from ray_elastic.world import World, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+class RayBackend:
+    """Slices, processes and worlds on the Ray cluster this driver is connected to."""
+
+    def __init__(self, task: TrainTask, config: ElasticConfig, address: Optional[str] = None):
+        self.task = task
+        self.config = config
+        self.address = address
+        self.pool: Optional[WorkerPool] = None
+
+    def connect(self) -> None:
+        if not ray.is_initialized():
+            ray.init(address=self.address, namespace="ray_elastic", log_to_driver=True)
+        self.pool = WorkerPool(ray.put(self.task), self.config, env=checkpoints.gcs_env())
+
+    def run_metrics(self, name: str):
+        """Ray metrics for this run; a run goes on without them if they cannot be set up."""
+        from ray_elastic.metrics import RunMetrics
+
+        try:
+            return RunMetrics(name)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("Ray metrics disabled: %s", e)
+            return None
+
+    # -------------------------------------------------------------- slices
+    def reserve(self, count: int) -> list[SliceReservation]:
+        return reserve_slices(self.config.slice, count, self.config.slice_timeout_s)
+
+    def request_replacement(self) -> ReplacementRequest:
+        """A pending slice placement group: the demand the autoscaler provisions a slice for."""
+        return ReplacementRequest(self.config.slice, self.config.replacement_timeout_s)
+
+    def replenish(self, members: list) -> None:
+        self.pool.replenish(members)
+
+    def discard(self, reservation) -> None:
+        self.pool.discard(reservation)
+
+    # --------------------------------------------------------------- worlds
+    def form(self, **kwargs) -> World:
+        return World.form(pool=self.pool, config=self.config, **kwargs)
+
+    def drive(self, world: World, store: SnapshotStore, on_metrics: Callable[[dict], None],
+              step_times: list[float]) -> StepStreams:
+        return StepStreams(world, self.config, store, on_metrics, step_times)
+
+    # ------------------------------------------------------------- evidence
+    def error_kind(self, error: BaseException) -> ErrorKind:
+        return health.error_kind(error)
+
+    def dead_slices(self, slice_nodes: dict[str, list[str]], suspects: set[str]) -> set[str]:
+        return health.dead_slices(slice_nodes, suspects, self.config.node_death_grace_s)
+
+    def unresponsive(self, world: World) -> set[int]:
+        return health.unresponsive(world.workers, self.config.probe_timeout_s)
+
+    def shutdown(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()

@@ -1,0 +1,242 @@
+"""What a run produced, as typed records, and the pure functions that sum it up.
+
+No Ray, no JAX: the records are filled by the controller and the summary is
+computed from them, like :func:`ray_elastic.goodput.account` from the event log.
+Every ``*_at`` field is wall-clock time (``time.time()``), every ``*_s`` a duration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Optional
+
+from ray_elastic import goodput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldChange:
+    """What the last world left for the next one: its surviving slices, and why it ended."""
+
+    cause: str  # an OutcomeKind; DONE for the first world
+    survivors: list
+    reason: str
+    detected_at: float  # the first failure's, through failures while forming
+    last_progress_at: float
+    classify_s: float = 0.0
+    teardown_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldRecord:
+    """One generation: its slices, layout, where its state came from and how long forming took."""
+
+    generation: int
+    slices: list[str]
+    mesh: dict[str, int]
+    global_batch_size: int
+    start_step: int
+    restore_source: str
+    snapshot_donors: dict[str, str]
+    times: dict[str, float]  # FormationTimes as a dict: start_actors_s, jax_init_s, state_load_s, ...
+
+    def event_fields(self) -> dict:
+        """The ``world_formed`` event (times flattened, as ``events.jsonl`` has always had them)."""
+        return {"generation": self.generation, "slices": self.slices, "mesh": self.mesh,
+                "global_batch_size": self.global_batch_size, "restored_from_step": self.start_step - 1,
+                "restore_source": self.restore_source, "snapshot_donors": self.snapshot_donors, **self.times}
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoveryRecord:
+    """One recovery: the new world and the seconds of every phase from detection to ready."""
+
+    generation: int
+    reason: str
+    mode: str
+    slices: int
+    added_slices: int
+    restored_from_step: int
+    restore_source: str
+    steps_rewound: int
+    since_last_progress_s: float
+    classify_s: float
+    teardown_s: float
+    wait_for_capacity_s: float
+    world_formation_s: float
+    state_load_s: float
+    compile_s: float
+    recovery_s: float
+    detected_at: float
+    capacity_ready_at: float
+    ready_at: float
+
+
+    @classmethod
+    def of(cls, change: WorldChange, world: WorldRecord, *, mode: str, added: int, rewound: int, wait_s: float,
+           capacity_ready_at: float) -> "RecoveryRecord":
+        """The record of a recovery that ``change`` started and ``world`` ended (now)."""
+        t, now = world.times, time.time()
+        return cls(generation=world.generation, reason=change.reason, mode=mode, slices=len(world.slices),
+                   added_slices=added, restored_from_step=world.start_step - 1, restore_source=world.restore_source,
+                   steps_rewound=rewound, since_last_progress_s=change.detected_at - change.last_progress_at,
+                   classify_s=change.classify_s, teardown_s=change.teardown_s, wait_for_capacity_s=wait_s,
+                   world_formation_s=t["start_actors_s"] + t["jax_init_s"], state_load_s=t["state_load_s"],
+                   compile_s=t["compile_s"], recovery_s=now - change.detected_at, detected_at=change.detected_at,
+                   capacity_ready_at=capacity_ready_at, ready_at=now)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleUpRecord:
+    """Capacity returned and the world grew at a step boundary."""
+
+    generation: int
+    from_slices: int
+    to_slices: int
+    restored_from_step: int
+    steps_rewound: int
+    resize_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    """The numbers of a finished run (``FitResult.summary`` is its dict view)."""
+
+    steps: int
+    num_steps: int
+    wall_s: float
+    resumed_from_checkpoint: Optional[int] = None
+    already_done: bool = False
+    goodput: Optional[float] = None
+    slices: Optional[int] = None
+    hosts_per_slice: Optional[int] = None
+    mesh: Optional[dict] = None
+    global_batch_size: Optional[int] = None
+    first_loss: Optional[float] = None
+    final_loss: Optional[float] = None
+    generations: int = 0
+    failures: int = 0
+    recoveries: int = 0
+    scale_ups: int = 0
+    checkpoints_saved: int = 0
+    checkpoints_committed: int = 0
+    checkpoint_restores: int = 0
+    steps_rewound: int = 0
+    max_recovery_s: float = 0.0
+    startup_s: Optional[float] = None
+    compile_s: Optional[float] = None
+    median_step_s: Optional[float] = None
+
+
+@dataclasses.dataclass
+class FitResult:
+    """What ``fit`` returns: per-step metrics, recoveries and a summary of the run."""
+
+    steps: list[int]
+    losses: list[float]
+    step_times_s: list[float]
+    recoveries: list[RecoveryRecord]
+    summary: dict[str, Any]
+    events: list[dict]
+
+    def __repr__(self) -> str:
+        return (f"FitResult(steps={len(self.steps)}, final_loss={self.losses[-1] if self.losses else None}, "
+                f"recoveries={len(self.recoveries)}, summary={self.summary})")
+
+
+class StepLedger:
+    """The metrics of every kept step, and their way into the event log: one ``steps`` line per
+    chunk, plus the checkpoint saves and commits the workers report with their steps."""
+
+    def __init__(self, events, steps_per_chunk: int):
+        self.events = events
+        self.steps_per_chunk = steps_per_chunk
+        self.metrics: dict[int, dict] = {}
+        self.step_times: list[float] = []  # every step run, for the watchdog (rewound ones too)
+        self._buffer: list[dict] = []
+        self._generation = 0
+        self._snapshot_steps: Callable[[], list[int]] = list
+
+    def start_world(self, generation: int, snapshot_steps: Callable[[], list[int]]) -> None:
+        """Steps from now on belong to ``generation``; ``snapshot_steps()`` says which were snapshotted."""
+        self._generation, self._snapshot_steps = generation, snapshot_steps
+
+    def add(self, m: dict) -> None:
+        self.metrics[m["step"]] = m
+        self.step_times.append(m["step_time_s"])
+        if "checkpoint_step" in m:
+            self.events.emit("checkpoint_save", step=m["checkpoint_step"], blocking_s=m["checkpoint_blocking_s"])
+        self.saves_committed(m.get("checkpoints_committed", []))
+        self._buffer.append(m)
+        if len(self._buffer) >= self.steps_per_chunk:
+            self.flush()
+        self.events.step(m)
+
+    def flush(self) -> None:
+        """Buffered steps into the event log, one line (a rewound step appears again later)."""
+        buf, self._buffer = self._buffer, []
+        if buf:
+            self.events.emit("steps", generation=self._generation, steps=[m["step"] for m in buf],
+                             losses=[m["loss"] for m in buf], step_time_s=[m["step_time_s"] for m in buf],
+                             snapshot_steps=self._snapshot_steps())
+
+    def saves_committed(self, finished: list) -> None:
+        for step, total_s in finished:
+            self.events.emit("checkpoint_committed", step=step, total_s=total_s)
+
+    @property
+    def last_step(self) -> int:
+        return max(self.metrics) if self.metrics else -1
+
+    def rewind_to(self, step: int) -> int:
+        """Forget steps after ``step`` (the next world recomputes them); returns how many."""
+        later = [s for s in self.metrics if s > step]
+        for s in later:
+            del self.metrics[s]
+        return len(later)
+
+
+def summarize(*, ledger: StepLedger, worlds: list[WorldRecord], recoveries: list[RecoveryRecord],
+              events: list[dict], num_steps: int, first_step: int, startup_s: float, wall_s: float,
+              hosts_per_slice: int, gp: goodput.Goodput) -> FitResult:
+    """The result of a finished run, from its records and events alone."""
+    steps = sorted(ledger.metrics)
+    losses = [ledger.metrics[s]["loss"] for s in steps]
+    times = [ledger.metrics[s]["step_time_s"] for s in steps]
+    steady = sorted(times[1:]) or times
+    last = worlds[-1]
+
+    def count(kind: str) -> int:
+        return sum(1 for e in events if e["kind"] == kind)
+
+    summary = RunSummary(
+        steps=len(steps), num_steps=num_steps, wall_s=round(wall_s, 3), resumed_from_checkpoint=first_step or None,
+        goodput=round(gp.goodput, 4), slices=len(last.slices), hosts_per_slice=hosts_per_slice, mesh=last.mesh,
+        global_batch_size=last.global_batch_size, first_loss=losses[0], final_loss=losses[-1],
+        generations=len(worlds), failures=count("failure"), recoveries=len(recoveries), scale_ups=count("scale_up"),
+        checkpoints_saved=count("checkpoint_save"), checkpoints_committed=count("checkpoint_committed"),
+        checkpoint_restores=count("checkpoint_restore"), steps_rewound=sum(r.steps_rewound for r in recoveries),
+        max_recovery_s=round(max((r.recovery_s for r in recoveries), default=0.0), 3), startup_s=round(startup_s, 3),
+        compile_s=round(worlds[0].times["compile_s"], 3), median_step_s=steady[len(steady) // 2],
+    )
+    return FitResult(steps, losses, times, list(recoveries), dataclasses.asdict(summary), list(events))
+
+
+def already_done(*, checkpoint_step: int, num_steps: int, wall_s: float, events: list[dict]) -> FitResult:
+    """The checkpoint already covers ``num_steps``: nothing was trained."""
+    summary = RunSummary(steps=0, num_steps=num_steps, wall_s=round(wall_s, 3),
+                         resumed_from_checkpoint=checkpoint_step, already_done=True)
+    return FitResult([], [], [], [], dataclasses.asdict(summary), list(events))
+
+
+def resume_changes(metadata: dict, *, seed: int, global_batch_size: int) -> dict[str, tuple]:
+    """Settings that changed since the checkpoint was written and change the data order: name -> (then, now)."""
+    now = {"seed": seed, "data_stride": global_batch_size}
+    changed = {k: (metadata.get(k), v) for k, v in now.items() if metadata.get(k) is not None and metadata.get(k) != v}
+    if changed:
+        logger.warning("the checkpoint was written with %s; this run uses %s: the data order differs",
+                       {k: a for k, (a, _) in changed.items()}, {k: b for k, (_, b) in changed.items()})
+    return changed

@@ -1,0 +1,252 @@
+"""A scripted stand-in for :class:`ray_elastic.ray_backend.RayBackend`: no Ray, no JAX, milliseconds.
+
+The controller, ``Generations`` and ``plan`` run for real; only the cluster is scripted:
+slices are names with a node that is alive or dead, a world's steps are a loop that
+reports a made-up loss and a snapshot per step, and faults fire before a given step
+(``faults={step: fn(backend, world)}``) or while a world forms (``form_script``).
+Install it with ``trainer.backend_cls = FakeBackend(...)``: it is called as the class would be.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+from ray_elastic.plan import ErrorKind, is_snapshot_step, plan_world
+from ray_elastic.states import OutcomeKind, RunOutcome
+from ray_elastic.world import FormationTimes
+
+
+class ProcessDied(RuntimeError):
+    """What a fake actor's death looks like (Ray's ``ActorDiedError`` in the real backend)."""
+
+
+class TaskBug(ValueError):
+    """An error raised by the task's own code."""
+
+
+@dataclasses.dataclass
+class FakeSpec:
+    num_hosts: int = 1
+
+
+class FakeReservation:
+    def __init__(self, backend: "FakeBackend", host: str):
+        self.backend, self.host, self.spec = backend, host, FakeSpec()
+        self.slice_name: Optional[str] = None
+        self.released = False
+
+    def node_ids(self) -> list[str]:
+        return [f"node-{self.host}"]
+
+    def release(self) -> None:
+        self.released = True
+        self.backend.reserved.discard(self.host)
+
+
+class FakeRequest:
+    """A pending replacement: ready once the cluster has a free live slice."""
+
+    def __init__(self, backend: "FakeBackend"):
+        self.backend = backend
+        self.res: Optional[FakeReservation] = None
+        self.cancelled = False
+
+    def poll(self) -> Optional[FakeReservation]:
+        if self.res is None:
+            free = self.backend.free_slices()
+            if free:
+                self.res = self.backend.claim(free[0])
+        return self.res
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.res is not None:
+            self.res.release()
+
+
+class FakeWorld:
+    def __init__(self, backend, plan, reservations, restored: dict):
+        self.backend, self.plan, self.reservations = backend, plan, list(reservations)
+        self.restored = restored  # slice -> step of the snapshot it loaded
+        self.times = FormationTimes(start_actors_s=0.001, jax_init_s=0.001, state_load_s=0.001, compile_s=0.001,
+                                    total_s=0.004)
+        self.workers = list(range(plan.num_processes))
+        self.join_infos = [{} for _ in self.workers]
+        self.host_infos = [{"node_id": f"node-{r.host}", "pid": 0} for r in reservations]
+        self.torn_down = False
+
+    def slice_of(self, p: int) -> str:
+        return self.plan.slice_names[p // self.plan.hosts_per_slice]
+
+    def slice_node_ids(self) -> dict[str, list[str]]:
+        return {self.slice_of(p): [info["node_id"]] for p, info in enumerate(self.host_infos)}
+
+    def teardown(self, confirm_s: float = 0.0) -> None:
+        self.torn_down = True
+
+    def finish_checkpoints(self, timeout_s: float) -> list:
+        return []
+
+
+class FakeStreams:
+    def __init__(self, backend, world, store, on_metrics):
+        self.backend, self.world, self.store, self.on_metrics = backend, world, store, on_metrics
+
+    def run(self, start: int, end: int, grow_requested: Callable[[], bool]) -> RunOutcome:
+        for step in range(start, end):
+            if step > start and grow_requested():
+                return RunOutcome(OutcomeKind.GROW)
+            fault = self.backend.faults.pop(step, None)
+            if fault is not None:
+                outcome = fault(self.backend, self.world)
+                if outcome is not None:
+                    return outcome
+            self.backend.steps_run.append((self.world.plan.generation, step))
+            self.on_metrics({"step": step, "loss": 1.0 / (step + 1), "step_time_s": 0.001})
+            if is_snapshot_step(step, self.backend.config.snapshot_every):
+                for p in range(self.world.plan.num_processes):
+                    if self.world.plan.takes_snapshots(p):
+                        self.store.add(self.world.slice_of(p), 0, step, ("snapshot", step))
+        return RunOutcome(OutcomeKind.DONE)
+
+    def drain(self, timeout_s: float, errors: dict) -> None:
+        pass
+
+    def take_snapshot_steps(self) -> list[int]:
+        return []
+
+
+class FakeBackend:
+    """A cluster of named one-host slices; ``spare`` of them start unreserved."""
+
+    def __init__(self, slices: int = 3, *, faults: Optional[dict] = None, form_script: Optional[list] = None):
+        self.hosts = [f"s{i}" for i in range(slices)]
+        self.alive = set(self.hosts)
+        self.hung: set[str] = set()
+        self.reserved: set[str] = set()
+        self.faults = dict(faults or {})
+        self.form_script = list(form_script or [])  # per forming attempt: None (form) or fn(backend) that raises
+        self.formed: list[FakeWorld] = []
+        self.form_attempts = 0
+        self.steps_run: list[tuple[int, int]] = []
+        self.requests: list[FakeRequest] = []
+        self.config = None
+
+    def __call__(self, task, config, address=None) -> "FakeBackend":  # stands in for the class
+        self.config = config
+        return self
+
+    # cluster changes a test script makes
+    def add_slice(self) -> str:
+        name = f"s{len(self.hosts)}"
+        self.hosts.append(name)
+        self.alive.add(name)
+        return name
+
+    def kill(self, name: str) -> None:
+        self.alive.discard(name)
+
+    def free_slices(self) -> list[str]:
+        return [h for h in self.hosts if h in self.alive and h not in self.reserved]
+
+    def claim(self, host: str) -> FakeReservation:
+        self.reserved.add(host)
+        return FakeReservation(self, host)
+
+    # the backend interface
+    def connect(self) -> None:
+        pass
+
+    def run_metrics(self, name: str):
+        return None
+
+    def reserve(self, count: int) -> list[FakeReservation]:
+        free = self.free_slices()
+        if len(free) < count:
+            raise TimeoutError(f"could not reserve {count} slices: {len(free)} free")
+        return [self.claim(h) for h in free[:count]]
+
+    def request_replacement(self) -> FakeRequest:
+        self.requests.append(FakeRequest(self))
+        return self.requests[-1]
+
+    def replenish(self, members) -> None:
+        pass
+
+    def discard(self, reservation) -> None:
+        pass
+
+    def form(self, *, generation, reservations, start_step, global_batch_size, lr_scale, restore, checkpoint_step):
+        self.form_attempts += 1
+        action = self.form_script.pop(0) if self.form_script else None
+        if action is not None:
+            action(self)
+        for r in reservations:
+            if r.host not in self.alive:
+                raise ProcessDied(f"host of {r.host} is dead")
+            r.slice_name = r.host
+        names = [r.slice_name for r in reservations]
+        plan = plan_world(generation, names, 1, 2, global_batch_size, data_stride=self.config.global_batch_size,
+                          snapshot_slices=self.config.snapshot_replicas)
+        restored = {}
+        for n in names:
+            refs = restore(n)
+            if refs is not None:
+                restored[n] = refs[0][1]
+        world = FakeWorld(self, plan, reservations, restored)
+        self.formed.append(world)
+        return world
+
+    def drive(self, world, store, on_metrics, step_times) -> FakeStreams:
+        return FakeStreams(self, world, store, on_metrics)
+
+    def error_kind(self, error: BaseException) -> ErrorKind:
+        if isinstance(error, ProcessDied):
+            return ErrorKind.ACTOR_DIED
+        return ErrorKind.TASK_ERROR
+
+    def dead_slices(self, slice_nodes: dict, suspects: set) -> set[str]:
+        alive = {f"node-{h}" for h in self.alive}
+        return {s for s, nodes in slice_nodes.items() if any(n not in alive for n in nodes)}
+
+    def unresponsive(self, world) -> set[int]:
+        return {p for p in range(world.plan.num_processes) if world.slice_of(p) in self.hung}
+
+    def shutdown(self) -> None:
+        pass
+
+
+# Faults, as ``faults={step: ...}`` values.
+def lose_slice(index: int):
+    """The host of the world's slice ``index`` dies (its process with it)."""
+    def fire(backend, world):
+        backend.kill(world.plan.slice_names[index])
+        return RunOutcome(OutcomeKind.FAILURE, {index: ProcessDied("actor died")})
+    return fire
+
+
+def crash_process(index: int):
+    """Slice ``index``'s process dies; its host lives."""
+    def fire(backend, world):
+        return RunOutcome(OutcomeKind.FAILURE, {index: ProcessDied("actor died")})
+    return fire
+
+
+def hang_slice(index: int):
+    def fire(backend, world):
+        backend.hung.add(world.plan.slice_names[index])
+        return RunOutcome(OutcomeKind.HANG)
+    return fire
+
+
+def task_bug(index: int = 0):
+    def fire(backend, world):
+        return RunOutcome(OutcomeKind.FAILURE, {index: TaskBug("bug in the loss")})
+    return fire
+
+
+def add_capacity(backend, world):
+    """A replacement slice is provisioned (no fault: the step runs)."""
+    backend.add_slice()
+    return None

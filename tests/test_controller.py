@@ -1,0 +1,237 @@
+"""The controller's loop driven by a scripted fake backend: recovery sequences in milliseconds.
+
+The controller, ``Generations``, ``plan`` and the observers run for real; only the Ray
+effects are scripted (``fake_backend.py``). The real-cluster fault tests in
+``test_recovery.py`` check the same paths end to end.
+"""
+
+import itertools
+import warnings
+
+import pytest
+
+from ray_elastic import ElasticConfig, ElasticTrainer, SliceSpec
+from ray_elastic.errors import CapacityTimeoutError, RetriesExhaustedError, TrainingCodeError
+from ray_elastic.examples.digits_mlp import DigitsMLPTask
+from ray_elastic.states import ControllerState as S
+from ray_elastic.states import InvalidTransition, check_transition
+
+from fake_backend import (FakeBackend, ProcessDied, TaskBug, add_capacity, crash_process, hang_slice, lose_slice,
+                          task_bug)
+
+STEPS = 20
+
+
+def make(backend: FakeBackend, **kw):
+    trainer_kw = {k: kw.pop(k) for k in ("retry_policy", "pre_callback", "on_event", "on_step", "on_chunk",
+                                         "on_elastic_event_callback") if k in kw}
+    cfg = ElasticConfig(**{"num_slices": 3, "global_batch_size": 48, "slice": SliceSpec("v4", "2x2x1"),
+                           "replacement_timeout_s": 5.0, **kw})
+    trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, **trainer_kw)
+    trainer.backend_cls = backend
+    return trainer
+
+
+def kinds(result, kind):
+    return [e for e in result.events if e["kind"] == kind]
+
+
+def assert_every_step_once_no_rewind(result, backend):
+    assert result.steps == list(range(STEPS))
+    assert result.summary["steps_rewound"] == 0
+    assert sorted(s for _, s in backend.steps_run) == list(range(STEPS))  # no step computed twice
+
+
+def test_process_crash_reforms_the_same_slices_from_snapshots():
+    backend = FakeBackend(faults={5: crash_process(1)})
+    result = make(backend).fit(STEPS)
+    assert_every_step_once_no_rewind(result, backend)
+    (rec,) = result.recoveries
+    assert (rec.slices, rec.added_slices, rec.restore_source, rec.restored_from_step) == (3, 0, "snapshot", 4)
+    assert backend.formed[1].plan.slice_names == backend.formed[0].plan.slice_names
+    # Every slice loads its own snapshot when it has one; the non-holder loads a holder's.
+    assert backend.formed[1].restored == {"s0": 4, "s1": 4, "s2": 4}
+    (failure,) = kinds(result, "failure")
+    assert failure["crashed_slices"] == ["s1"] and failure["lost_slices"] == [] and failure["cause"] == "failure"
+
+
+def test_lost_slice_shrinks_the_world_and_asks_for_a_replacement():
+    backend = FakeBackend(faults={5: lose_slice(2)})
+    trainer = make(backend)
+    result = trainer.fit(STEPS)
+    assert_every_step_once_no_rewind(result, backend)
+    assert [w.mesh["replica"] for w in trainer.worlds] == [3, 2]
+    assert len(backend.requests) == 1 and backend.requests[0].cancelled  # the demand, given back at the end
+    (resize,) = kinds(result, "resize")
+    assert (resize["from_slices"], resize["to_slices"]) == (3, 2)
+
+
+def test_failure_while_forming_is_another_turn_of_the_loop():
+    # The first re-formation fails with every host alive (a process died while joining).
+    def die_while_joining(backend):
+        raise ProcessDied("replacement process died in jax.distributed.initialize")
+
+    backend = FakeBackend(faults={5: crash_process(0)}, form_script=[None, die_while_joining])
+    trainer = make(backend)
+    result = trainer.fit(STEPS)
+    assert_every_step_once_no_rewind(result, backend)
+    assert backend.form_attempts == 3 and len(trainer.worlds) == 2
+    causes = [e["cause"] for e in kinds(result, "failure")]
+    assert causes == ["failure", "forming_failed"]
+    (rec,) = result.recoveries
+    assert rec.slices == 3 and "failure while forming" in rec.reason
+    # One recovery, timed from the first failure's detection.
+    assert rec.detected_at == pytest.approx(kinds(result, "failure")[0]["ts"], abs=1.0)
+
+
+def test_second_failure_while_forming_loses_another_slice():
+    def lose_s1(backend):
+        backend.kill("s1")
+
+    backend = FakeBackend(faults={5: lose_slice(2)}, form_script=[None, lose_s1])
+    trainer = make(backend)
+    result = trainer.fit(STEPS)
+    assert_every_step_once_no_rewind(result, backend)
+    failures = kinds(result, "failure")
+    assert [f["lost_slices"] for f in failures] == [["s2"], ["s1"]]
+    assert [w.slices for w in trainer.worlds] == [["s0", "s1", "s2"], ["s0"]]
+    assert len(backend.requests) == 2
+    assert backend.formed[-1].restored == {"s0": 4}
+
+
+def test_pause_and_resume_waits_then_times_out():
+    backend = FakeBackend(faults={5: lose_slice(1)})
+    events = []
+    trainer = make(backend, mode="pause-and-resume", replacement_timeout_s=0.3, on_event=events.append)
+    with pytest.raises(CapacityTimeoutError, match="no replacement slice arrived in time"):
+        trainer.fit(STEPS)
+    assert trainer.state is S.ERRORED
+    assert [e["kind"] for e in events] == ["failure", "waiting_for_capacity"]
+
+
+def test_pause_and_resume_waits_for_the_replacement():
+    backend = FakeBackend(faults={5: lose_slice(1)})
+    trainer = make(backend, mode="pause-and-resume", replacement_timeout_s=10.0,
+                   on_event=lambda e: e["kind"] == "waiting_for_capacity" and backend.add_slice())
+    result = trainer.fit(STEPS)
+    assert_every_step_once_no_rewind(result, backend)
+    (rec,) = result.recoveries
+    assert (rec.slices, rec.added_slices) == (3, 1) and rec.wait_for_capacity_s > 0
+    assert trainer.worlds[-1].slices == ["s0", "s2", "s3"]
+    assert backend.formed[-1].restored["s3"] == 4  # the newcomer loads a survivor's snapshot
+
+
+def test_replica_resize_grows_back_at_a_step_boundary():
+    backend = FakeBackend(faults={5: lose_slice(2), 10: add_capacity})
+    trainer = make(backend)
+    result = trainer.fit(STEPS)
+    assert_every_step_once_no_rewind(result, backend)
+    assert [w.mesh["replica"] for w in trainer.worlds] == [3, 2, 3]
+    (up,) = kinds(result, "scale_up")
+    assert (up["from_slices"], up["to_slices"], up["steps_rewound"]) == (2, 3, 0)
+    assert result.summary["scale_ups"] == 1 and result.summary["recoveries"] == 1
+
+
+def test_max_failures_within_the_window():
+    backend = FakeBackend(faults={3: crash_process(0), 6: crash_process(1), 9: crash_process(2)})
+    with pytest.raises(RetriesExhaustedError, match=r"gave up after 3 failures.*max_failures=2"):
+        make(backend, max_failures=2).fit(STEPS)
+
+
+def test_retry_policy_declining_stops_with_its_error():
+    calls = {"policy": [], "pre": 0}
+
+    def policy(attempt, error):
+        calls["policy"].append((attempt, type(error).__name__))
+        return attempt < 2
+
+    def pre():
+        calls["pre"] += 1
+
+    backend = FakeBackend(faults={3: crash_process(0), 6: crash_process(1)})
+    trainer = make(backend, retry_policy=policy, pre_callback=pre)
+    with pytest.raises(RetriesExhaustedError, match="retry_policy declined attempt 2"):
+        trainer.fit(STEPS)
+    assert calls["policy"] == [(1, "ProcessDied"), (2, "ProcessDied")]
+    assert calls["pre"] == 2  # before the first world and before the one recovery
+
+
+def test_training_code_error_is_not_retried():
+    backend = FakeBackend(faults={4: task_bug()})
+    with pytest.raises(TrainingCodeError, match="bug in the loss"):
+        make(backend).fit(STEPS)
+    assert backend.form_attempts == 1
+
+
+def test_training_code_error_while_forming_is_not_retried():
+    def bug(backend):
+        raise TaskBug("bug in the model's init")
+
+    backend = FakeBackend(form_script=[bug])
+    with pytest.raises(TrainingCodeError, match="bug in the model's init"):
+        make(backend).fit(STEPS)
+    assert backend.form_attempts == 1
+
+
+def test_hang_is_classified_and_recovered():
+    backend = FakeBackend(faults={7: hang_slice(1)})
+    result = make(backend).fit(STEPS)
+    assert_every_step_once_no_rewind(result, backend)
+    (failure,) = kinds(result, "failure")
+    assert failure["cause"] == "hang" and failure["kinds"] == {"s1": "hang"}
+
+
+def test_fit_twice_starts_clean():
+    backend = FakeBackend(faults={5: crash_process(0)})
+    trainer = make(backend)
+    first = trainer.fit(STEPS)
+    second = trainer.fit(10)
+    assert first.summary["recoveries"] == 1 and second.summary["recoveries"] == 0
+    assert second.steps == list(range(10)) and len(trainer.worlds) == 1
+    assert [e["kind"] for e in second.events].count("run_started") == 1
+    assert trainer.state is S.FINISHED
+
+
+def test_callbacks_see_steps_and_elastic_events_only():
+    steps, events = [], []
+    backend = FakeBackend(faults={5: lose_slice(1)})
+    result = make(backend, on_step=lambda m: steps.append(m["step"]), on_event=events.append).fit(STEPS)
+    assert steps == result.steps
+    assert [e["kind"] for e in events] == ["failure", "recovered", "resize"]
+
+
+def test_on_chunk_is_a_deprecated_alias():
+    got = []
+    with pytest.warns(DeprecationWarning, match="on_step"):
+        trainer = make(FakeBackend(), on_chunk=got.append)
+    trainer.fit(3)
+    assert got == [[{"step": s, "loss": 1.0 / (s + 1), "step_time_s": 0.001}] for s in range(3)]
+    events = []
+    with pytest.warns(DeprecationWarning, match="on_event"):
+        trainer = make(FakeBackend(faults={2: crash_process(0)}), on_elastic_event_callback=events.append)
+    trainer.fit(5)
+    assert [e["kind"] for e in events] == ["failure", "recovered"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make(FakeBackend(), on_step=print, on_event=print)  # the new names do not warn
+
+
+# Every path a run can take, as the controller walks it; any other step is refused.
+FLOWS = [
+    [S.INITIALIZING, S.SCHEDULING, S.FORMING_WORLD, S.RUNNING, S.FINISHED],  # no failure
+    [S.RUNNING, S.RECOVERING, S.FORMING_WORLD, S.RUNNING],  # a failure, recovered at once
+    [S.RECOVERING, S.WAITING_FOR_CAPACITY, S.FORMING_WORLD],  # waiting for a replacement
+    [S.FORMING_WORLD, S.RECOVERING],  # a failure while forming
+    [S.RUNNING, S.RESIZING, S.FORMING_WORLD],  # growing back
+]
+LEGAL = {(a, b) for flow in FLOWS for a, b in zip(flow, flow[1:])}
+
+
+@pytest.mark.parametrize("old,new", list(itertools.product(S, S)), ids=lambda s: s.value)
+def test_check_transition(old, new):
+    allowed = (old, new) in LEGAL or (new is S.ERRORED and not old.is_terminal)  # any live state may error
+    if allowed:
+        check_transition(old, new)
+    else:
+        with pytest.raises(InvalidTransition, match=f"from {old.value} to {new.value}"):
+            check_transition(old, new)
