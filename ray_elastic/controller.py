@@ -174,7 +174,8 @@ class ElasticTrainer:
                          checkpoint_dir=cfg.checkpoint_dir, resume_from_checkpoint=resume.step if resume else None)
         if resume is not None:
             self.events.emit("resume", checkpoint_step=resume.step, saved_world=resume.metadata.get("world"))
-            if changed := results.resume_changes(resume.metadata, seed=cfg.seed, global_batch_size=cfg.global_batch_size):
+            changed = results.resume_changes(resume.metadata, seed=cfg.seed, global_batch_size=cfg.global_batch_size)
+            if changed:
                 self.events.emit("resume_config_changed", changed=changed)
 
     def _add_observers(self, num_steps: int) -> None:

@@ -54,7 +54,7 @@ class Generations:
 
     def decide(self, survivors: list, *, timed_out: bool) -> NextWorld:
         cfg = self.config
-        return decide_next_world(mode=cfg.mode, survivors=[r.slice_name or f"slice-{i}" for i, r in enumerate(survivors)],
+        return decide_next_world(mode=cfg.mode, survivors=[_name(r, i) for i, r in enumerate(survivors)],
                                  ready_replacements=len(self.ready_replacements()), num_slices=cfg.num_slices,
                                  min_slices=cfg.min_slices, timed_out=timed_out,
                                  fallback_to_resize=cfg.fallback_to_resize)
@@ -102,19 +102,15 @@ class Generations:
         """After a failure of the current world: drop the ``lost`` slices, return the others (replica order)."""
         survivors = []
         for i, res in enumerate(self.members):
-            if self.name_of(i) in lost:
+            if _name(res, i) in lost:
                 self.drop(res)
             else:
                 survivors.append(res)
         return survivors
 
-    def name_of(self, index: int) -> str:
-        """A member's slice name (a slice that never joined a world has none yet)."""
-        return self.members[index].slice_name or f"new-slice-{index}"
-
     def member_nodes(self) -> dict[str, list[str]]:
         """Per member slice, the nodes of its hosts (an unplaced reservation counts as a dead host)."""
-        return {self.name_of(i): res.node_ids() or ["<unplaced>"] for i, res in enumerate(self.members)}
+        return {_name(res, i): res.node_ids() or ["<unplaced>"] for i, res in enumerate(self.members)}
 
     def evidence(self, outcome: RunOutcome, now: float) -> tuple[dict, dict, list, int]:
         """Per slice the kind of its worst error, its hosts' nodes, the slices of the world, its generation."""
@@ -197,3 +193,8 @@ class Generations:
                 r.release()
             except Exception as e:  # noqa: BLE001
                 logger.debug("release reservation: %s", e)
+
+
+def _name(res, index: int) -> str:
+    """A slice's name (one that never joined a world has none yet: named by its position)."""
+    return res.slice_name or f"new-slice-{index}"
