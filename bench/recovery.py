@@ -1,105 +1,208 @@
-"""Recovery time on 3 simulated slices: from a kill to the first step finished afterwards.
+"""Recovery on simulated slices, on every path: each victim position, each kind of loss, both modes.
 
-For each mode, one long run on a 3-slice simulated cluster with a provisioner
-(replacement slices arrive ``--arrival-delay`` seconds after they are asked for),
-a slice killed (node removed + processes SIGKILLed) every ``--every`` steps. Each
-recovery is split into detection / classification / teardown / waiting for
-capacity / world formation / state load / compile, from the controller's own
-records. Medians over the kills; the last line is one JSON object:
+For each mode, one long run on a 3-slice simulated cluster with a provisioner (a lost
+slice's replacement arrives ``--arrival-delay`` seconds after it is asked for; in
+replica-resize it comes back ``--regrow-delay`` seconds later and the world grows back).
+Faults fire one at a time, each once the world is at full size again:
 
-    {"replica_resize_recovery_s": ..., "pause_resume_recovery_after_arrival_s": ..., "steps_rewound_max": ...}
+- every slice position (0 and 1 hold snapshots by default, 0 also hosts the JAX coordinator),
+- both kinds: ``node`` (the host lost: node removed, its processes SIGKILLed) and
+  ``process`` (the JAX process SIGKILLed, its host alive),
+- ``--repeats`` times each, plus ``cascade``: a second slice lost while the first recovery runs.
 
-    .venv/bin/python bench/recovery.py [--kills 4] [--every 40] [--resize-every 200]
+A 2-host-slice variant (``--multihost``) loses one host of a slice per position. Per fault the
+bench prints detection (kill -> failure detected) and kill -> first step afterwards, with
+the controller's own phase split; then per kind and position the median and worst, and
+the grow-back pauses. The last line is one JSON object:
 
-In replica-resize mode the lost slice comes back ``--regrow-delay`` seconds later
-(after the recovery being measured), and kills happen only at full size.
+    {"replica_resize_recovery_s": median kill -> step over all kills, "replica_resize_worst_s": ...,
+     "detection_worst_s": ..., "cascade_recovery_s": ..., "grow_pause_s": ...,
+     "pause_resume_recovery_after_arrival_s": ..., "steps_rewound_max": ...}
+
+    .venv/bin/python bench/recovery.py [--repeats 2] [--multihost 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import threading
 import time
 
 PHASES = ("detection_s", "classify_s", "teardown_s", "wait_for_capacity_s", "world_formation_s", "state_load_s",
-          "compile_s", "first_step_s")
+          "compile_s", "first_step_s", "kill_to_step_s", "after_arrival_s")
 
 
-def run_mode(cluster, mode: str, kills: int, every: int) -> list[dict]:
+class _Done(Exception):
+    """Every fault has fired and settled: stop the run."""
+
+
+def faults_for(positions: list[int], kinds: list[str], repeats: int, cascades: int) -> list[tuple[str, int]]:
+    plan = [(kind, pos) for _ in range(repeats) for kind in kinds for pos in positions]
+    return plan + [("cascade", positions[-1])] * cascades
+
+
+def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, hosts: int) -> dict:
+    """One run that fires ``faults`` in order; returns per-fault rows, grow pauses and rewinds."""
     from ray_elastic import ElasticConfig, ElasticTrainer
+    from ray_elastic.errors import ElasticRuntimeError
     from ray_elastic.examples.digits_mlp import DigitsMLPTask
 
-    kill_times: list[tuple[int, float]] = []
-    arrivals: list[tuple[int, float]] = []  # (step, wall time) of every finished step
-    trainer_box = {}
+    arrivals: list[float] = []  # wall time of every finished step
+    fired: list[dict] = []
+    todo = list(faults)
+    box: dict = {"quiet_from": gap}
 
-    def on_step(m):
-        arrivals.append((m["step"], time.time()))
-        t = trainer_box["t"]
-        if m["step"] > 0 and m["step"] % every == 0 and len(kill_times) < kills \
-                and all(s != m["step"] for s, _ in kill_times) and t.world.plan.num_slices == 3:
-            victim = t.world.plan.slice_names[-1]
-            kill_times.append((m["step"], time.time()))
-            threading.Thread(target=cluster.kill_slice, args=(victim,), daemon=True).start()
+    def kill(t, kind: str, pos: int) -> None:
+        name = t.world.plan.slice_names[pos]
+        if kind == "process":
+            os.kill(t.world.host_infos[pos * hosts]["pid"], signal.SIGKILL)
+        elif hosts > 1:
+            threading.Thread(target=cluster.kill_host, args=(name, hosts - 1), daemon=True).start()
+        else:
+            threading.Thread(target=cluster.kill_slice, args=(name,), daemon=True).start()
 
-    cfg = ElasticConfig(num_slices=3, global_batch_size=48, slice=cluster.slice_spec, steps_per_chunk=10, mode=mode)
-    trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=on_step)
-    trainer_box["t"] = trainer
-    result = trainer.fit(every * (kills + 1) + 20)
-    out = []
-    recs = result.recoveries
-    for (step, t_kill), rec in zip(kill_times, recs):
-        first_after = min(t for s, t in arrivals if t > rec.ready_at)
-        row = {k: getattr(rec, k) for k in ("classify_s", "teardown_s", "wait_for_capacity_s", "world_formation_s",
-                                    "state_load_s", "compile_s", "steps_rewound")}
-        row["detection_s"] = rec.detected_at - t_kill
-        row["first_step_s"] = first_after - rec.ready_at
-        row["kill_to_step_s"] = first_after - t_kill
-        row["after_arrival_s"] = first_after - rec.capacity_ready_at
-        row["slices_after"] = rec.slices
-        out.append(row)
-    # Wait until the provisioner has brought the cluster back to 3 slices.
-    deadline = time.time() + 60
-    while len(cluster.alive_slices()) < 3 and time.time() < deadline:
-        time.sleep(0.2)
-    return out
+    def on_step(m: dict) -> None:
+        arrivals.append(time.time())
+        box["last_step"] = m["step"]
+        t = box["t"]
+        full = t.world is not None and t.world.plan.num_slices == 3
+        if not todo:
+            if m["step"] >= box["quiet_from"] + gap and full:
+                raise _Done()
+            return
+        if not full or m["step"] < box["quiet_from"]:
+            return
+        kind, pos = todo.pop(0)
+        row = {"kind": kind, "position": pos, "holder": pos < t.config.snapshot_replicas, "at": time.time(),
+               "step": m["step"]}
+        fired.append(row)
+        kill(t, "node" if kind == "cascade" else kind, pos)
+        if kind == "cascade":
+            box["cascade"] = row
+        box["quiet_from"] = m["step"] + gap
+
+    def on_event(e: dict) -> None:
+        row = box.pop("cascade", None)
+        if row is not None and e["kind"] == "failure":  # the first recovery is under way: lose another slice
+            victim = next(n for n in box["t"].gens.members[0:1] if n.slice_name)
+            row["second_at"] = time.time() + 0.3
+            threading.Thread(target=lambda: (time.sleep(0.3), cluster.kill_slice(victim.slice_name)),
+                             daemon=True).start()
+        elif row is not None:
+            box["cascade"] = row
+        if e["kind"] in ("recovered", "scale_up"):
+            box["quiet_from"] = max(box["quiet_from"], box.get("last_step", 0) + gap)
+
+    cfg = ElasticConfig(num_slices=3, global_batch_size=48, slice=cluster.slice_spec, steps_per_chunk=10, mode=mode,
+                        min_slices=1)
+    trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=on_step, on_event=on_event)
+    box["t"] = trainer
+    try:
+        trainer.fit(100_000)
+    except ElasticRuntimeError as e:
+        if not isinstance(e.__cause__, _Done):
+            raise
+    events = trainer.events.events
+    recs = trainer.recoveries
+    rows = []
+    for row in fired:
+        t_kill = row.get("second_at", row["at"])
+        after = [r for r in recs if r.ready_at > t_kill]
+        if not after:
+            continue
+        rec = after[0]
+        first = min(a for a in arrivals if a > rec.ready_at)
+        detected = [e["ts"] - e["classify_s"] for e in events if e["kind"] == "failure" and e["ts"] > row["at"]]
+        rows.append({**row, **{k: getattr(rec, k) for k in ("classify_s", "teardown_s", "wait_for_capacity_s",
+                                                            "world_formation_s", "state_load_s", "compile_s",
+                                                            "steps_rewound")},
+                     "detection_s": detected[0] - row["at"] if detected else float("nan"),
+                     "first_step_s": first - rec.ready_at, "kill_to_step_s": first - t_kill,
+                     "after_arrival_s": first - rec.capacity_ready_at, "slices_after": rec.slices})
+    pauses = []
+    for e in events:
+        if e["kind"] == "scale_up":
+            stopped = e["ts"] - e["resize_s"]
+            before = [a for a in arrivals if a <= stopped]
+            after = [a for a in arrivals if a > e["ts"]]
+            if before and after:
+                pauses.append(after[0] - before[-1])
+    return {"rows": rows, "grow_pauses": pauses}
+
+
+def report(title: str, out: dict) -> None:
+    rows = out["rows"]
+    print(f"\n{title}: {len(rows)} faults")
+    print(f"  {'kind':>8} {'pos':>3} {'holder':>6} " + " ".join(f"{p:>17}" for p in PHASES))
+    for r in rows:
+        print(f"  {r['kind']:>8} {r['position']:>3} {str(r['holder']):>6} "
+              + " ".join(f"{r[p]:>17.3f}" for p in PHASES))
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["kind"], r["position"]), []).append(r["kill_to_step_s"])
+    for (kind, pos), v in sorted(groups.items()):
+        print(f"  kill->step {kind:>8} position {pos}: median {statistics.median(v):.3f}s  worst {max(v):.3f}s")
+    if out["grow_pauses"]:
+        p = out["grow_pauses"]
+        print(f"  grow-back pause: median {statistics.median(p):.3f}s  worst {max(p):.3f}s  ({len(p)} grows)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kills", type=int, default=4, help="kills per mode")
-    ap.add_argument("--every", type=int, default=40, help="pause-and-resume: steps between kills")
-    ap.add_argument("--resize-every", type=int, default=200,
-                    help="replica-resize: steps between kills (the slice must have come back first)")
+    ap.add_argument("--repeats", type=int, default=2, help="kills per kind and position")
+    ap.add_argument("--positions", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--kinds", nargs="+", default=["node", "process"])
+    ap.add_argument("--cascades", type=int, default=2, help="faults during a recovery, per mode")
+    ap.add_argument("--multihost", type=int, default=1, help="also run the 2-host-slice variant (replica-resize)")
+    ap.add_argument("--gap", type=int, default=15, help="steps at full size between faults")
     ap.add_argument("--arrival-delay", type=float, default=1.0,
                     help="pause-and-resume: seconds until a replacement slice arrives")
-    ap.add_argument("--regrow-delay", type=float, default=8.0,
-                    help="replica-resize: seconds until a slice comes back (after the recovery being measured)")
+    ap.add_argument("--regrow-delay", type=float, default=2.0,
+                    help="replica-resize: seconds until a lost slice comes back")
     args = ap.parse_args()
 
     from ray_elastic.sim import SimulatedTPUCluster
 
     results = {}
+    faults = faults_for(args.positions, args.kinds, args.repeats, args.cascades)
     with SimulatedTPUCluster(num_slices=3, log_to_driver=False) as cluster:
         for mode in ("replica-resize", "pause-and-resume"):
             prov = cluster.provisioner(delay_s=args.regrow_delay if mode == "replica-resize" else args.arrival_delay)
-            every = args.resize_every if mode == "replica-resize" else args.every
-            rows = run_mode(cluster, mode, args.kills, every)
+            results[mode] = run_mode(cluster, mode, faults, args.gap, hosts=1)
             prov.stop()
-            results[mode] = rows
-            print(f"\n{mode}: {len(rows)} kills")
-            print("  " + " ".join(f"{p:>20}" for p in PHASES + ("kill_to_step_s", "after_arrival_s")))
-            for r in rows:
-                print("  " + " ".join(f"{r[p]:>20.3f}" for p in PHASES + ("kill_to_step_s", "after_arrival_s")))
-            med = {p: statistics.median(r[p] for r in rows) for p in PHASES + ("kill_to_step_s", "after_arrival_s")}
-            print("  median " + ", ".join(f"{p}={v:.3f}" for p, v in med.items()), flush=True)
-    rr = statistics.median(r["kill_to_step_s"] for r in results["replica-resize"])
-    pr = statistics.median(r["after_arrival_s"] for r in results["pause-and-resume"])
-    rewound = max(r["steps_rewound"] for rows in results.values() for r in rows)
-    print(json.dumps({"replica_resize_recovery_s": round(rr, 3), "pause_resume_recovery_after_arrival_s": round(pr, 3),
-                      "steps_rewound_max": rewound, "kills_per_mode": args.kills}))
+            report(mode, results[mode])
+            cluster.reap_dead_slices()
+    if args.multihost:
+        with SimulatedTPUCluster(num_slices=3, hosts_per_slice=2, log_to_driver=False) as cluster:
+            prov = cluster.provisioner(delay_s=args.regrow_delay)
+            results["multihost"] = run_mode(cluster, "replica-resize", faults_for(args.positions, ["node"], 1, 0),
+                                            args.gap, hosts=2)
+            prov.stop()
+            report("replica-resize, 2-host slices (one host lost)", results["multihost"])
+
+    def rows(mode, kinds=("node", "process")):
+        return [r for r in results.get(mode, {"rows": []})["rows"] if r["kind"] in kinds]
+
+    rr = [r["kill_to_step_s"] for r in rows("replica-resize") + rows("multihost")]
+    cascade = [r["kill_to_step_s"] for m in ("replica-resize", "pause-and-resume") for r in rows(m, ("cascade",))]
+    pauses = [p for out in results.values() for p in out["grow_pauses"]]
+    everything = [r for out in results.values() for r in out["rows"]]
+    summary = {
+        "replica_resize_recovery_s": round(statistics.median(rr), 3) if rr else None,
+        "replica_resize_worst_s": round(max(rr), 3) if rr else None,
+        "detection_worst_s": round(max(r["detection_s"] for r in everything), 3) if everything else None,
+        "cascade_recovery_s": round(statistics.median(cascade), 3) if cascade else None,
+        "grow_pause_s": round(statistics.median(pauses), 3) if pauses else None,
+        "pause_resume_recovery_after_arrival_s": round(statistics.median(
+            r["after_arrival_s"] for r in rows("pause-and-resume")), 3) if rows("pause-and-resume") else None,
+        "steps_rewound_max": max((r["steps_rewound"] for r in everything), default=0),
+        "faults": len(everything),
+    }
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -217,15 +217,16 @@ class ElasticTrainer:
         chained = outcome.kind is OutcomeKind.FORMING_FAILED and previous.cause is not OutcomeKind.DONE
         detected_at = previous.detected_at if chained else now
         last_progress_at = previous.last_progress_at if chained else outcome.last_progress_at
-        kinds, slice_nodes, names, generation = self.gens.evidence(outcome, now)
+        ev = self.gens.evidence(outcome, now)
         first = next(iter(outcome.errors.values()), None) or RuntimeError(outcome.kind.value)
-        if outcome.kind is OutcomeKind.FORMING_FAILED and set(kinds.values()) == {ErrorKind.TASK_ERROR}:
+        if outcome.kind is OutcomeKind.FORMING_FAILED and set(ev.kinds.values()) == {ErrorKind.TASK_ERROR}:
             raise TrainingCodeError(f"forming a world failed in training code: {first}") from first
-        dead = self.backend.dead_slices(slice_nodes, set(kinds))
-        verdict = classify_failure(errors=kinds, dead_slices=dead, world_slices=names,
+        dead = self.backend.dead_slices(ev.slice_nodes, ev.suspects)
+        verdict = classify_failure(errors=ev.kinds, dead_slices=dead, world_slices=ev.slices,
                                    error_text=str(first).splitlines()[0][:300] if str(first) else "")
         classified_at = time.time()
-        self.events.emit("failure", generation=generation, cause=outcome.kind, kinds=kinds, world_slices=len(names),
+        self.events.emit("failure", generation=ev.generation, cause=outcome.kind, kinds=ev.kinds,
+                         world_slices=len(ev.slices), vouched_slices=sorted(ev.vouched),
                          lost_slices=list(verdict.lost_slices), crashed_slices=list(verdict.crashed_slices),
                          error=str(first)[:2000], last_step=self.ledger.last_step,
                          since_last_progress_s=now - last_progress_at, classify_s=classified_at - now,

@@ -22,6 +22,15 @@ class CapacityTimeoutError(ElasticRuntimeError):
     """Not enough slices came back in ``replacement_timeout_s`` to form a world the config allows."""
 
 
+class FormingError(RuntimeError):
+    """A world failed to form because of these slices' processes (``cause``: what they raised)."""
+
+    def __init__(self, slices: list[str], cause: BaseException):
+        super().__init__(f"forming a world failed on slice(s) {', '.join(slices)}: {cause}")
+        self.slices = list(slices)
+        self.cause = cause
+
+
 class SliceDownError(RuntimeError):
     """Raised inside a slice actor when JAX reports a slice-down error.
 

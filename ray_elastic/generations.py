@@ -26,6 +26,22 @@ logger = logging.getLogger(__name__)
 WAIT_POLL_S = 0.2
 
 
+@dataclasses.dataclass(frozen=True)
+class Evidence:
+    """What a failed world says: per slice the kind of its worst error, its hosts' nodes."""
+
+    kinds: dict[str, ErrorKind]
+    slice_nodes: dict[str, list[str]]
+    slices: list[str]  # the world's slices, replica order
+    generation: int
+    vouched: set[str]  # slices whose hosts answered after their process died
+
+    @property
+    def suspects(self) -> set[str]:
+        """Slices that may have lost a host: worth waiting a grace period for Ray to say so."""
+        return set(self.kinds) - self.vouched
+
+
 class Generations:
     """Members of the current (or next) world, pending replacements, snapshots and worlds so far."""
 
@@ -37,6 +53,7 @@ class Generations:
         self.store = SnapshotStore(config.slice.num_hosts)
         self.worlds: list[WorldRecord] = []
         self.world = None  # the current World
+        self._warmed: set[int] = set()  # replacement requests whose standbys were started
 
     # ------------------------------------------------------------ capacity
     def reserve(self) -> list:
@@ -46,7 +63,14 @@ class Generations:
         return list(self.members)
 
     def ready_replacements(self) -> list:
-        return [r for r in self.replacements if r.poll() is not None]
+        """Replacement requests whose slice is placed. Each one's standby processes start the moment
+        it is seen ready, so a newcomer has Python, JAX and its data loaded before it joins a world."""
+        ready = [r for r in self.replacements if r.poll() is not None]
+        fresh = [r.poll() for r in ready if id(r) not in self._warmed]
+        if fresh:
+            self._warmed.update(id(r) for r in ready)
+            self.backend.replenish(fresh)
+        return ready
 
     def capacity_returned(self) -> bool:
         """A replacement is ready and the world is smaller than asked: grow at the next step boundary."""
@@ -112,13 +136,16 @@ class Generations:
         """Per member slice, the nodes of its hosts (an unplaced reservation counts as a dead host)."""
         return {_name(res, i): res.node_ids() or ["<unplaced>"] for i, res in enumerate(self.members)}
 
-    def evidence(self, outcome: RunOutcome, now: float) -> tuple[dict, dict, list, int]:
-        """Per slice the kind of its worst error, its hosts' nodes, the slices of the world, its generation."""
+    def evidence(self, outcome: RunOutcome, now: float) -> Evidence:
+        """What the failed world (or the one that failed to form) says about each of its slices."""
         world = self.world
-        if world is None:  # forming failed: any member may be the cause
+        if world is None:  # forming failed: the slices it names, else any member may be the cause
             nodes = self.member_nodes()
-            kind = self.backend.error_kind(outcome.errors[0])
-            return {name: kind for name in nodes}, nodes, list(nodes), len(self.worlds)
+            error = outcome.errors[0]
+            kind = self.backend.error_kind(error)
+            named = [n for n in getattr(error, "slices", ()) if n in nodes]
+            kinds = {name: kind for name in named or nodes}
+            return Evidence(kinds, nodes, list(nodes), len(self.worlds), self._vouched(kinds, self.members))
         if outcome.kind is OutcomeKind.HANG:
             hung = self.backend.unresponsive(world)
             # Nobody silent: the whole world is stuck (for example a collective that never completes).
@@ -128,7 +155,15 @@ class Generations:
         for p, e in outcome.errors.items():
             hang = isinstance(e, TimeoutError) and outcome.kind is OutcomeKind.HANG
             kinds.setdefault(world.slice_of(p), ErrorKind.HANG if hang else self.backend.error_kind(e))
-        return kinds, world.slice_node_ids(), list(world.plan.slice_names), world.plan.generation
+        names = list(world.plan.slice_names)
+        return Evidence(kinds, world.slice_node_ids(), names, world.plan.generation,
+                        self._vouched(kinds, world.reservations))
+
+    def _vouched(self, kinds: dict, reservations: list) -> set[str]:
+        """Slices whose process died while each of its hosts still answers: the hosts live, so the
+        slice only crashed and no grace period for a node death needs to be spent."""
+        crashed = [(i, r) for i, r in enumerate(reservations) if kinds.get(_name(r, i)) is ErrorKind.PROCESS_DIED]
+        return {_name(r, i) for i, r in crashed if self.backend.hosts_answer(r)}
 
     # --------------------------------------------------------------- state
     def restore_plan(self, members: list, resume_step: Optional[int] = None) -> RestorePlan:

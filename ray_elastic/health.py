@@ -5,19 +5,30 @@ The Ray-side evidence the pure :func:`ray_elastic.plan.classify_failure` decides
 
 from __future__ import annotations
 
+import socket
 import time
 
 import ray
 
-from ray_elastic.errors import SliceDownError
+from ray_elastic.errors import FormingError, SliceDownError
 from ray_elastic.plan import ErrorKind
 
 
 def error_kind(exc: BaseException) -> ErrorKind:
     """What an exception from a slice actor says about its slice."""
+    if isinstance(exc, FormingError):
+        return error_kind(exc.cause)
+    if isinstance(exc, TimeoutError):
+        return ErrorKind.HANG  # a process that did not answer in time
     if isinstance(exc, ray.exceptions.ActorUnavailableError):
         return ErrorKind.UNAVAILABLE  # maybe dead: the node check decides
     if isinstance(exc, ray.exceptions.RayActorError):
+        # Ray's GCS says why the actor died; the text is the only place it says it.
+        text = str(exc)
+        if "because its node has died" in text:
+            return ErrorKind.NODE_DIED
+        if "because its worker process has died" in text:
+            return ErrorKind.PROCESS_DIED
         return ErrorKind.ACTOR_DIED
     if isinstance(exc, ray.exceptions.RayTaskError):
         cause = exc.cause if hasattr(exc, "cause") else None
@@ -29,6 +40,22 @@ def error_kind(exc: BaseException) -> ErrorKind:
     return ErrorKind.TASK_ERROR
 
 
+def raylets_answer(node_ids: list[str], timeout_s: float) -> bool:
+    """True when the raylet of every node accepts a TCP connection: the hosts are up, whatever
+    happened to a process on them. A lost host refuses (its raylet died with it) or stays silent."""
+    nodes = {n["NodeID"]: n for n in ray.nodes()}
+    for node_id in node_ids:
+        n = nodes.get(node_id)
+        if n is None or not n["Alive"]:
+            return False
+        try:
+            with socket.create_connection((n["NodeManagerAddress"], n["NodeManagerPort"]), timeout=timeout_s):
+                pass
+        except OSError:
+            return False
+    return bool(node_ids)
+
+
 def alive_nodes() -> set[str]:
     return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
@@ -36,9 +63,10 @@ def alive_nodes() -> set[str]:
 def dead_slices(slice_nodes: dict[str, list[str]], suspects: set[str], grace_s: float, poll_s: float = 0.05) -> set[str]:
     """Slices with a dead host.
 
-    A suspect slice (one whose process failed) whose hosts all still look alive is
-    watched for ``grace_s``: when a host is killed its processes die first and Ray
-    marks the node dead a health-check period later.
+    A suspect slice (one whose process failed and whose host nothing vouches for) whose
+    hosts all still look alive is watched for ``grace_s``: when a host is killed its
+    processes die first and Ray marks the node dead a health-check period later. With
+    no suspects this is one look at the node table.
     """
     deadline = time.monotonic() + grace_s
     while True:

@@ -162,6 +162,8 @@ class ErrorKind(enum.StrEnum):
     """What an error from a slice process says about its slice."""
 
     ACTOR_DIED = "actor_died"  # the process is gone (its node may or may not be)
+    PROCESS_DIED = "process_died"  # Ray says the worker process died; its host was alive then
+    NODE_DIED = "node_died"  # Ray says the process's node died
     UNAVAILABLE = "unavailable"  # maybe dead: node health decides
     SLICE_DOWN = "slice_down"  # JAX reported a lost peer (pathwaysutils' slice-down statuses)
     HANG = "hang"  # no step finished and the process did not answer a probe
@@ -209,7 +211,8 @@ def classify_failure(
     Args:
         errors: slice name -> kind of the worst error seen on it.
         dead_slices: slices with a host that Ray reports dead (or that was hung: SIGSTOPped
-            hosts stop answering and are marked dead the same way).
+            hosts stop answering and are marked dead the same way). A ``node_died`` error
+            counts too: Ray said so before its node table did.
         world_slices: the slices of the failed world.
         error_text: the first error's text, for the reason.
 
@@ -217,6 +220,7 @@ def classify_failure(
     the coordination process died): its slice is healthy. A ``task_error`` is user
     code failing, not a slice: not recoverable by re-forming the world.
     """
+    dead_slices = set(dead_slices) | {s for s, k in errors.items() if k is ErrorKind.NODE_DIED}
     lost = tuple(s for s in world_slices if s in dead_slices)
     crashed = tuple(s for s in world_slices if s in errors and s not in dead_slices)
     user = [s for s, k in errors.items() if k is ErrorKind.TASK_ERROR and s not in dead_slices]

@@ -25,6 +25,7 @@ from ray_elastic.task import TrainTask
 from ray_elastic.world import World, WorkerPool
 
 logger = logging.getLogger(__name__)
+VOUCH_TIMEOUT_S = 0.3  # a live raylet accepts a connection in milliseconds
 
 
 class RayBackend:
@@ -76,6 +77,10 @@ class RayBackend:
     # ------------------------------------------------------------- evidence
     def error_kind(self, error: BaseException) -> ErrorKind:
         return health.error_kind(error)
+
+    def hosts_answer(self, reservation) -> bool:
+        """Every host of the slice answers (its raylet accepts a connection): the hosts are alive."""
+        return health.raylets_answer(reservation.node_ids(), VOUCH_TIMEOUT_S)
 
     def dead_slices(self, slice_nodes: dict[str, list[str]], suspects: set[str]) -> set[str]:
         return health.dead_slices(slice_nodes, suspects, self.config.node_death_grace_s)

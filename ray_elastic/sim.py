@@ -299,19 +299,26 @@ class SimulatedTPUCluster:
         """A lost slice: SIGKILL every process of its hosts, then remove its nodes."""
         sl = self.slice_by_name(name)
         for node in sl.nodes:
-            procs = self._node_processes(node)
-            for p in procs:
-                try:
-                    p.send_signal(signal.SIGKILL)
-                except psutil.NoSuchProcess:
-                    pass
-            try:
-                self._cluster.remove_node(node, allow_graceful=False)
-            except Exception as e:  # already dead processes make remove_node's checks noisy
-                logger.debug("remove_node(%s): %s", name, e)
-                self._cluster.worker_nodes.discard(node)
+            self._kill_node(node, name)
         sl.alive = False
         logger.info("simulated slice %s killed", name)
+
+    def kill_host(self, name: str, worker_id: int) -> None:
+        """One host of a multi-host slice lost (the slice is unusable; ``reap_dead_slices`` clears the rest)."""
+        self._kill_node(self.slice_by_name(name).nodes[worker_id], name)
+        logger.info("simulated host %d of slice %s killed", worker_id, name)
+
+    def _kill_node(self, node, name: str) -> None:
+        for p in self._node_processes(node):
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            self._cluster.remove_node(node, allow_graceful=False)
+        except Exception as e:  # already dead processes make remove_node's checks noisy
+            logger.debug("remove_node(%s): %s", name, e)
+            self._cluster.worker_nodes.discard(node)
 
     def reap_dead_slices(self) -> list[str]:
         """Kill and remove slices that Ray has declared dead (for example hung ones); returns their names."""

@@ -96,6 +96,12 @@ class StepStreams:
             ref = next(s.gen)
         except StopIteration:
             self.queues[p].popleft()
+            dangling, s.snapshot = s.snapshot, None
+            if dangling is not None:
+                # A snapshot is always followed by its step's metrics, so a stream that ends on one
+                # ended on its process's error: read it now (unread, only the watchdog would notice).
+                ray.get(dangling)
+                raise RuntimeError(f"process {p}'s stream ended after a snapshot without its step's metrics")
             return False
         if not self.streaming[p]:
             ray.get(ref)  # the chunk's metrics; raises the process's error

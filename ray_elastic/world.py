@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import ray
 
 from ray_elastic.config import ElasticConfig
+from ray_elastic.errors import FormingError
 from ray_elastic.placement import SliceReservation
 from ray_elastic.plan import WorldPlan, plan_world
 from ray_elastic.worker import SliceWorker
@@ -105,6 +106,26 @@ def _host_labels(reservations: list[SliceReservation]) -> Optional[list[list[dic
     return out
 
 
+def _gather(refs: list, owners: list[str], timeout_s: float) -> list:
+    """``ray.get(refs)``, but failing at the first error rather than after the slowest ref, and
+    naming the slice it came from: when a peer dies while a world forms, the others would wait
+    in ``jax.distributed.initialize`` or a collective until their timeout."""
+    pending = dict(zip(refs, owners))
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise FormingError(sorted(set(pending.values())), TimeoutError(
+                f"no answer within {timeout_s:.0f}s while forming the world"))
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - the first error ends forming at once
+                raise FormingError([pending[ref]], e) from e
+            del pending[ref]
+    return ray.get(refs)
+
+
 def _kill(actor) -> None:
     try:
         ray.kill(actor, no_restart=True)
@@ -182,12 +203,14 @@ class World:
                     joins.append(w.join_world.remote(
                         plan, slice_index=s, host_index=h, coordinator_address=coordinator,
                         timeout_s=config.jax_init_timeout_s, snapshot=src, checkpoint_step=checkpoint_step))
-            joins = ray.get(joins, timeout=config.jax_init_timeout_s * 2)
+            owners = [n for n in names for _ in range(spec.num_hosts)]  # slice of each process, plan order
+            joins = _gather(joins, owners, config.jax_init_timeout_s * 2)
             host_infos = [ray.get(sp, timeout=config.jax_init_timeout_s) for sp in host_prepared]
             times.jax_init_s = max(j["init_s"] for j in joins)
             times.state_load_s = max(j["snapshot_fetch_s"] + j["state_s"] for j in joins)
             flat = [w for sw in workers for w in sw]
-            times.compile_s = max(ray.get([w.compile.remote(start_step) for w in flat], timeout=config.jax_init_timeout_s * 2))
+            compiles = _gather([w.compile.remote(start_step) for w in flat], owners, config.jax_init_timeout_s * 2)
+            times.compile_s = max(compiles)
             times.total_s = time.perf_counter() - t0
         except BaseException:
             for sa in actors:

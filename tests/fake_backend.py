@@ -131,6 +131,8 @@ class FakeBackend:
         self.form_attempts = 0
         self.steps_run: list[tuple[int, int]] = []
         self.requests: list[FakeRequest] = []
+        self.suspects_seen: list[set] = []  # per failure, the slices worth a grace period
+        self.warmed: list[tuple[int, list]] = []  # (forming attempts so far, hosts whose standbys start)
         self.config = None
 
     def __call__(self, task, config, address=None) -> "FakeBackend":  # stands in for the class
@@ -172,7 +174,7 @@ class FakeBackend:
         return self.requests[-1]
 
     def replenish(self, members) -> None:
-        pass
+        self.warmed.append((self.form_attempts, sorted(r.host for r in members)))
 
     def discard(self, reservation) -> None:
         pass
@@ -203,12 +205,16 @@ class FakeBackend:
 
     def error_kind(self, error: BaseException) -> ErrorKind:
         if isinstance(error, ProcessDied):
-            return ErrorKind.ACTOR_DIED
+            return ErrorKind.PROCESS_DIED  # as Ray reports a SIGKILLed process, whether or not its host lives
         return ErrorKind.TASK_ERROR
 
     def dead_slices(self, slice_nodes: dict, suspects: set) -> set[str]:
+        self.suspects_seen.append(set(suspects))
         alive = {f"node-{h}" for h in self.alive}
         return {s for s, nodes in slice_nodes.items() if any(n not in alive for n in nodes)}
+
+    def hosts_answer(self, reservation) -> bool:
+        return reservation.host in self.alive
 
     def unresponsive(self, world) -> set[int]:
         return {p for p in range(world.plan.num_processes) if world.slice_of(p) in self.hung}

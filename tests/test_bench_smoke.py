@@ -20,10 +20,11 @@ def test_overhead_bench_prints_ratio():
 
 
 def test_recovery_bench_prints_recovery_times():
-    out = _last_json(["bench/recovery.py", "--kills", "1", "--every", "20", "--resize-every", "30",
-                      "--regrow-delay", "3"])
-    assert out["steps_rewound_max"] == 0
-    assert 0 < out["replica_resize_recovery_s"] < 60 and 0 < out["pause_resume_recovery_after_arrival_s"] < 60
+    out = _last_json(["bench/recovery.py", "--repeats", "1", "--positions", "0", "--kinds", "process", "--cascades",
+                      "0", "--multihost", "0", "--gap", "5"])
+    assert out["steps_rewound_max"] == 0 and out["faults"] == 2
+    assert 0 < out["replica_resize_recovery_s"] <= out["replica_resize_worst_s"] < 60
+    assert 0 < out["detection_worst_s"] < 60 and 0 < out["pause_resume_recovery_after_arrival_s"] < 60
 
 
 def test_checkpoint_bench_prints_save_and_restore_times():

@@ -55,6 +55,15 @@ def test_process_crash_reforms_the_same_slices_from_snapshots():
     assert failure["crashed_slices"] == ["s1"] and failure["lost_slices"] == [] and failure["cause"] == "failure"
 
 
+def test_a_crash_on_a_live_host_is_vouched_for_and_a_lost_host_is_suspect():
+    backend = FakeBackend(faults={5: crash_process(1), 9: lose_slice(2)})
+    result = make(backend).fit(STEPS)
+    assert_every_step_once_no_rewind(result, backend)
+    # The crash's host answers: no grace period; the lost host does not.
+    assert backend.suspects_seen == [set(), {"s2"}]
+    assert [f["vouched_slices"] for f in kinds(result, "failure")] == [["s1"], []]
+
+
 def test_lost_slice_shrinks_the_world_and_asks_for_a_replacement():
     backend = FakeBackend(faults={5: lose_slice(2)})
     trainer = make(backend)
@@ -119,6 +128,8 @@ def test_pause_and_resume_waits_for_the_replacement():
     assert (rec.slices, rec.added_slices) == (3, 1) and rec.wait_for_capacity_s > 0
     assert trainer.worlds[-1].slices == ["s0", "s2", "s3"]
     assert backend.formed[-1].restored["s3"] == 4  # the newcomer loads a survivor's snapshot
+    # Its standby process started as soon as it was ready, before the world that takes it formed.
+    assert (1, ["s3"]) in backend.warmed
 
 
 def test_replica_resize_grows_back_at_a_step_boundary():

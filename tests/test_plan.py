@@ -47,6 +47,9 @@ from ray_elastic.snapshots import SnapshotStore  # noqa: E402
 def test_classify_dead_node_is_lost_slice_and_collateral_is_not():
     v = classify_failure(errors={"a": K.ACTOR_DIED, "b": K.ACTOR_DIED}, dead_slices={"a"}, world_slices=["a", "b", "c"])
     assert v == FailureVerdict(("a",), ("b",), True, "lost slice(s) a")
+    # Ray's "its node has died" is a lost slice before the node table says so.
+    v = classify_failure(errors={"a": K.NODE_DIED, "b": K.PROCESS_DIED}, dead_slices=set(), world_slices=["a", "b"])
+    assert (v.lost_slices, v.crashed_slices) == (("a",), ("b",))
     v = classify_failure(errors={"b": K.ACTOR_DIED}, dead_slices=set(), world_slices=["a", "b"])
     assert v.lost_slices == () and v.crashed_slices == ("b",) and v.recoverable
 
