@@ -45,7 +45,7 @@ def faults_for(positions: list[int], kinds: list[str], repeats: int, cascades: i
     return plan + [("cascade", positions[-1])] * cascades
 
 
-def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, hosts: int) -> dict:
+def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s: float, hosts: int) -> dict:
     """One run that fires ``faults`` in order; returns per-fault rows, grow pauses and rewinds."""
     from ray_elastic import ElasticConfig, ElasticTrainer
     from ray_elastic.errors import ElasticRuntimeError
@@ -54,7 +54,7 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, hosts:
     arrivals: list[float] = []  # wall time of every finished step
     fired: list[dict] = []
     todo = list(faults)
-    box: dict = {"quiet_from": gap}
+    box: dict = {"quiet_from": gap, "quiet_until": time.time() + gap_s}
 
     def kill(t, kind: str, pos: int) -> None:
         name = t.world.plan.slice_names[pos]
@@ -70,11 +70,12 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, hosts:
         box["last_step"] = m["step"]
         t = box["t"]
         full = t.world is not None and t.world.plan.num_slices == 3
+        settled = full and m["step"] >= box["quiet_from"] and time.time() >= box["quiet_until"]
         if not todo:
-            if m["step"] >= box["quiet_from"] + gap and full:
+            if settled:
                 raise _Done()
             return
-        if not full or m["step"] < box["quiet_from"]:
+        if not settled:
             return
         kind, pos = todo.pop(0)
         row = {"kind": kind, "position": pos, "holder": pos < t.config.snapshot_replicas, "at": time.time(),
@@ -83,7 +84,7 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, hosts:
         kill(t, "node" if kind == "cascade" else kind, pos)
         if kind == "cascade":
             box["cascade"] = row
-        box["quiet_from"] = m["step"] + gap
+        box["quiet_from"], box["quiet_until"] = m["step"] + gap, time.time() + gap_s
 
     def on_event(e: dict) -> None:
         row = box.pop("cascade", None)
@@ -96,6 +97,7 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, hosts:
             box["cascade"] = row
         if e["kind"] in ("recovered", "scale_up"):
             box["quiet_from"] = max(box["quiet_from"], box.get("last_step", 0) + gap)
+            box["quiet_until"] = max(box["quiet_until"], time.time() + gap_s)
 
     cfg = ElasticConfig(num_slices=3, global_batch_size=48, slice=cluster.slice_spec, steps_per_chunk=10, mode=mode,
                         min_slices=1)
@@ -158,7 +160,9 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="+", default=["node", "process"])
     ap.add_argument("--cascades", type=int, default=2, help="faults during a recovery, per mode")
     ap.add_argument("--multihost", type=int, default=1, help="also run the 2-host-slice variant (replica-resize)")
-    ap.add_argument("--gap", type=int, default=15, help="steps at full size between faults")
+    ap.add_argument("--gap", type=int, default=10, help="steps at full size between faults")
+    ap.add_argument("--gap-s", type=float, default=6.0,
+                    help="seconds of training between faults (standby processes warm up; cascades measure the cold case)")
     ap.add_argument("--arrival-delay", type=float, default=1.0,
                     help="pause-and-resume: seconds until a replacement slice arrives")
     ap.add_argument("--regrow-delay", type=float, default=2.0,
@@ -172,7 +176,7 @@ def main() -> None:
     with SimulatedTPUCluster(num_slices=3, log_to_driver=False) as cluster:
         for mode in ("replica-resize", "pause-and-resume"):
             prov = cluster.provisioner(delay_s=args.regrow_delay if mode == "replica-resize" else args.arrival_delay)
-            results[mode] = run_mode(cluster, mode, faults, args.gap, hosts=1)
+            results[mode] = run_mode(cluster, mode, faults, args.gap, args.gap_s, hosts=1)
             prov.stop()
             report(mode, results[mode])
             cluster.reap_dead_slices()
@@ -180,7 +184,7 @@ def main() -> None:
         with SimulatedTPUCluster(num_slices=3, hosts_per_slice=2, log_to_driver=False) as cluster:
             prov = cluster.provisioner(delay_s=args.regrow_delay)
             results["multihost"] = run_mode(cluster, "replica-resize", faults_for(args.positions, ["node"], 1, 0),
-                                            args.gap, hosts=2)
+                                            args.gap, args.gap_s, hosts=2)
             prov.stop()
             report("replica-resize, 2-host slices (one host lost)", results["multihost"])
 

@@ -84,7 +84,9 @@ class RecoveryRecord:
                    added_slices=added, restored_from_step=world.start_step - 1, restore_source=world.restore_source,
                    steps_rewound=rewound, since_last_progress_s=change.detected_at - change.last_progress_at,
                    classify_s=change.classify_s, teardown_s=change.teardown_s, wait_for_capacity_s=wait_s,
-                   world_formation_s=t["start_actors_s"] + t["jax_init_s"], state_load_s=t["state_load_s"],
+                   # everything of forming but loading state and compiling: actors, waiting for processes
+                   # still starting, jax.distributed
+                   world_formation_s=t["total_s"] - t["state_load_s"] - t["compile_s"], state_load_s=t["state_load_s"],
                    compile_s=t["compile_s"], recovery_s=now - change.detected_at, detected_at=change.detected_at,
                    capacity_ready_at=capacity_ready_at, ready_at=now)
 

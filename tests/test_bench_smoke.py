@@ -21,7 +21,7 @@ def test_overhead_bench_prints_ratio():
 
 def test_recovery_bench_prints_recovery_times():
     out = _last_json(["bench/recovery.py", "--repeats", "1", "--positions", "0", "--kinds", "process", "--cascades",
-                      "0", "--multihost", "0", "--gap", "5"])
+                      "0", "--multihost", "0", "--gap", "5", "--gap-s", "3"])
     assert out["steps_rewound_max"] == 0 and out["faults"] == 2
     assert 0 < out["replica_resize_recovery_s"] <= out["replica_resize_worst_s"] < 60
     assert 0 < out["detection_worst_s"] < 60 and 0 < out["pause_resume_recovery_after_arrival_s"] < 60
