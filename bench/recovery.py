@@ -161,12 +161,12 @@ def main() -> None:
     ap.add_argument("--cascades", type=int, default=2, help="faults during a recovery, per mode")
     ap.add_argument("--multihost", type=int, default=1, help="also run the 2-host-slice variant (replica-resize)")
     ap.add_argument("--gap", type=int, default=10, help="steps at full size between faults")
-    ap.add_argument("--gap-s", type=float, default=6.0,
+    ap.add_argument("--gap-s", type=float, default=5.0,
                     help="seconds of training between faults (standby processes warm up; cascades measure the cold case)")
     ap.add_argument("--arrival-delay", type=float, default=1.0,
                     help="pause-and-resume: seconds until a replacement slice arrives")
-    ap.add_argument("--regrow-delay", type=float, default=2.0,
-                    help="replica-resize: seconds until a lost slice comes back")
+    ap.add_argument("--regrow-delay", type=float, default=8.0,
+                    help="replica-resize: seconds until a lost slice comes back (after the recovery being measured)")
     args = ap.parse_args()
 
     from ray_elastic.sim import SimulatedTPUCluster

@@ -53,7 +53,6 @@ class Generations:
         self.store = SnapshotStore(config.slice.num_hosts)
         self.worlds: list[WorldRecord] = []
         self.world = None  # the current World
-        self._warmed: set[int] = set()  # replacement requests whose standbys were started
 
     # ------------------------------------------------------------ capacity
     def reserve(self) -> list:
@@ -63,14 +62,7 @@ class Generations:
         return list(self.members)
 
     def ready_replacements(self) -> list:
-        """Replacement requests whose slice is placed. Each one's standby processes start the moment
-        it is seen ready, so a newcomer has Python, JAX and its data loaded before it joins a world."""
-        ready = [r for r in self.replacements if r.poll() is not None]
-        fresh = [r.poll() for r in ready if id(r) not in self._warmed]
-        if fresh:
-            self._warmed.update(id(r) for r in ready)
-            self.backend.replenish(fresh)
-        return ready
+        return [r for r in self.replacements if r.poll() is not None]
 
     def capacity_returned(self) -> bool:
         """A replacement is ready and the world is smaller than asked: grow at the next step boundary."""

@@ -132,7 +132,6 @@ class FakeBackend:
         self.steps_run: list[tuple[int, int]] = []
         self.requests: list[FakeRequest] = []
         self.suspects_seen: list[set] = []  # per failure, the slices worth a grace period
-        self.warmed: list[tuple[int, list]] = []  # (forming attempts so far, hosts whose standbys start)
         self.config = None
 
     def __call__(self, task, config, address=None) -> "FakeBackend":  # stands in for the class
@@ -174,7 +173,7 @@ class FakeBackend:
         return self.requests[-1]
 
     def replenish(self, members) -> None:
-        self.warmed.append((self.form_attempts, sorted(r.host for r in members)))
+        pass
 
     def discard(self, reservation) -> None:
         pass

@@ -128,8 +128,6 @@ def test_pause_and_resume_waits_for_the_replacement():
     assert (rec.slices, rec.added_slices) == (3, 1) and rec.wait_for_capacity_s > 0
     assert trainer.worlds[-1].slices == ["s0", "s2", "s3"]
     assert backend.formed[-1].restored["s3"] == 4  # the newcomer loads a survivor's snapshot
-    # Its standby process started as soon as it was ready, before the world that takes it formed.
-    assert (1, ["s3"]) in backend.warmed
 
 
 def test_replica_resize_grows_back_at_a_step_boundary():
