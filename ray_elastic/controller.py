@@ -166,7 +166,6 @@ class ElasticTrainer:
         self.gens = Generations(cfg, self.backend)
         self.recoveries: list[RecoveryRecord] = []
         self._failure_times: list[float] = []
-        self._streams = None
         self._first_step = resume.step if resume else 0
         self.events = EventLog(self.run_dir, [self.callbacks])
         self.ledger = results.StepLedger(self.events, cfg.steps_per_chunk)
@@ -191,12 +190,12 @@ class ElasticTrainer:
     def _run(self, num_steps: int) -> RunOutcome:
         self._enter(S.RUNNING)
         world, start = self.world, self.worlds[-1].start_step
-        self._streams = self.backend.drive(world, self.gens.store, self.ledger.add, self.ledger.step_times)
-        self.ledger.start_world(world.plan.generation, self._streams.take_snapshot_steps)
+        streams = self.backend.drive(world, self.gens.store, self.ledger.add, self.ledger.step_times)
+        self.ledger.start_world(world.plan.generation, streams.take_snapshot_steps)
         t0 = time.perf_counter()
-        outcome = self._streams.run(start, num_steps, self.gens.capacity_returned)
+        outcome = streams.run(start, num_steps, self.gens.capacity_returned)
         if outcome.kind is OutcomeKind.FAILURE:  # what survivors already streamed (their last snapshots)
-            self._streams.drain(DRAIN_S, outcome.errors)
+            streams.drain(DRAIN_S, outcome.errors)
         self.ledger.flush()
         self.events.emit("chunk_run", generation=world.plan.generation, first_step=start,
                          last_step=self.ledger.last_step, seconds=time.perf_counter() - t0, outcome=outcome.kind)

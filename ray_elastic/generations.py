@@ -145,8 +145,7 @@ class Generations:
                 outcome.errors[p] = TimeoutError(f"no step finished for {now - outcome.last_progress_at:.1f}s")
         kinds: dict[str, ErrorKind] = {}
         for p, e in outcome.errors.items():
-            hang = isinstance(e, TimeoutError) and outcome.kind is OutcomeKind.HANG
-            kinds.setdefault(world.slice_of(p), ErrorKind.HANG if hang else self.backend.error_kind(e))
+            kinds.setdefault(world.slice_of(p), self.backend.error_kind(e))  # a TimeoutError is a hang
         names = list(world.plan.slice_names)
         return Evidence(kinds, world.slice_node_ids(), names, world.plan.generation,
                         self._vouched(kinds, world.reservations))

@@ -205,6 +205,8 @@ class FakeBackend:
     def error_kind(self, error: BaseException) -> ErrorKind:
         if isinstance(error, ProcessDied):
             return ErrorKind.PROCESS_DIED  # as Ray reports a SIGKILLed process, whether or not its host lives
+        if isinstance(error, TimeoutError):
+            return ErrorKind.HANG  # as health.error_kind
         return ErrorKind.TASK_ERROR
 
     def dead_slices(self, slice_nodes: dict, suspects: set) -> set[str]:
