@@ -4,7 +4,7 @@ Both sides run 3 processes x 2 CPU devices (3 simulated v4-8 slices), the same
 task, batch and step function (``ray_elastic.jax_world.TrainLoop``). The bare
 side is plain ``jax.distributed`` over subprocesses, no Ray. The controller side
 pays for everything ray-elastic adds, including the per-step in-memory snapshots
-(default ``snapshot_every=1`` on 2 slices) that make recovery rewind-free. Each side runs
+(default ``snapshot_every=1`` on ``snapshot_replicas=3`` slices, here all of them) that make recovery rewind-free. Each side runs
 ``--reps`` times, interleaved, and the medians of the steady-state time per step
 are compared. Last line: ``{"overhead_ratio": ...}``.
 
@@ -73,12 +73,13 @@ def run_bare(steps: int) -> float:
         return json.load(f)["step_s"]
 
 
-def run_ray(steps: int, spec, snapshot_every: int) -> float:
+def run_ray(steps: int, spec, snapshot_every: int, snapshot_replicas: int = 3) -> float:
     from ray_elastic import ElasticConfig, ElasticTrainer
 
     arrivals = []
     cfg = ElasticConfig(num_slices=NUM_SLICES, global_batch_size=BATCH, slice=spec, steps_per_chunk=CHUNK,
-                        snapshot_every=snapshot_every)
+                        snapshot_every=snapshot_every, snapshot_replicas=snapshot_replicas,
+                        allow_restart_from_scratch=snapshot_every == 0)  # no faults here
     result = ElasticTrainer(task(), cfg, progress=False,
                             on_step=lambda m: arrivals.append((time.perf_counter(), m["step"]))).fit(steps)
     # Steady state: the second half of the run. The first half also pays one-time work
@@ -95,6 +96,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--snapshot-every", type=int, default=1, help="ElasticConfig.snapshot_every of the controller run")
+    ap.add_argument("--snapshot-replicas", type=int, default=3, help="ElasticConfig.snapshot_replicas (slices holding one)")
     args = ap.parse_args()
 
     from ray_elastic.sim import SimulatedTPUCluster
@@ -103,12 +105,13 @@ def main() -> None:
     with SimulatedTPUCluster(num_slices=NUM_SLICES, devices_per_host=DEVICES, log_to_driver=False) as cluster:
         for rep in range(args.reps):
             bare.append(run_bare(args.steps))
-            ray_side.append(run_ray(args.steps, cluster.slice_spec, args.snapshot_every))
+            ray_side.append(run_ray(args.steps, cluster.slice_spec, args.snapshot_every, args.snapshot_replicas))
             print(f"rep {rep}: bare {bare[-1] * 1e3:.2f} ms/step, ray-elastic {ray_side[-1] * 1e3:.2f} ms/step", flush=True)
     b, r = statistics.median(bare), statistics.median(ray_side)
     print(f"median step time: bare JAX {b * 1e3:.2f} ms, ray-elastic controller {r * 1e3:.2f} ms")
     print(json.dumps({"overhead_ratio": round(r / b, 4), "bare_step_s": round(b, 5), "controller_step_s": round(r, 5),
-                      "steps": args.steps, "reps": args.reps, "snapshot_every": args.snapshot_every}))
+                      "steps": args.steps, "reps": args.reps, "snapshot_every": args.snapshot_every,
+                      "snapshot_replicas": args.snapshot_replicas}))
 
 
 if __name__ == "__main__":

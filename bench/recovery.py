@@ -5,17 +5,22 @@ slice's replacement arrives ``--arrival-delay`` seconds after it is asked for; i
 replica-resize it comes back ``--regrow-delay`` seconds later and the world grows back).
 Faults fire one at a time, each once the world is at full size again:
 
-- every slice position (0 and 1 hold snapshots by default, 0 also hosts the JAX coordinator),
+- every slice position (0 also hosts the JAX coordinator; with the default ``snapshot_replicas=3`` every
+  slice of the 3 holds a snapshot),
 - both kinds: ``node`` (the host lost: node removed, its processes SIGKILLed) and
   ``process`` (the JAX process SIGKILLed, its host alive),
-- ``--repeats`` times each, plus ``cascade``: a second slice lost while the first recovery runs.
+- ``--repeats`` times each *warm* (fired once every host has a warm standby process), and
+  ``--cold`` times each *cold* (fired at the first step of a new full-size world, while the
+  standbys that replace the ones it used are still starting),
+- plus ``cascade``: a second slice lost while the first recovery runs.
 
 A 2-host-slice variant (``--multihost``) loses one host of a slice per position. Per fault the
 bench prints detection (kill -> failure detected) and kill -> first step afterwards, with
 the controller's own phase split; then per kind and position the median and worst, and
 the grow-back pauses. The last line is one JSON object:
 
-    {"replica_resize_recovery_s": median kill -> step over all kills, "replica_resize_worst_s": ...,
+    {"replica_resize_recovery_s": median kill -> step over all kills (warm and cold), "replica_resize_worst_s": ...,
+     "replica_resize_warm_median_s": ..., "replica_resize_warm_worst_s": ..., "replica_resize_cold_median_s": ...,
      "detection_worst_s": ..., "cascade_recovery_s": ..., "grow_pause_s": ...,
      "pause_resume_recovery_after_arrival_s": ..., "steps_rewound_max": ...}
 
@@ -32,20 +37,25 @@ import statistics
 import threading
 import time
 
-PHASES = ("detection_s", "classify_s", "teardown_s", "wait_for_capacity_s", "world_formation_s", "state_load_s",
-          "compile_s", "first_step_s", "kill_to_step_s", "after_arrival_s")
+PHASES = ("detection_s", "classify_s", "teardown_s", "wait_for_capacity_s", "world_formation_s", "jax_init_s",
+          "state_load_s", "compile_s", "trace_s", "load_s", "first_step_s", "kill_to_step_s", "after_arrival_s")
 
 
 class _Done(Exception):
     """Every fault has fired and settled: stop the run."""
 
 
-def faults_for(positions: list[int], kinds: list[str], repeats: int, cascades: int) -> list[tuple[str, int]]:
-    plan = [(kind, pos) for _ in range(repeats) for kind in kinds for pos in positions]
-    return plan + [("cascade", positions[-1])] * cascades
+def faults_for(positions: list[int], kinds: list[str], repeats: int, cascades: int,
+               cold: int = 0) -> list[tuple[str, int, bool]]:
+    """(kind, position, cold) in firing order. A warm fault waits until every host has a warm standby
+    process; a cold one fires at the first step of a new full-size world (standbys still starting)."""
+    plan = [(kind, pos, False) for _ in range(repeats) for kind in kinds for pos in positions]
+    plan += [(kind, pos, True) for _ in range(cold) for kind in kinds for pos in positions]
+    return plan + [("cascade", positions[-1], False)] * cascades
 
 
-def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s: float, hosts: int) -> dict:
+def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s: float, hosts: int,
+             timeline: bool = False, settle_timeout_s: float = 180.0) -> dict:
     """One run that fires ``faults`` in order; returns per-fault rows, grow pauses and rewinds."""
     from ray_elastic import ElasticConfig, ElasticTrainer
     from ray_elastic.errors import ElasticRuntimeError
@@ -70,16 +80,26 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
         box["last_step"] = m["step"]
         t = box["t"]
         full = t.world is not None and t.world.plan.num_slices == 3
-        settled = full and m["step"] >= box["quiet_from"] and time.time() >= box["quiet_until"]
+        quiet = m["step"] >= box["quiet_from"] and time.time() >= box["quiet_until"]
+        if todo and todo[0][2]:  # cold: at the first step of a new full-size world
+            settled = full and m["step"] >= box.get("cold_from", 0) and box.get("cold_world") != t.world
+        else:
+            settled = full and quiet and t.backend.warm(t.gens.members)
         if not todo:
             if settled:
                 raise _Done()
             return
         if not settled:
+            if todo and time.time() > box["quiet_until"] + settle_timeout_s:
+                print(f"  {mode}: not back at full size {settle_timeout_s:.0f}s after the last fault; "
+                      f"{len(todo)} fault(s) not fired: {todo} (full size: {full}, quiet: {quiet})", flush=True)
+                box["skipped"] = list(todo)
+                raise _Done()
             return
-        kind, pos = todo.pop(0)
+        kind, pos, cold = todo.pop(0)
         row = {"kind": kind, "position": pos, "holder": pos < t.config.snapshot_replicas, "at": time.time(),
-               "step": m["step"]}
+               "step": m["step"], "cold": cold}
+        box["cold_world"] = t.world  # a cold fault needs a newer world than this one
         fired.append(row)
         kill(t, "node" if kind == "cascade" else kind, pos)
         if kind == "cascade":
@@ -96,6 +116,7 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
         elif row is not None:
             box["cascade"] = row
         if e["kind"] in ("recovered", "scale_up"):
+            box["cold_from"] = box.get("last_step", 0) + 1
             box["quiet_from"] = max(box["quiet_from"], box.get("last_step", 0) + gap)
             box["quiet_until"] = max(box["quiet_until"], time.time() + gap_s)
 
@@ -122,6 +143,8 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
         rows.append({**row, **{k: getattr(rec, k) for k in ("classify_s", "teardown_s", "wait_for_capacity_s",
                                                             "world_formation_s", "state_load_s", "compile_s",
                                                             "steps_rewound")},
+                     **{k: trainer.worlds[rec.generation].times[k] for k in ("jax_init_s", "trace_s", "load_s",
+                                                                             "processes_starting")},
                      "detection_s": detected[0] - row["at"] if detected else float("nan"),
                      "first_step_s": first - rec.ready_at, "kill_to_step_s": first - t_kill,
                      "after_arrival_s": first - rec.capacity_ready_at, "slices_after": rec.slices})
@@ -133,21 +156,32 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
             after = [a for a in arrivals if a > e["ts"]]
             if before and after:
                 pauses.append(after[0] - before[-1])
-    return {"rows": rows, "grow_pauses": pauses}
+    if timeline:  # the controller's events around each fault, in seconds after the kill
+        for row in fired:
+            t_kill = row.get("second_at", row["at"])
+            print(f"--- {row['kind']} {row['position']}")
+            for e in events:
+                if t_kill - 0.1 < e["ts"] < t_kill + 12 and e["kind"] not in ("steps",):
+                    detail = {k: e[k] for k in ("lost_slices", "restore_source", "steps_rewound", "reason") if k in e}
+                    print(f"   {e['ts'] - t_kill:7.3f} {e['kind']} {detail}")
+    return {"rows": rows, "grow_pauses": pauses, "skipped": box.get("skipped", [])}
 
 
 def report(title: str, out: dict) -> None:
     rows = out["rows"]
     print(f"\n{title}: {len(rows)} faults")
-    print(f"  {'kind':>8} {'pos':>3} {'holder':>6} " + " ".join(f"{p:>17}" for p in PHASES))
+    # starting: processes the new world took before they had started (Python, JAX, data)
+    print(f"  {'kind':>8} {'pos':>3} {'holder':>6} {'cold':>5} {'starting':>8} "
+          + " ".join(f"{p[:-2]:>11}" for p in PHASES))
     for r in rows:
-        print(f"  {r['kind']:>8} {r['position']:>3} {str(r['holder']):>6} "
-              + " ".join(f"{r[p]:>17.3f}" for p in PHASES))
+        print(f"  {r['kind']:>8} {r['position']:>3} {str(r['holder']):>6} {str(r['cold']):>5} "
+              f"{r['processes_starting']:>8} " + " ".join(f"{r[p]:>11.3f}" for p in PHASES))
     groups: dict = {}
     for r in rows:
-        groups.setdefault((r["kind"], r["position"]), []).append(r["kill_to_step_s"])
-    for (kind, pos), v in sorted(groups.items()):
-        print(f"  kill->step {kind:>8} position {pos}: median {statistics.median(v):.3f}s  worst {max(v):.3f}s")
+        groups.setdefault((r["kind"], r["position"], r["cold"]), []).append(r["kill_to_step_s"])
+    for (kind, pos, cold), v in sorted(groups.items()):
+        print(f"  kill->step {kind:>8} position {pos} {'cold' if cold else 'warm'}: median {statistics.median(v):.3f}s"
+              f"  worst {max(v):.3f}s")
     if out["grow_pauses"]:
         p = out["grow_pauses"]
         print(f"  grow-back pause: median {statistics.median(p):.3f}s  worst {max(p):.3f}s  ({len(p)} grows)")
@@ -158,7 +192,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="kills per kind and position")
     ap.add_argument("--positions", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--kinds", nargs="+", default=["node", "process"])
+    ap.add_argument("--cold", type=int, default=1,
+                    help="kills per kind and position fired at the first step of a new world (standbys still starting)")
     ap.add_argument("--cascades", type=int, default=2, help="faults during a recovery, per mode")
+    ap.add_argument("--modes", nargs="*", default=["replica-resize", "pause-and-resume"])
+    ap.add_argument("--settle-timeout", type=float, default=180.0,
+                    help="seconds to wait for the world to be back at full size before giving up on the rest")
+    ap.add_argument("--timeline", action="store_true", help="print the events around each fault")
     ap.add_argument("--multihost", type=int, default=1, help="also run the 2-host-slice variant (replica-resize)")
     ap.add_argument("--gap", type=int, default=10, help="steps at full size between faults")
     ap.add_argument("--gap-s", type=float, default=5.0,
@@ -172,11 +212,12 @@ def main() -> None:
     from ray_elastic.sim import SimulatedTPUCluster
 
     results = {}
-    faults = faults_for(args.positions, args.kinds, args.repeats, args.cascades)
+    faults = faults_for(args.positions, args.kinds, args.repeats, args.cascades, args.cold)
     with SimulatedTPUCluster(num_slices=3, log_to_driver=False) as cluster:
-        for mode in ("replica-resize", "pause-and-resume"):
+        for mode in args.modes:
             prov = cluster.provisioner(delay_s=args.regrow_delay if mode == "replica-resize" else args.arrival_delay)
-            results[mode] = run_mode(cluster, mode, faults, args.gap, args.gap_s, hosts=1)
+            results[mode] = run_mode(cluster, mode, faults, args.gap, args.gap_s, hosts=1, timeline=args.timeline,
+                                     settle_timeout_s=args.settle_timeout)
             prov.stop()
             report(mode, results[mode])
             cluster.reap_dead_slices()
@@ -184,20 +225,27 @@ def main() -> None:
         with SimulatedTPUCluster(num_slices=3, hosts_per_slice=2, log_to_driver=False) as cluster:
             prov = cluster.provisioner(delay_s=args.regrow_delay)
             results["multihost"] = run_mode(cluster, "replica-resize", faults_for(args.positions, ["node"], 1, 0),
-                                            args.gap, args.gap_s, hosts=2)
+                                            args.gap, args.gap_s, hosts=2, timeline=args.timeline,
+                                            settle_timeout_s=args.settle_timeout)
             prov.stop()
             report("replica-resize, 2-host slices (one host lost)", results["multihost"])
 
     def rows(mode, kinds=("node", "process")):
         return [r for r in results.get(mode, {"rows": []})["rows"] if r["kind"] in kinds]
 
-    rr = [r["kill_to_step_s"] for r in rows("replica-resize") + rows("multihost")]
+    rr_rows = rows("replica-resize") + rows("multihost")
+    rr = [r["kill_to_step_s"] for r in rr_rows]
+    warm = [r["kill_to_step_s"] for r in rr_rows if not r["cold"]]
+    cold = [r["kill_to_step_s"] for r in rr_rows if r["cold"]]
     cascade = [r["kill_to_step_s"] for m in ("replica-resize", "pause-and-resume") for r in rows(m, ("cascade",))]
     pauses = [p for out in results.values() for p in out["grow_pauses"]]
     everything = [r for out in results.values() for r in out["rows"]]
     summary = {
         "replica_resize_recovery_s": round(statistics.median(rr), 3) if rr else None,
         "replica_resize_worst_s": round(max(rr), 3) if rr else None,
+        "replica_resize_warm_median_s": round(statistics.median(warm), 3) if warm else None,
+        "replica_resize_warm_worst_s": round(max(warm), 3) if warm else None,
+        "replica_resize_cold_median_s": round(statistics.median(cold), 3) if cold else None,
         "detection_worst_s": round(max(r["detection_s"] for r in everything), 3) if everything else None,
         "cascade_recovery_s": round(statistics.median(cascade), 3) if cascade else None,
         "grow_pause_s": round(statistics.median(pauses), 3) if pauses else None,
@@ -205,6 +253,7 @@ def main() -> None:
             r["after_arrival_s"] for r in rows("pause-and-resume")), 3) if rows("pause-and-resume") else None,
         "steps_rewound_max": max((r["steps_rewound"] for r in everything), default=0),
         "faults": len(everything),
+        "faults_not_fired": sum(len(out["skipped"]) for out in results.values()),
     }
     print(json.dumps(summary))
 

@@ -2,10 +2,12 @@
 
 from ray_elastic.config import ElasticConfig, SliceSpec
 from ray_elastic.controller import ElasticTrainer
-from ray_elastic.errors import CapacityTimeoutError, ElasticRuntimeError, RetriesExhaustedError, TrainingCodeError
+from ray_elastic.errors import (CapacityTimeoutError, ElasticRuntimeError, RetriesExhaustedError, StateLostError,
+                                TrainingCodeError)
 from ray_elastic.results import FitResult, RecoveryRecord
 from ray_elastic.task import TrainTask
 
 __all__ = ["ElasticConfig", "SliceSpec", "ElasticTrainer", "FitResult", "RecoveryRecord", "TrainTask",
-           "ElasticRuntimeError", "TrainingCodeError", "RetriesExhaustedError", "CapacityTimeoutError"]
+           "ElasticRuntimeError", "TrainingCodeError", "RetriesExhaustedError", "CapacityTimeoutError",
+           "StateLostError"]
 __version__ = "0.1.0"

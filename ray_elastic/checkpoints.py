@@ -24,6 +24,8 @@ import time
 import uuid
 from typing import Any, Optional
 
+from ray_elastic.errors import StorageError
+
 # Environment that points GCS clients at an endpoint (emulator, credentials, project).
 # The driver forwards the ones it has to every slice process.
 GCS_ENV_VARS = (
@@ -35,6 +37,7 @@ GCS_ENV_VARS = (
     "GOOGLE_APPLICATION_CREDENTIALS",
     "EPATH_USE_TF",
 )
+logger = logging.getLogger(__name__)
 STATE_ITEM = "state"
 META_ITEM = "meta"
 
@@ -139,8 +142,33 @@ def _manager(directory: str, read_only: bool, max_to_keep: Optional[int] = None,
     return ocp.CheckpointManager(directory, item_names=(STATE_ITEM, META_ITEM), options=options)
 
 
-def latest_checkpoint(directory: str) -> Optional[CheckpointInfo]:
-    """The newest committed checkpoint in ``directory`` and its metadata, or None."""
+def foreign_task(info: Optional[CheckpointInfo], task_name: str) -> Optional[str]:
+    """The task that wrote ``info`` when it is not ``task_name`` (checkpoints belong to a run's task);
+    None when it is ours, or unknown (written before checkpoints carried it)."""
+    theirs = info.metadata.get("task") if info is not None else None
+    return theirs if theirs not in (None, task_name) else None
+
+
+def set_aside(directory: str, step: int) -> str:
+    """Move a committed step that cannot be restored out of orbax's way (kept, never deleted: the
+    storage may have failed, not the data), so the run can save that step again. Returns where it went."""
+    name = f"{step}.unreadable-{time.strftime('%Y%m%dT%H%M%S')}"
+    if is_gcs(directory):
+        from etils.epath import backend
+
+        fs = backend.fsspec_backend.fs(directory)
+        fs.mv(f"{directory.rstrip('/')}/{step}", f"{directory.rstrip('/')}/{name}", recursive=True)
+        fs.invalidate_cache()
+    else:
+        os.rename(os.path.join(directory, str(step)), os.path.join(directory, name))
+    return f"{directory.rstrip('/')}/{name}"
+
+
+def latest_checkpoint(directory: str, skip: frozenset = frozenset()) -> Optional[CheckpointInfo]:
+    """The newest committed checkpoint in ``directory`` whose metadata reads, and that metadata, or None.
+
+    ``skip``: steps known to be unreadable (a world failed to restore them): the previous one is used.
+    """
     import orbax.checkpoint as ocp
 
     if is_gcs(directory):
@@ -159,11 +187,16 @@ def latest_checkpoint(directory: str) -> Optional[CheckpointInfo]:
     finally:
         absl_logger.setLevel(level)
     try:
-        step = mgr.latest_step()
-        if step is None:
-            return None
-        meta = mgr.restore(step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
-        return CheckpointInfo(int(step), dict(meta))
+        for step in sorted(mgr.all_steps(), reverse=True):  # committed steps only, newest first
+            if step in skip:
+                continue
+            try:
+                meta = mgr.restore(step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
+            except Exception as e:  # noqa: BLE001 - a damaged step: the previous committed one will do
+                logger.warning("checkpoint %d in %s cannot be read (%r): using an earlier one", step, directory, e)
+                continue
+            return CheckpointInfo(int(step), dict(meta))
+        return None
     finally:
         mgr.close()
 
@@ -208,24 +241,28 @@ class Checkpointer:
         directory: local path or ``gs://bucket/prefix``.
         max_to_keep: committed steps kept (older ones are deleted by orbax).
         async_save: write in a background thread; the step only waits for the device-to-host copy.
+        read_only: only restore (another run's directory, ``fit(resume_from=...)``).
     """
 
-    def __init__(self, directory: str, max_to_keep: Optional[int], async_save: bool = True):
+    def __init__(self, directory: str, max_to_keep: Optional[int], async_save: bool = True, read_only: bool = False):
         _SaveDurations.install()
         _SaveDurations.take()  # durations of an earlier world in this process are not ours
         self._started: list[int] = []  # saves in flight, oldest first
         self.directory = directory
-        self._mgr = _manager(directory, read_only=False, max_to_keep=max_to_keep, async_save=async_save)
+        self._mgr = _manager(directory, read_only=read_only, max_to_keep=max_to_keep, async_save=async_save)
 
     def save(self, step: int, state: Any, metadata: dict) -> float:
         """Start saving ``state`` as checkpoint ``step``; returns the seconds the caller was blocked."""
         import orbax.checkpoint as ocp
 
         t0 = time.perf_counter()
-        self._mgr.save(step, args=ocp.args.Composite(**{
-            STATE_ITEM: ocp.args.StandardSave(state),
-            META_ITEM: ocp.args.JsonSave(metadata),
-        }), force=True)
+        try:
+            self._mgr.save(step, args=ocp.args.Composite(**{
+                STATE_ITEM: ocp.args.StandardSave(state),
+                META_ITEM: ocp.args.JsonSave(metadata),
+            }), force=True)
+        except Exception as e:  # this save, or the previous async one, failed in storage
+            raise StorageError(f"saving checkpoint {step} failed: {e!r}") from e
         self._started.append(step)
         return time.perf_counter() - t0
 
@@ -244,8 +281,17 @@ class Checkpointer:
         return [(self._started.pop(0), d) for d in _SaveDurations.take() if self._started]
 
     def wait(self) -> None:
-        """Block until the in-flight save is committed."""
-        self._mgr.wait_until_finished()
+        """Block until the in-flight save is committed.
+
+        A storage error is raised as :class:`StorageError`: the controller recovers with another
+        world (which saves the step again if it was the last). It is not retried here: orbax syncs
+        every process of the world inside a save, so one process cannot redo it alone.
+        """
+        try:
+            self._mgr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise StorageError(f"committing checkpoint {self._started[-1] if self._started else '?'} "
+                               f"failed: {e!r}") from e
 
     def close(self) -> None:
         self._mgr.close()

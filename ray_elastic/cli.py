@@ -54,10 +54,16 @@ def _add_training_args(p: argparse.ArgumentParser, default_slices: int) -> None:
     p.add_argument("--run-dir", default=None, help="write the event log (events.jsonl) here")
     p.add_argument("--checkpoint-dir", default=None,
                    help="Orbax checkpoints: local path or gs://bucket/prefix; a rerun resumes from the newest")
+    p.add_argument("--resume-from", default=None,
+                   help="start from the newest committed checkpoint of this directory (another run's, or "
+                        "--checkpoint-dir itself to accept another task's); new ones go to --checkpoint-dir")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--max-to-keep", type=int, default=3, help="committed checkpoints kept")
     p.add_argument("--snapshot-every", type=int, default=1,
                    help="steps between in-memory snapshots (0: none, recover from checkpoints)")
+    p.add_argument("--allow-restart-from-scratch", action="store_true",
+                   help="when every snapshot holder is lost and there is no checkpoint, restart from step 0 "
+                        "instead of failing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
 
@@ -77,6 +83,7 @@ def _config(args, spec: SliceSpec) -> ElasticConfig:
         checkpoint_every=args.checkpoint_every,
         max_to_keep=args.max_to_keep,
         snapshot_every=args.snapshot_every,
+        allow_restart_from_scratch=args.allow_restart_from_scratch,
     )
 
 
@@ -98,7 +105,7 @@ def _print_summary(result, as_json: bool, goodput_printed: bool = False) -> None
 
 def _fit(task, config, args, address=None):
     result = ElasticTrainer(task, config, address=address, progress=not args.no_progress,
-                            run_dir=args.run_dir).fit(args.steps)
+                            run_dir=args.run_dir).fit(args.steps, resume_from=args.resume_from)
     _print_summary(result, args.json, goodput_printed=not args.no_progress)
     return result
 
@@ -141,7 +148,7 @@ def cmd_demo(args) -> int:
 
         trainer = ElasticTrainer(task, config, progress=not args.no_progress, on_step=on_step, run_dir=args.run_dir)
         trainer_box["t"] = trainer
-        result = trainer.fit(args.steps)
+        result = trainer.fit(args.steps, resume_from=args.resume_from)
         if killed and result.recoveries:
             rec = result.recoveries[0]
             result.summary["killed_slice"] = f"{killed['name']} after step {killed['step']}"

@@ -11,6 +11,8 @@ import dataclasses
 import math
 from typing import Optional
 
+from ray_elastic.plan import WorldPlan, batch_for_world, lr_scale, plan_world
+
 MODES = ("replica-resize", "pause-and-resume")
 BATCH_POLICIES = ("constant", "scale")
 LR_RULES = (None, "linear", "sqrt")
@@ -129,8 +131,16 @@ class ElasticConfig:
         jax_init_timeout_s: how long processes wait for each other in ``jax.distributed.initialize``.
         snapshot_every: copy the live state to the object store every this many steps (1 = zero rewind;
             0 = no snapshots: recovery restores the newest committed checkpoint).
-        snapshot_replicas: how many slices keep snapshots (replicas hold identical state).
-        replacement_timeout_s: pause-and-resume: how long to wait for a replacement slice.
+        snapshot_replicas: how many slices keep snapshots (replicas hold identical state). 3, so
+            that losing any two slices at once (a shared failure domain, or a fault during a
+            recovery) leaves a holder and rewinds nothing; the first slices of each world hold
+            them, survivors before newcomers, so holders are re-picked at once after a loss.
+        allow_restart_from_scratch: when every snapshot holder is lost and there is no checkpoint,
+            start again from step 0 instead of failing with ``StateLostError``. Off by default: a
+            run that silently restarts looks like one that went on.
+        replacement_timeout_s: how long to wait for a replacement slice when the survivors are not
+            enough (pause-and-resume: fewer than ``num_slices``; replica-resize: fewer than
+            ``min_slices``); then ``CapacityTimeoutError``.
         fallback_to_resize: pause-and-resume: on timeout continue on the survivors (if >= min_slices)
             instead of failing.
         lr_rule: with ``batch_policy="scale"``, scale the optimizer's updates by ``linear``
@@ -142,8 +152,12 @@ class ElasticConfig:
             before deciding the slice itself is healthy (match Ray's health-check period x threshold).
         max_failures, failure_window_s: give up after more than ``max_failures`` failures within
             ``failure_window_s`` seconds.
-        standby_workers: keep one warm process per slice host ready for the next generation,
-            so recovery does not wait for Python + JAX start-up.
+        max_failures_in_a_row: give up after more than this many failures with no step finished in
+            between, however long each attempt takes (a deterministic failure is not retried forever).
+            A slice whose process fails first twice in a row that way is dropped as lost.
+        standby_workers: warm processes kept on every slice host for the next generations, so
+            recovery does not wait for Python + JAX start-up. Two by default: a second fault
+            while a recovery forms (which uses up the first) still finds a warm one. 0: none.
         checkpoint_dir: Orbax checkpoints go here: a local path (shared by all hosts on a
             multi-host cluster) or ``gs://bucket/prefix``. Every host writes its own shards. A run
             started on a directory that holds checkpoints resumes from the newest committed one.
@@ -166,7 +180,8 @@ class ElasticConfig:
     slice_timeout_s: float = 300.0
     jax_init_timeout_s: float = 120.0
     snapshot_every: int = 1
-    snapshot_replicas: int = 2
+    snapshot_replicas: int = 3
+    allow_restart_from_scratch: bool = False
     replacement_timeout_s: float = 300.0
     fallback_to_resize: bool = False
     lr_rule: Optional[str] = None
@@ -176,7 +191,8 @@ class ElasticConfig:
     node_death_grace_s: float = 1.5
     max_failures: int = 30
     failure_window_s: float = 3600.0
-    standby_workers: bool = True
+    max_failures_in_a_row: int = 5
+    standby_workers: int = 2
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 100
     max_to_keep: Optional[int] = 3
@@ -202,23 +218,51 @@ class ElasticConfig:
             raise ValueError(f"unknown lr_rule {self.lr_rule!r}: use None, 'linear' or 'sqrt'")
         if self.lr_rule is not None and self.batch_policy != "scale":
             raise ValueError("lr_rule only applies with batch_policy='scale'; remove it or set batch_policy='scale'")
-        for name in ("snapshot_replicas", "max_failures", "checkpoint_every"):
+        if not isinstance(self.standby_workers, int) or self.standby_workers < 0:
+            raise ValueError(f"standby_workers must be an integer >= 0 (warm processes per host), "
+                             f"got {self.standby_workers!r}")
+        object.__setattr__(self, "standby_workers", int(self.standby_workers))  # True/False read as 1/0
+        for name in ("snapshot_replicas", "max_failures", "max_failures_in_a_row", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.snapshot_every < 0:
             raise ValueError(f"snapshot_every must be >= 0 (0 turns snapshots off), got {self.snapshot_every}")
+        if self.snapshot_every == 0 and self.checkpoint_dir is None and not self.allow_restart_from_scratch:
+            raise ValueError("snapshot_every=0 without a checkpoint_dir keeps no state to recover from: any lost "
+                             "slice would restart training from step 0. Set checkpoint_dir, keep snapshots "
+                             "(snapshot_every >= 1), or set allow_restart_from_scratch=True")
         if self.max_to_keep is not None and self.max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1 (or None to keep every checkpoint), got {self.max_to_keep}")
         if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir.strip()):
             raise ValueError(f"checkpoint_dir must be a local path or gs://bucket/prefix, got {self.checkpoint_dir!r}")
-        for name in ("replacement_timeout_s", "hang_timeout_min_s", "probe_timeout_s", "failure_window_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("replacement_timeout_s", "hang_timeout_min_s", "hang_timeout_factor", "probe_timeout_s",
+                     "failure_window_s", "slice_timeout_s", "jax_init_timeout_s"):
+            value = getattr(self, name)  # None would mean "wait forever": not allowed
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if self.jax_init_timeout_s < 1:  # jax.distributed.initialize takes whole seconds
+            raise ValueError(f"jax_init_timeout_s must be >= 1 (JAX counts it in whole seconds), "
+                             f"got {self.jax_init_timeout_s!r}")
+        grace = self.node_death_grace_s
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+            raise ValueError(f"node_death_grace_s must be a number of seconds >= 0, got {grace!r}")
         if self.steps_per_chunk < 1:
             raise ValueError(f"steps_per_chunk must be >= 1, got {self.steps_per_chunk}")
         if not isinstance(self.global_batch_size, int) or self.global_batch_size < 1:
             raise ValueError(f"global_batch_size must be a positive integer, got {self.global_batch_size!r}")
         self._check_batch_splits()
+
+    def world_plan(self, generation: int, slice_names: list[str]) -> WorldPlan:
+        """The layout of a world of these slices: mesh, batch and update scale for its size.
+
+        The one definition: standbys trace ahead for the plans it gives, and a world formed
+        later must get the same one, or the traced step does not fit and is traced again.
+        """
+        n = len(slice_names)
+        return plan_world(generation, slice_names, self.slice.num_hosts, self.slice.host_devices,
+                          batch_for_world(n, self.num_slices, self.global_batch_size, self.batch_policy),
+                          data_stride=self.global_batch_size, lr_scale=lr_scale(n, self.num_slices, self.lr_rule),
+                          snapshot_slices=self.snapshot_replicas)
 
     def world_sizes(self) -> list[int]:
         """Slice counts the run may train on: only full size in pure pause-and-resume."""

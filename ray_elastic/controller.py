@@ -20,11 +20,13 @@ from typing import Callable, Optional
 
 from ray_elastic import checkpoints, goodput, results
 from ray_elastic.config import ElasticConfig
-from ray_elastic.errors import CapacityTimeoutError, ElasticRuntimeError, RetriesExhaustedError, TrainingCodeError
+from ray_elastic.errors import (CapacityTimeoutError, ElasticRuntimeError, ProcessFailed, RetriesExhaustedError,
+                                StateLostError, TrainingCodeError)
 from ray_elastic.events import EventLog
 from ray_elastic.generations import Generations
 from ray_elastic.observers import ProgressBar, RayMetricsObserver, StandbyReplenisher, UserCallbacks
-from ray_elastic.plan import Action, ErrorKind, RestoreSource, classify_failure, failures_exceeded
+from ray_elastic.plan import (Action, RestoreSource, classify_failure, drop_repeat_offender,
+                              failures_exceeded)
 from ray_elastic.ray_backend import RayBackend
 from ray_elastic.results import FitResult, RecoveryRecord, ScaleUpRecord, WorldChange
 from ray_elastic.states import ControllerState, OutcomeKind, RunOutcome, check_transition
@@ -107,17 +109,20 @@ class ElasticTrainer:
         self.events.state(old, new)
 
     # --------------------------------------------------------------------- fit
-    def fit(self, num_steps: int) -> FitResult:
-        """Train steps ``0 .. num_steps-1``; returns per-step losses, recoveries and a summary."""
+    def fit(self, num_steps: int, *, resume_from: Optional[str] = None) -> FitResult:
+        """Train steps ``0 .. num_steps-1``; returns per-step losses, recoveries and a summary.
+
+        With ``checkpoint_dir`` the run resumes from its newest committed checkpoint, if that was
+        written by the same task (another task's checkpoints are refused). ``resume_from``: start
+        from the newest committed checkpoint of this directory instead, whoever wrote it (another
+        run's, or ``checkpoint_dir`` itself to accept another task's); new checkpoints still go to
+        ``checkpoint_dir``.
+        """
         if not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
         t_start, cfg = time.perf_counter(), self.config
-        resume = None
-        if cfg.checkpoint_dir:
-            # Before any cluster resource is taken: a bad location fails now, not at the first save.
-            checkpoints.check_location(cfg.checkpoint_dir)
-            resume = checkpoints.latest_checkpoint(cfg.checkpoint_dir)
-        self._new_run(num_steps, resume)
+        resume = self._resume_point(resume_from)  # before any cluster resource is taken
+        self._new_run(num_steps, resume, resume_from or cfg.checkpoint_dir)
         if resume is not None and resume.step >= num_steps:
             logger.warning("checkpoint %d in %s already covers num_steps=%d: nothing to train",
                            resume.step, cfg.checkpoint_dir, num_steps)
@@ -130,13 +135,11 @@ class ElasticTrainer:
             self._enter(S.SCHEDULING)
             first = self.gens.reserve()
             change = WorldChange(OutcomeKind.DONE, first, "first world", time.time(), time.time())
-            resume_step = resume.restore_step if resume else None
-            outcome = self._next_world(change, resume_step) or self._run(num_steps)
+            outcome = self._next_world(change, resume) or self._run(num_steps)
             startup_s = time.perf_counter() - t_start
             while outcome.kind is not OutcomeKind.DONE:
                 change = self._intake(outcome, change)
                 outcome = self._next_world(change) or self._run(num_steps)
-            self._finish_checkpoints()  # the last save commits before the run counts as finished
             self._enter(S.FINISHED)
             self.events.emit("run_finished", steps=len(self.ledger.metrics), wall_s=time.perf_counter() - t_start)
         except BaseException as e:
@@ -158,21 +161,50 @@ class ElasticTrainer:
                                  startup_s=startup_s, wall_s=time.perf_counter() - t_start,
                                  hosts_per_slice=cfg.slice.num_hosts, gp=gp)
 
-    def _new_run(self, num_steps: int, resume: Optional[checkpoints.CheckpointInfo]) -> None:
+    def _resume_point(self, resume_from: Optional[str]) -> Optional[checkpoints.CheckpointInfo]:
+        """The checkpoint the run starts from, after checking the locations (a bad one fails now,
+        not at the first save) and that the run's own directory holds no other task's checkpoints."""
+        cfg, ours = self.config, self.task.name()
+        if resume_from is not None:
+            if not isinstance(resume_from, str) or not resume_from.strip():
+                raise ValueError(f"resume_from must be a local path or gs://bucket/prefix, got {resume_from!r}")
+            if checkpoints.is_gcs(resume_from):
+                checkpoints.check_location(resume_from)
+        own = None
+        if cfg.checkpoint_dir:
+            checkpoints.check_location(cfg.checkpoint_dir)
+            own = checkpoints.latest_checkpoint(cfg.checkpoint_dir)
+            theirs = checkpoints.foreign_task(own, ours)
+            if theirs and resume_from != cfg.checkpoint_dir:
+                raise ValueError(
+                    f"checkpoint_dir {cfg.checkpoint_dir!r} holds checkpoints of task {theirs!r} (newest: step "
+                    f"{own.step}), not of {ours!r}: use another checkpoint_dir, or fit(..., resume_from="
+                    f"{cfg.checkpoint_dir!r}) to train on from them anyway")
+        if resume_from is None:
+            return own
+        info = checkpoints.latest_checkpoint(resume_from)
+        if info is None:
+            raise ValueError(f"resume_from {resume_from!r} holds no committed checkpoint: check the path")
+        return info
+
+    def _new_run(self, num_steps: int, resume: Optional[checkpoints.CheckpointInfo], resume_dir: Optional[str]) -> None:
         """Everything one run owns starts fresh, so a trainer can ``fit`` again."""
         cfg = self.config
         self.state = S.INITIALIZING
         self.backend = self.backend_cls(self.task, cfg, self.address)
         self.gens = Generations(cfg, self.backend)
+        self.gens.resume_dir = resume_dir
         self.recoveries: list[RecoveryRecord] = []
         self._failure_times: list[float] = []
+        self._failures_in_a_row, self._steps_at_failure, self._last_origin = 0, 0, None
         self._first_step = resume.step if resume else 0
         self.events = EventLog(self.run_dir, [self.callbacks])
         self.ledger = results.StepLedger(self.events, cfg.steps_per_chunk)
         self.events.emit("run_started", num_steps=num_steps, num_slices=cfg.num_slices, mode=cfg.mode,
                          checkpoint_dir=cfg.checkpoint_dir, resume_from_checkpoint=resume.step if resume else None)
         if resume is not None:
-            self.events.emit("resume", checkpoint_step=resume.step, saved_world=resume.metadata.get("world"))
+            self.events.emit("resume", checkpoint_step=resume.step, directory=resume_dir,
+                             task=resume.metadata.get("task"), saved_world=resume.metadata.get("world"))
             changed = results.resume_changes(resume.metadata, seed=cfg.seed, global_batch_size=cfg.global_batch_size)
             if changed:
                 self.events.emit("resume_config_changed", changed=changed)
@@ -199,6 +231,8 @@ class ElasticTrainer:
         self.ledger.flush()
         self.events.emit("chunk_run", generation=world.plan.generation, first_step=start,
                          last_step=self.ledger.last_step, seconds=time.perf_counter() - t0, outcome=outcome.kind)
+        if outcome.kind is OutcomeKind.DONE:  # the last checkpoint commits before the run is finished
+            outcome = self._final_checkpoint(num_steps)
         return outcome
 
     # ------------------------------------------------------------- the loop's two halves
@@ -208,26 +242,39 @@ class ElasticTrainer:
         if outcome.kind is OutcomeKind.GROW:
             self._enter(S.RESIZING)
             t0 = time.perf_counter()
-            self._finish_checkpoints()  # a planned stop: let the in-flight save commit first
-            self.world.teardown()
-            return WorldChange(OutcomeKind.GROW, list(self.gens.members), "capacity returned", now, now,
-                               teardown_s=time.perf_counter() - t0)
+            try:
+                self._finish_checkpoints()  # a planned stop: let the in-flight save commit first
+            except ProcessFailed as e:  # a process died while its save committed: a failure, not a grow
+                outcome = RunOutcome(OutcomeKind.FAILURE, {e.process: e.cause}, outcome.last_progress_at)
+            else:
+                self.world.teardown()
+                return WorldChange(OutcomeKind.GROW, list(self.gens.members), "capacity returned", now,
+                                   outcome.last_progress_at or now,
+                                   teardown_s=time.perf_counter() - t0)
         self._enter(S.RECOVERING)
         chained = outcome.kind is OutcomeKind.FORMING_FAILED and previous.cause is not OutcomeKind.DONE
         detected_at = previous.detected_at if chained else now
         last_progress_at = previous.last_progress_at if chained else outcome.last_progress_at
         ev = self.gens.evidence(outcome, now)
         first = next(iter(outcome.errors.values()), None) or RuntimeError(outcome.kind.value)
-        if outcome.kind is OutcomeKind.FORMING_FAILED and set(ev.kinds.values()) == {ErrorKind.TASK_ERROR}:
-            raise TrainingCodeError(f"forming a world failed in training code: {first}") from first
-        dead = self.backend.dead_slices(ev.slice_nodes, ev.suspects)
+        dead = self.backend.dead_slices(ev.slice_nodes, ev.suspects)  # node health first: then blame code
         verdict = classify_failure(errors=ev.kinds, dead_slices=dead, world_slices=ev.slices,
                                    error_text=str(first).splitlines()[0][:300] if str(first) else "")
+        if outcome.kind is OutcomeKind.FORMING_FAILED and verdict.training_code:
+            raise TrainingCodeError(f"forming a world failed in training code: {first}") from first
+        steps_run = len(self.ledger.step_times)  # every step run, rewound ones too: progress of any kind
+        progressed, self._steps_at_failure = steps_run > self._steps_at_failure, steps_run
+        self._failures_in_a_row = 1 if progressed else self._failures_in_a_row + 1
+        verdict = drop_repeat_offender(verdict, origin=ev.origin, previous_origin=self._last_origin,
+                                       progressed=progressed, origin_kind=ev.kinds.get(ev.origin))
+        self._last_origin = ev.origin
         classified_at = time.time()
         self.events.emit("failure", generation=ev.generation, cause=outcome.kind, kinds=ev.kinds,
                          world_slices=len(ev.slices), vouched_slices=sorted(ev.vouched),
                          lost_slices=list(verdict.lost_slices), crashed_slices=list(verdict.crashed_slices),
+                         quarantined_slices=list(verdict.quarantined),
                          error=str(first)[:2000], last_step=self.ledger.last_step,
+                         origin=ev.origin, failures_in_a_row=self._failures_in_a_row,
                          since_last_progress_s=now - last_progress_at, classify_s=classified_at - now,
                          detection_latency_s=classified_at - last_progress_at)
         self._may_retry(verdict, first)
@@ -236,7 +283,10 @@ class ElasticTrainer:
             # With checkpoints, wait until the old processes are really gone: nothing of theirs may
             # land in the checkpoint directory once the next world reads and cleans it.
             self.world.teardown(confirm_s=TEARDOWN_CONFIRM_S if self.config.checkpoint_dir else 0.0)
-        survivors = self.gens.split(set(verdict.lost_slices))
+        for step in sorted(ev.unreadable_checkpoints - self.gens.unreadable_checkpoints):  # its readers are gone
+            self.events.emit("checkpoint_unreadable", step=step, error=str(first)[:2000],
+                             set_aside_to=self.gens.checkpoint_unreadable(step))
+        survivors = self.gens.split(set(verdict.lost_slices), set(verdict.quarantined))
         reason = verdict.reason if not chained else f"failure while forming a world: {first!r}"[:300]
         return WorldChange(outcome.kind, survivors, reason, detected_at, last_progress_at,
                            classify_s=classified_at - now, teardown_s=time.perf_counter() - t0)
@@ -252,11 +302,16 @@ class ElasticTrainer:
             raise RetriesExhaustedError(
                 f"gave up after {len(self._failure_times)} failures within {cfg.failure_window_s:.0f}s "
                 f"(max_failures={cfg.max_failures}); last: {verdict.reason}") from error
+        if self._failures_in_a_row > cfg.max_failures_in_a_row:
+            raise RetriesExhaustedError(
+                f"gave up after {self._failures_in_a_row} failures in a row without a step finished "
+                f"(max_failures_in_a_row={cfg.max_failures_in_a_row}); last: {verdict.reason}") from error
         attempt = len(self._failure_times)
         if self.retry_policy is not None and not self.retry_policy(attempt, error):
             raise RetriesExhaustedError(f"retry_policy declined attempt {attempt} after {verdict.reason}") from error
 
-    def _next_world(self, change: WorldChange, resume_step: Optional[int] = None) -> Optional[RunOutcome]:
+    def _next_world(self, change: WorldChange, resume: Optional[checkpoints.CheckpointInfo] = None
+                    ) -> Optional[RunOutcome]:
         """The one path to the next world: wait for the capacity the mode needs, take the survivors and
         ready replacements, form. Returns None when formed, else the forming failure as an outcome."""
         cfg = self.config
@@ -271,12 +326,18 @@ class ElasticTrainer:
             raise CapacityTimeoutError(
                 f"{change.reason}; {decision.reason} (replacement_timeout_s={cfg.replacement_timeout_s:.0f}, "
                 f"mode={cfg.mode}, min_slices={cfg.min_slices}). Add capacity, raise replacement_timeout_s, "
-                "or set fallback_to_resize=True")
+                + ("or set fallback_to_resize=True" if cfg.mode == "pause-and-resume" else "or lower min_slices"))
         capacity_ready_at = time.time()
         members, added = self.gens.take(change.survivors, decision)
         if self.pre_callback is not None:
             self.pre_callback()
-        restore = self.gens.restore_plan(change.survivors, resume_step)
+        restore = self.gens.restore_plan(change.survivors, resume)
+        if (restore.source is RestoreSource.FRESH and self.ledger.last_step >= 0
+                and not cfg.allow_restart_from_scratch):
+            raise StateLostError(
+                f"{change.reason}: every slice holding a snapshot is gone and there is no checkpoint, so "
+                f"going on would restart training from step 0 ({self.ledger.last_step + 1} steps done). "
+                "Set checkpoint_dir, raise snapshot_replicas, or allow_restart_from_scratch=True")
         before = self.worlds[-1] if self.worlds else None
         self._enter(S.FORMING_WORLD)
         try:
@@ -292,9 +353,11 @@ class ElasticTrainer:
         if change.cause is OutcomeKind.DONE:  # the first world
             return None
         if change.cause is OutcomeKind.GROW:
+            ready_at = time.time()
             self.events.emit("scale_up", **dataclasses.asdict(ScaleUpRecord(
                 record.generation, len(change.survivors), len(members), restore.step, rewound,
-                resize_s=time.time() - change.detected_at)))
+                resize_s=ready_at - change.detected_at, pause_s=ready_at - change.last_progress_at,
+                ready_at=ready_at)))
             return None
         rec = RecoveryRecord.of(change, record, mode=cfg.mode, added=len(added), rewound=rewound, wait_s=wait_s,
                                 capacity_ready_at=capacity_ready_at)
@@ -305,7 +368,23 @@ class ElasticTrainer:
                              to_slices=len(members))
         return None
 
-    def _finish_checkpoints(self) -> None:
-        """Wait for the in-flight save of the current world to commit."""
+    def _finish_checkpoints(self, save_step: Optional[int] = None) -> None:
+        """Wait for the in-flight save of the current world to commit (first saving ``save_step``)."""
         if self.config.checkpoint_dir and self.world is not None:
-            self.ledger.saves_committed(self.world.finish_checkpoints(CHECKPOINT_FINISH_TIMEOUT_S))
+            self.ledger.saves_committed(self.world.finish_checkpoints(CHECKPOINT_FINISH_TIMEOUT_S, save_step))
+
+    def _final_checkpoint(self, num_steps: int) -> RunOutcome:
+        """The run's last checkpoint is committed before ``fit`` returns: its in-flight save finishes,
+        or, when the world that was writing it failed (the state came back from a snapshot), this
+        world saves it again. A process dying meanwhile is one more failure (FAILURE), not the end."""
+        if not self.config.checkpoint_dir or self.world is None:
+            return RunOutcome(OutcomeKind.DONE)
+        try:
+            self._finish_checkpoints()
+            if self.ledger.committed_step < num_steps:
+                info = checkpoints.latest_checkpoint(self.config.checkpoint_dir)  # reported or not, what is there
+                if info is None or info.step < num_steps:
+                    self._finish_checkpoints(save_step=num_steps)
+        except ProcessFailed as e:
+            return RunOutcome(OutcomeKind.FAILURE, {e.process: e.cause}, time.time())
+        return RunOutcome(OutcomeKind.DONE)

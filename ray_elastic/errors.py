@@ -5,6 +5,8 @@ why, so a caller (a notebook cell, a job script, an outer retry loop) can decide
 what to do without parsing the message.
 """
 
+from typing import Optional
+
 
 class ElasticRuntimeError(RuntimeError):
     """Training could not go on; the message says why and what was tried."""
@@ -22,6 +24,11 @@ class CapacityTimeoutError(ElasticRuntimeError):
     """Not enough slices came back in ``replacement_timeout_s`` to form a world the config allows."""
 
 
+class StateLostError(ElasticRuntimeError):
+    """Every slice holding a snapshot was lost and no checkpoint exists: going on would silently
+    restart training from step 0. Raised unless ``allow_restart_from_scratch=True``."""
+
+
 class FormingError(RuntimeError):
     """A world failed to form because of these slices' processes (``cause``: what they raised)."""
 
@@ -31,11 +38,49 @@ class FormingError(RuntimeError):
         self.cause = cause
 
 
+class HostLost(RuntimeError):
+    """A host of a slice lost its node while a world formed (seen from its placement group)."""
+
+
+class ProcessFailed(RuntimeError):
+    """A call on every process of a world failed on process ``process`` (``cause``: what it raised)."""
+
+    def __init__(self, process: int, cause: BaseException):
+        super().__init__(f"process {process} failed: {cause}")
+        self.process = process
+        self.cause = cause
+
+
 class SliceDownError(RuntimeError):
-    """Raised inside a slice actor when JAX reports a slice-down error.
+    """Raised inside a slice actor when the world failed, not the task's code.
 
     The actor classifies ``jax.errors.JaxRuntimeError`` with pathwaysutils'
     ``is_error_due_to_slice_down`` (DATA_LOSS, DEADLINE_EXCEEDED, NOT_FOUND,
     INTERNAL) and raises this instead, so the controller can tell a lost peer
-    from a bug in user code without importing JAX.
+    from a bug in user code without importing JAX. Errors of the steps of forming
+    a world that run no task code (``jax.distributed.initialize``, fetching a
+    snapshot from its donor) are raised as this too, whatever they are.
     """
+
+
+class StorageError(SliceDownError):
+    """Reading or writing a checkpoint failed in storage (a GCS 503, a timeout, a lost disk, a
+    damaged step): recoverable by another world, never the task's fault. ``checkpoint_step``: the
+    step that could not be read, when it was a restore."""
+
+    def __init__(self, message: str, checkpoint_step: Optional[int] = None):
+        super().__init__(message)
+        self.checkpoint_step = checkpoint_step
+
+    def __reduce__(self):  # keep checkpoint_step across Ray's pickling
+        return (type(self), (str(self), self.checkpoint_step))
+
+
+def unreadable_checkpoint(exc: Optional[BaseException]) -> Optional[int]:
+    """The checkpoint step a world failed to restore, when that is what ``exc`` says (looked for
+    through the ``cause`` that FormingError, ProcessFailed and Ray's RayTaskError keep)."""
+    while exc is not None:
+        if isinstance(exc, StorageError):
+            return exc.checkpoint_step
+        exc = getattr(exc, "cause", None)
+    return None

@@ -16,8 +16,9 @@ from typing import Callable, Optional
 
 from ray_elastic import checkpoints
 from ray_elastic.config import ElasticConfig
-from ray_elastic.plan import (Action, ErrorKind, NextWorld, RestorePlan, RestoreSource, batch_for_world, choose_restore,
-                              decide_next_world, lr_scale, should_grow)
+from ray_elastic.errors import unreadable_checkpoint
+from ray_elastic.plan import (Action, ErrorKind, NextWorld, RestorePlan, RestoreSource, choose_restore,
+                              decide_next_world, should_grow)
 from ray_elastic.results import WorldRecord
 from ray_elastic.snapshots import SnapshotStore
 from ray_elastic.states import OutcomeKind, RunOutcome
@@ -35,6 +36,8 @@ class Evidence:
     slices: list[str]  # the world's slices, replica order
     generation: int
     vouched: set[str]  # slices whose hosts answered after their process died
+    origin: Optional[str] = None  # the slice whose error came first (None: unknown, or the whole world)
+    unreadable_checkpoints: frozenset = frozenset()  # checkpoint steps a process failed to restore
 
     @property
     def suspects(self) -> set[str]:
@@ -50,6 +53,10 @@ class Generations:
         self.backend = backend
         self.members: list = []  # slice reservations of the current/next world, replica order
         self.replacements: list = []  # pending replacement requests (the autoscaler's demand)
+        self.quarantined: list = []  # reservations of slices that kept failing: held until the run ends
+        self.unreadable_checkpoints: set[int] = set()  # steps a world failed to restore: never tried again
+        self.resume_dir: Optional[str] = config.checkpoint_dir  # where the run's first checkpoint comes from
+        self.last_restore: Optional[RestorePlan] = None  # what the newest world loaded (or tried to)
         self.store = SnapshotStore(config.slice.num_hosts)
         self.worlds: list[WorldRecord] = []
         self.world = None  # the current World
@@ -65,8 +72,19 @@ class Generations:
         return [r for r in self.replacements if r.poll() is not None]
 
     def capacity_returned(self) -> bool:
-        """A replacement is ready and the world is smaller than asked: grow at the next step boundary."""
-        return should_grow(self.config.mode, len(self.members), len(self.ready_replacements()), self.config.num_slices)
+        """A replacement is ready and the world is smaller than asked: grow at the next step boundary,
+        once the bigger world's processes have started.
+
+        The newcomers' processes start here, while the smaller world keeps training, and the
+        world stops only when every host of the bigger world has a warm standby: the training
+        pause of a grow-back is then teardown, joining and loading, not Python and JAX starting.
+        """
+        ready = self.ready_replacements()
+        if not should_grow(self.config.mode, len(self.members), len(ready), self.config.num_slices):
+            return False
+        newcomers = [req.poll() for req in ready[: self.config.num_slices - len(self.members)]]
+        self.backend.replenish(newcomers)
+        return self.backend.warm(self.members + newcomers)
 
     def decide(self, survivors: list, *, timed_out: bool) -> NextWorld:
         cfg = self.config
@@ -104,29 +122,35 @@ class Generations:
         added = [req.poll() for req in taken]
         return kept + added, added
 
-    def drop(self, res, *, replace: bool = True) -> None:
-        """A slice left for good: free it, forget its snapshots, and (by default) ask for a replacement."""
+    def drop(self, res, *, replace: bool = True, quarantine: bool = False) -> None:
+        """A slice left for good: free it (or, ``quarantine``, keep holding it until the run ends, so
+        nothing of this run is placed there again), forget its snapshots, and (by default) ask for a
+        replacement."""
         if res.slice_name:
             self.store.forget(res.slice_name)
-        res.release()
+        if quarantine:
+            self.quarantined.append(res)
+        else:
+            res.release()
         self.backend.discard(res)
         if replace:
             # A pending slice placement group is what makes the autoscaler provision a new slice.
             self.replacements.append(self.backend.request_replacement())
 
-    def split(self, lost: set[str]) -> list:
-        """After a failure of the current world: drop the ``lost`` slices, return the others (replica order)."""
+    def split(self, lost: set[str], quarantined: set[str] = frozenset()) -> list:
+        """After a failure of the current world: drop the ``lost`` slices (holding the ``quarantined``
+        ones), return the others (replica order)."""
         survivors = []
         for i, res in enumerate(self.members):
             if _name(res, i) in lost:
-                self.drop(res)
+                self.drop(res, quarantine=_name(res, i) in quarantined)
             else:
                 survivors.append(res)
         return survivors
 
     def member_nodes(self) -> dict[str, list[str]]:
-        """Per member slice, the nodes of its hosts (an unplaced reservation counts as a dead host)."""
-        return {_name(res, i): res.node_ids() or ["<unplaced>"] for i, res in enumerate(self.members)}
+        """Per member slice, the nodes of its hosts (an unplaced bundle counts as a dead host)."""
+        return {_name(res, i): res.node_ids() for i, res in enumerate(self.members)}
 
     def evidence(self, outcome: RunOutcome, now: float) -> Evidence:
         """What the failed world (or the one that failed to form) says about each of its slices."""
@@ -136,10 +160,16 @@ class Generations:
             error = outcome.errors[0]
             kind = self.backend.error_kind(error)
             named = [n for n in getattr(error, "slices", ()) if n in nodes]
+            if not named and kind in (ErrorKind.NODE_DIED, ErrorKind.PROCESS_DIED):
+                kind = ErrorKind.ACTOR_DIED  # whose process it was is unknown: the node table decides
             kinds = {name: kind for name in named or nodes}
-            return Evidence(kinds, nodes, list(nodes), len(self.worlds), self._vouched(kinds, self.members))
+            return Evidence(kinds, nodes, list(nodes), len(self.worlds), self._vouched(kinds, self.members),
+                            origin=named[0] if named else None, unreadable_checkpoints=self._unreadable(outcome))
+        first = next(iter(outcome.errors), None)
+        origin = world.slice_of(first) if first is not None else None
         if outcome.kind is OutcomeKind.HANG:
-            hung = self.backend.unresponsive(world)
+            hung = set(outcome.errors) or self.backend.unresponsive(world)  # the watchdog's probe, if it named any
+            origin = world.slice_of(min(hung)) if hung else None
             # Nobody silent: the whole world is stuck (for example a collective that never completes).
             for p in hung or range(len(world.workers)):
                 outcome.errors[p] = TimeoutError(f"no step finished for {now - outcome.last_progress_at:.1f}s")
@@ -147,8 +177,19 @@ class Generations:
         for p, e in outcome.errors.items():
             kinds.setdefault(world.slice_of(p), self.backend.error_kind(e))  # a TimeoutError is a hang
         names = list(world.plan.slice_names)
+        # One host's death kills processes elsewhere (the JAX coordinator's host died: every process
+        # aborts), and a survivor's death can reach us first. Every host of the world is looked at,
+        # not only those that reported: one that stops answering is a suspect too.
+        for name, res in zip(names, world.reservations):
+            if name not in kinds and not self.backend.hosts_answer(res):
+                kinds[name] = ErrorKind.ACTOR_DIED
         return Evidence(kinds, world.slice_node_ids(), names, world.plan.generation,
-                        self._vouched(kinds, world.reservations))
+                        self._vouched(kinds, world.reservations), origin=origin,
+                        unreadable_checkpoints=self._unreadable(outcome))
+
+    def _unreadable(self, outcome: RunOutcome) -> frozenset:
+        steps = {unreadable_checkpoint(e) for e in outcome.errors.values()}
+        return frozenset(s for s in steps if s is not None)
 
     def _vouched(self, kinds: dict, reservations: list) -> set[str]:
         """Slices whose process died while each of its hosts still answers: the hosts live, so the
@@ -157,17 +198,38 @@ class Generations:
         return {_name(r, i) for i, r in crashed if self.backend.hosts_answer(r)}
 
     # --------------------------------------------------------------- state
-    def restore_plan(self, members: list, resume_step: Optional[int] = None) -> RestorePlan:
-        """The newest state among ``members``' snapshots and the committed checkpoints."""
+    def restore_plan(self, members: list, resume: Optional[checkpoints.CheckpointInfo] = None) -> RestorePlan:
+        """The newest state among ``members``' snapshots and the committed checkpoints (``resume``: the
+        checkpoint the run starts from, the first world only)."""
         names = [r.slice_name for r in members if r.slice_name]
-        checkpoint_step = resume_step if resume_step is not None else self._checkpoint_step()
-        return choose_restore(self.store.latest_complete(names), checkpoint_step)
+        directory, step = (self.resume_dir, resume.restore_step) if resume is not None else self._checkpoint()
+        plan = choose_restore(self.store.latest_complete(names), step)
+        if plan.source is RestoreSource.CHECKPOINT and directory != self.config.checkpoint_dir:
+            plan = dataclasses.replace(plan, directory=directory)
+        return plan
 
-    def _checkpoint_step(self) -> Optional[int]:
-        if not self.config.checkpoint_dir:
-            return None
-        info = checkpoints.latest_checkpoint(self.config.checkpoint_dir)
-        return info.restore_step if info else None
+    def checkpoint_unreadable(self, step: int) -> Optional[str]:
+        """A world failed to restore checkpoint ``step``: the next one restores the previous committed
+        step. In the run's own directory the step is set aside (kept), so it can be saved again;
+        elsewhere (``resume_from``) it is only skipped. Returns where it was set aside, if it was."""
+        directory = self.last_restore.directory if self.last_restore else None
+        if directory is None and self.config.checkpoint_dir:
+            try:
+                return checkpoints.set_aside(self.config.checkpoint_dir, step)
+            except OSError as e:  # gone already, or the storage still failing: skip it instead
+                logger.warning("could not set aside checkpoint %d: %r", step, e)
+        self.unreadable_checkpoints.add(step)
+        return None
+
+    def _checkpoint(self) -> tuple[Optional[str], Optional[int]]:
+        """(directory, restore step) of the newest readable committed checkpoint: the run's own, else
+        the one it was started from (``fit(resume_from=...)``) until it has saved one."""
+        for directory in (self.config.checkpoint_dir, self.resume_dir):
+            if directory:
+                info = checkpoints.latest_checkpoint(directory, frozenset(self.unreadable_checkpoints))
+                if info is not None:
+                    return directory, info.restore_step
+        return None, None
 
     # -------------------------------------------------------------- worlds
     def form(self, members: list, restore: RestorePlan) -> WorldRecord:
@@ -176,12 +238,11 @@ class Generations:
         Raises whatever forming raised; ``members`` are the members either way, so the
         controller can look at their hosts.
         """
-        cfg = self.config
         self.members = list(members)
         self.world = None
+        self.store.drop_after(restore.step)  # steps after it are run again by this world
+        self.last_restore = restore
         generation = len(self.worlds)
-        n = len(members)
-        batch = batch_for_world(n, cfg.num_slices, cfg.global_batch_size, cfg.batch_policy)
         donors: dict[str, str] = {}
 
         def from_snapshot(name: str) -> Optional[list]:
@@ -192,18 +253,18 @@ class Generations:
             return self.store.refs(donor, restore.step)
 
         world = self.backend.form(
-            generation=generation, reservations=self.members, start_step=restore.step + 1, global_batch_size=batch,
-            lr_scale=lr_scale(n, cfg.num_slices, cfg.lr_rule), restore=from_snapshot,
-            checkpoint_step=restore.step + 1 if restore.source is RestoreSource.CHECKPOINT else None)
+            generation=generation, reservations=self.members, start_step=restore.step + 1, restore=from_snapshot,
+            checkpoint_step=restore.step + 1 if restore.source is RestoreSource.CHECKPOINT else None,
+            checkpoint_dir=restore.directory)
         self.world = world
         record = WorldRecord(generation=generation, slices=list(world.plan.slice_names), mesh=world.plan.mesh_shape,
-                             global_batch_size=batch, start_step=restore.step + 1, restore_source=restore.source,
+                             global_batch_size=world.plan.global_batch_size, start_step=restore.step + 1, restore_source=restore.source,
                              snapshot_donors=donors, times=dataclasses.asdict(world.times))
         self.worlds.append(record)
         return record
 
     def replenish(self) -> None:
-        """Warm standby processes for every member host that has none."""
+        """Start warm standby processes on member hosts that lack some."""
         self.backend.replenish(self.members)
 
     def release(self) -> None:
@@ -214,7 +275,7 @@ class Generations:
         for req in self.replacements:
             req.cancel()
         self.replacements = []
-        for r in self.members:
+        for r in self.members + self.quarantined:
             try:
                 r.release()
             except Exception as e:  # noqa: BLE001

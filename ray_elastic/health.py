@@ -10,7 +10,7 @@ import time
 
 import ray
 
-from ray_elastic.errors import FormingError, SliceDownError
+from ray_elastic.errors import FormingError, HostLost, SliceDownError, StorageError
 from ray_elastic.plan import ErrorKind
 
 
@@ -18,6 +18,8 @@ def error_kind(exc: BaseException) -> ErrorKind:
     """What an exception from a slice actor says about its slice."""
     if isinstance(exc, FormingError):
         return error_kind(exc.cause)
+    if isinstance(exc, HostLost):
+        return ErrorKind.ACTOR_DIED  # its process is gone or never came: the node table decides
     if isinstance(exc, TimeoutError):
         return ErrorKind.HANG  # a process that did not answer in time
     if isinstance(exc, ray.exceptions.ActorUnavailableError):
@@ -29,9 +31,13 @@ def error_kind(exc: BaseException) -> ErrorKind:
             return ErrorKind.NODE_DIED
         if "because its worker process has died" in text:
             return ErrorKind.PROCESS_DIED
+        if "error raised in its creation task" in text:
+            return ErrorKind.TASK_ERROR  # the task could not be unpickled or set up there: the user's code
         return ErrorKind.ACTOR_DIED
     if isinstance(exc, ray.exceptions.RayTaskError):
         cause = exc.cause if hasattr(exc, "cause") else None
+        if isinstance(cause, StorageError) or isinstance(exc, StorageError):
+            return ErrorKind.STORAGE
         if isinstance(cause, SliceDownError) or isinstance(exc, SliceDownError):
             return ErrorKind.SLICE_DOWN
         return ErrorKind.TASK_ERROR
@@ -77,15 +83,29 @@ def dead_slices(slice_nodes: dict[str, list[str]], suspects: set[str], grace_s: 
         time.sleep(poll_s)
 
 
-def unresponsive(workers: list, timeout_s: float) -> set[int]:
-    """Indices of workers that do not answer a health probe (their own concurrency group) in time."""
-    refs = {w.probe.remote(): i for i, w in enumerate(workers)}
-    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-    answered = set()
-    for r in ready:
+def probe(workers: list, timeout_s: float) -> list:
+    """Each worker's answer to a health probe (its own concurrency group), or None when it did not
+    answer within ``timeout_s`` (hung, stopped or dead)."""
+    refs = [w.probe.remote() for w in workers]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    ready = set(ready)
+    answers = []
+    for r in refs:
         try:
-            ray.get(r)
-            answered.add(refs[r])
-        except Exception:
-            pass
-    return set(range(len(workers))) - answered
+            answers.append(ray.get(r) if r in ready else None)
+        except Exception:  # noqa: BLE001 - dead
+            answers.append(None)
+    return answers
+
+
+def unresponsive(workers: list, timeout_s: float) -> set[int]:
+    """Indices of workers that do not answer a health probe in time."""
+    return {i for i, a in enumerate(probe(workers, timeout_s)) if a is None}
+
+
+def busy(answers: list, last_seen_step: int) -> bool:
+    """After the watchdog fired, from every worker's probe answer: one of them is inside a checkpoint
+    save (a synchronous save, a slow bucket) or finished a step the driver has not seen yet (its
+    report is still on the way). The world is slow, not hung."""
+    return all(a is not None for a in answers) and any(
+        a.get("saving") or a.get("last_step", -1) > last_seen_step for a in answers)

@@ -16,9 +16,10 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from ray_elastic.data import StepBatches
+from ray_elastic.errors import StorageError
 from ray_elastic.plan import FSDP_AXIS, REPLICA_AXIS, WorldPlan, param_partition
 
 
@@ -30,6 +31,34 @@ def enable_compilation_cache(cache_dir: Optional[str]) -> None:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    _share_cpu_cache_entries()
+
+
+def _share_cpu_cache_entries() -> None:
+    """Let every process of a multi-process CPU world hit the entry process 0 wrote.
+
+    JAX writes persistent-cache entries from process 0 only and expects the other
+    processes to compute the same key. On TPU they do (the key hashes the slice's
+    topology); on CPU the topology fingerprint is per process, so processes 1.. miss
+    every time and recompile after each re-formation (measured: 0.9-1.1 s against 0.05 s
+    for process 0, 3 processes). For CPU devices the key hashes what is the same
+    everywhere (device kinds and count) instead; other platforms keep JAX's own key.
+    """
+    from jax._src import cache_key
+
+    original = cache_key._hash_accelerator_config
+    if getattr(original, "_ray_elastic", False):
+        return
+
+    def hash_accelerator_config(hash_obj, accelerators):
+        devices = list(accelerators.flat)
+        if devices and all(d.platform == "cpu" for d in devices):
+            hash_obj.update(f"cpu:{len(devices)}:{devices[0].device_kind}".encode())
+        else:
+            original(hash_obj, accelerators)
+
+    hash_accelerator_config._ray_elastic = True
+    cache_key._hash_accelerator_config = hash_accelerator_config
 
 
 def initialize(coordinator_address: str, plan: WorldPlan, process_id: int, timeout_s: float) -> None:
@@ -47,6 +76,8 @@ def initialize(coordinator_address: str, plan: WorldPlan, process_id: int, timeo
         num_processes=plan.num_processes,
         process_id=process_id,
         initialization_timeout=int(timeout_s),
+        # The coordination service listens on the node's address only, not on every interface.
+        coordinator_bind_address=coordinator_address if process_id == 0 else None,
     )
     expected = plan.num_processes * plan.devices_per_host
     if jax.device_count() != expected:
@@ -54,6 +85,17 @@ def initialize(coordinator_address: str, plan: WorldPlan, process_id: int, timeo
             f"JAX world has {jax.device_count()} devices, plan expects {expected} "
             f"({plan.num_processes} processes x {plan.devices_per_host}); check devices_per_host"
         )
+
+
+def hold_port(host: str) -> socket.socket:
+    """A free port on ``host``, held until the coordination service binds it: the socket is bound
+    with SO_REUSEPORT and never listens, so gRPC (which sets SO_REUSEPORT) can bind the same port
+    while any other process is refused. Picking a port and closing it would leave a window in
+    which something else takes it. Close it once ``initialize`` has returned."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind((host, 0))
+    return s
 
 
 def _wait_for_port(address: str, timeout_s: float, poll_s: float = 0.005) -> None:
@@ -101,25 +143,76 @@ def _abstract_state(task, seed: int, update_scale: Optional[float]):
     return make, nnx.split(nnx.eval_shape(make))
 
 
-def local_block(arr: jax.Array) -> np.ndarray:
-    """This process's part of a global array, as one numpy block.
+def _step_program(task, graphdef, abstract, mesh, fsdp_min_size: int):
+    """The train step jitted for ``mesh`` (concrete, or abstract to trace ahead of a world), with
+    its state and batch shardings. One definition for both, so what is traced ahead is what runs."""
+    fsdp = mesh.shape[FSDP_AXIS]
+    state_shardings = jax.tree.map(
+        lambda x: NamedSharding(mesh, P(*param_partition(x.shape, fsdp, fsdp_min_size))), abstract)
+    batch_sharding = NamedSharding(mesh, P((REPLICA_AXIS, FSDP_AXIS)))
+
+    def train_step(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(lambda m: task.loss(m, batch))(model)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    step = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                   out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)
+    return state_shardings, batch_sharding, step
+
+
+def program_key(plan: WorldPlan) -> tuple:
+    """What the compiled step depends on besides the task: mesh shape, global batch, update scale."""
+    return (plan.mesh_shape[REPLICA_AXIS], plan.mesh_shape[FSDP_AXIS], plan.global_batch_size, plan.lr_scale)
+
+
+def trace_ahead(task, plan: WorldPlan, seed: int, fsdp_min_size: int, batches: StepBatches,
+                scale_updates: bool = False) -> jax.stages.Traced:
+    """Trace the train step for a world laid out like ``plan``, before any world exists.
+
+    Runs on an abstract mesh, so it needs no devices and may run before
+    ``jax.distributed.initialize``: a standby process traces the worlds it may join
+    while it waits, and joining one only lowers and loads (:meth:`TrainLoop.compile`).
+    """
+    mesh = AbstractMesh((plan.mesh_shape[REPLICA_AXIS], plan.mesh_shape[FSDP_AXIS]), (REPLICA_AXIS, FSDP_AXIS))
+    _, (graphdef, abstract) = _abstract_state(task, seed, plan.lr_scale if scale_updates else None)
+    state_shardings, batch_sharding, step = _step_program(task, graphdef, abstract, mesh, fsdp_min_size)
+    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, state_shardings)
+    example = batches.rows(0, 0, 1)  # one row: the fields' trailing shapes and dtypes
+    batch = {k: jax.ShapeDtypeStruct((plan.global_batch_size,) + v.shape[1:], v.dtype, sharding=batch_sharding)
+             for k, v in example.items()}
+    return step.trace(state, batch)
+
+
+def block_range(indices, shape) -> tuple:
+    """The global (start, stop) per dimension of the block a process's shards (``indices``: their
+    index tuples) form; raises when they do not tile it (a block with holes cannot be restored)."""
+    keys = {tuple((sl.start or 0, dim if sl.stop is None else sl.stop) for sl, dim in zip(index, shape))
+            for index in indices}
+    rng = tuple((min(k[d][0] for k in keys), max(k[d][1] for k in keys)) for d in range(len(shape)))
+    volume = lambda k: int(np.prod([b - a for a, b in k]))  # noqa: E731
+    if sum(volume(k) for k in keys) != volume(rng):
+        raise ValueError(f"this process's shards {sorted(keys)} do not form one block of an array of shape {shape}")
+    return rng
+
+
+def local_block(arr: jax.Array) -> tuple[np.ndarray, tuple]:
+    """This process's part of a global array, as one numpy block, and the block's global index range.
 
     A process's devices sit in one row of the (replica, fsdp) mesh, so its shards of
     an fsdp-sharded array are one contiguous slab, and of a replicated array the
-    whole array. This is what ``make_array_from_process_local_data`` takes back.
+    whole array. This is what ``make_array_from_process_local_data`` takes back; the
+    range says where the block belongs, so a restore can refuse one that would land elsewhere.
     """
     if arr.ndim == 0:
-        return np.asarray(arr.addressable_shards[0].data)
-    unique = {}
+        return np.asarray(arr.addressable_shards[0].data), ()
+    rng = block_range([sh.index for sh in arr.addressable_shards], arr.shape)
+    block = np.empty([b - a for a, b in rng], dtype=arr.dtype)
     for sh in arr.addressable_shards:
-        key = tuple((sl.start or 0, dim if sl.stop is None else sl.stop) for sl, dim in zip(sh.index, arr.shape))
-        unique.setdefault(key, sh)
-    lo = [min(k[d][0] for k in unique) for d in range(arr.ndim)]
-    hi = [max(k[d][1] for k in unique) for d in range(arr.ndim)]
-    block = np.empty([h - l for l, h in zip(lo, hi)], dtype=arr.dtype)
-    for key, sh in unique.items():
-        block[tuple(slice(a - l, b - l) for (a, b), l in zip(key, lo))] = np.asarray(sh.data)
-    return block
+        key = [(sl.start or 0, dim if sl.stop is None else sl.stop) for sl, dim in zip(sh.index, arr.shape)]
+        block[tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(key, rng))] = np.asarray(sh.data)
+    return block, rng
 
 
 class TrainLoop:
@@ -133,17 +226,18 @@ class TrainLoop:
         mesh: from :func:`build_mesh`.
         fsdp_min_size: see ``ElasticConfig.fsdp_min_size``.
         batches: the task's data by step (built once per process, reused across worlds).
-        restore: per-leaf blocks from :meth:`snapshot` of the same host position in an
-            earlier world; ``None`` initialises fresh parameters.
+        restore: what :meth:`snapshot` returned in the same host position of an earlier world
+            (blocks and their index ranges, checked against this world's shardings); ``None``
+            initialises fresh parameters.
         scale_updates: wrap the optimizer with the plan's ``lr_scale`` (scale policy + lr rule).
         checkpointer: this world's :class:`~ray_elastic.checkpoints.Checkpointer` (None: no checkpoints).
         checkpoint_step: load this committed checkpoint (steps completed) instead of ``restore``,
-            resharded onto this world's mesh.
+            resharded onto this world's mesh, from ``restore_from`` (a Checkpointer) or ``checkpointer``.
     """
 
     def __init__(self, task, plan: WorldPlan, process_id: int, seed: int, mesh: Mesh, fsdp_min_size: int,
                  batches: StepBatches, restore: Optional[list] = None, scale_updates: bool = False,
-                 checkpointer=None, checkpoint_step: Optional[int] = None):
+                 checkpointer=None, checkpoint_step: Optional[int] = None, restore_from=None):
         self.plan = plan
         self.mesh = mesh
         self.process_id = process_id
@@ -151,44 +245,36 @@ class TrainLoop:
         self.batches = batches
 
         make, (graphdef, abstract) = _abstract_state(task, seed, plan.lr_scale if scale_updates else None)
-        fsdp = plan.mesh_shape[FSDP_AXIS]
-        self.state_shardings = jax.tree.map(
-            lambda x: NamedSharding(mesh, P(*param_partition(x.shape, fsdp, fsdp_min_size))), abstract
-        )
+        self.state_shardings, self.batch_sharding, self._step = _step_program(task, graphdef, abstract, mesh,
+                                                                              fsdp_min_size)
         self.sharded_params = sum(1 for sh in jax.tree.leaves(self.state_shardings) if any(sh.spec))
-        self.batch_sharding = NamedSharding(mesh, P((REPLICA_AXIS, FSDP_AXIS)))
-        replicated = NamedSharding(mesh, P())
 
         self.checkpointer = checkpointer
         self.restored_metadata: Optional[dict] = None
         if checkpoint_step is not None:
             target = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                                   abstract, self.state_shardings)
-            self.state, self.restored_metadata = checkpointer.restore(checkpoint_step, target)
+            try:
+                self.state, self.restored_metadata = (restore_from or checkpointer).restore(checkpoint_step, target)
+            except Exception as e:  # storage, not the task: another world may read it
+                raise StorageError(f"restoring checkpoint {checkpoint_step} failed: {e!r}", checkpoint_step) from e
         elif restore is None:
             self.state = jax.jit(lambda: nnx.split(make())[1], out_shardings=self.state_shardings)()
         else:
             leaves, treedef = jax.tree.flatten(abstract)
             shardings = jax.tree.leaves(self.state_shardings)
-            if len(restore) != len(leaves):
-                raise ValueError(f"snapshot has {len(restore)} arrays, the model's state has {len(leaves)}")
+            blocks, ranges = restore["leaves"], restore["ranges"]
+            if len(blocks) != len(leaves):
+                raise ValueError(f"snapshot has {len(blocks)} arrays, the model's state has {len(leaves)}")
+            for i, (sh, a, got) in enumerate(zip(shardings, leaves, ranges)):
+                want = block_range(sh.addressable_devices_indices_map(a.shape).values(), a.shape) if a.ndim else ()
+                if tuple(map(tuple, got)) != want:
+                    raise ValueError(f"snapshot block of state leaf {i} {a.shape} holds {got}, but this process "
+                                     f"of the new world needs {want}: refusing to place it by position")
             self.state = jax.tree.unflatten(treedef, [
                 jax.make_array_from_process_local_data(sh, np.asarray(blk, dtype=a.dtype), a.shape)
-                for sh, blk, a in zip(shardings, restore, leaves)
+                for sh, blk, a in zip(shardings, blocks, leaves)
             ])
-
-        def train_step(state, batch):
-            model, optimizer = nnx.merge(graphdef, state)
-            loss, grads = nnx.value_and_grad(lambda m: task.loss(m, batch))(model)
-            optimizer.update(model, grads)
-            return nnx.state((model, optimizer)), loss
-
-        self._step = jax.jit(
-            train_step,
-            in_shardings=(self.state_shardings, self.batch_sharding),
-            out_shardings=(self.state_shardings, replicated),
-            donate_argnums=0,
-        )
 
     def global_batch_array(self, step: int) -> dict:
         """This process's rows of step ``step``, assembled into global jax.Arrays."""
@@ -200,11 +286,27 @@ class TrainLoop:
             for k, v in local.items()
         }
 
-    def compile(self, step: int) -> float:
-        """Compile the step (from the persistent cache when warm); returns seconds."""
+    def compile(self, step: int, traced: Optional[jax.stages.Traced] = None) -> dict:
+        """Compile the step (from the persistent cache when warm); seconds of each phase.
+
+        ``traced``: from :func:`trace_ahead` for this world's layout (tracing is then already
+        done; it is lowered for this world's devices). ``load_s`` is XLA compiling, or loading
+        the executable on a persistent-cache hit.
+        """
         t0 = time.perf_counter()
-        self._step = self._step.lower(self.state, self.global_batch_array(step)).compile()
-        return time.perf_counter() - t0
+        if traced is not None:
+            lowered = traced.lower(lowering_platforms=(self.mesh.devices.flat[0].platform,))
+            t1 = time.perf_counter()
+            self._step = lowered.compile(device_assignment=tuple(self.mesh.devices.flat))
+            t2 = time.perf_counter()
+            return {"trace_s": 0.0, "lower_s": t1 - t0, "load_s": t2 - t1, "compile_s": t2 - t0, "traced_ahead": True}
+        traced = self._step.trace(self.state, self.global_batch_array(step))
+        t1 = time.perf_counter()
+        lowered = traced.lower()
+        t2 = time.perf_counter()
+        self._step = lowered.compile()
+        t3 = time.perf_counter()
+        return {"trace_s": t1 - t0, "lower_s": t2 - t1, "load_s": t3 - t2, "compile_s": t3 - t0, "traced_ahead": False}
 
     def step(self, step: int) -> dict:
         """Run one training step; its loss and wall time."""
@@ -221,6 +323,8 @@ class TrainLoop:
         """Start an async save of the state as checkpoint ``steps_done``; seconds the step was blocked."""
         return self.checkpointer.save(steps_done, self.state, metadata)
 
-    def snapshot(self) -> list[np.ndarray]:
-        """Host copy of this process's part of the train state (params and optimizer state)."""
-        return [local_block(x) for x in jax.tree.leaves(self.state)]
+    def snapshot(self) -> dict:
+        """Host copy of this process's part of the train state (params and optimizer state): per
+        leaf the block (``leaves``) and its global index range (``ranges``)."""
+        blocks = [local_block(x) for x in jax.tree.leaves(self.state)]
+        return {"leaves": [b for b, _ in blocks], "ranges": [r for _, r in blocks]}

@@ -96,3 +96,86 @@ class LocalGCS:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class FlakyEndpoint:
+    """A GCS endpoint that answers every ``fail_every``-th request with ``status`` (503: "try
+    again") and passes the others to ``upstream``: the transient errors a real bucket gives.
+    ``delay_s`` holds every request that long first: a bucket far away (a slow save whatever
+    this machine's speed). ``fail_every=0`` refuses nothing.
+
+    Its ``env`` points GCS clients at it, like :attr:`LocalGCS.env`. ``failed`` counts the
+    requests it refused, by HTTP method. Stop it with :meth:`stop`.
+    """
+
+    def __init__(self, upstream: LocalGCS, fail_every: int = 4, status: int = 503, delay_s: float = 0.0):
+        import http.client
+        import http.server
+        import threading
+
+        self.upstream, self.failed, self.passed = upstream, {}, 0
+        lock, count = threading.Lock(), [0]
+        up_host, up_port = "127.0.0.1", upstream.port
+        endpoint = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _any(self):
+                try:
+                    self._answer()
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up (a timeout): its retry comes
+                    self.close_connection = True
+
+            def _answer(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if delay_s:
+                    time.sleep(delay_s)
+                with lock:
+                    count[0] += 1
+                    refuse = bool(fail_every) and count[0] % fail_every == 0
+                    if refuse:
+                        endpoint.failed[self.command] = endpoint.failed.get(self.command, 0) + 1
+                    else:
+                        endpoint.passed += 1
+                if refuse:
+                    msg = b'{"error": {"code": %d, "message": "injected"}}' % status
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    self.wfile.write(msg)
+                    return
+                conn = http.client.HTTPConnection(up_host, up_port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() in ("content-length", "transfer-encoding", "connection"):
+                        continue
+                    self.send_header(k, v.replace(upstream.url, endpoint.url))  # resumable-upload URLs
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _any
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="flaky-gcs")
+        self._thread.start()
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**self.upstream.env, "STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url}
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -18,6 +18,7 @@ from ray.util.tpu import SlicePlacementGroup
 from ray_elastic.config import SliceSpec
 
 logger = logging.getLogger(__name__)
+UNPLACED = "<unplaced>"  # no node: never among the live ones
 
 
 class SliceReservation:
@@ -37,9 +38,11 @@ class SliceReservation:
         self._is_ready = False
 
     def node_ids(self) -> list[str]:
-        """Nodes its bundles are placed on (empty while pending)."""
+        """The node of each host's bundle, ``UNPLACED`` for a bundle that has none (pending, or its
+        node died and Ray is placing it again): a slice that lost one host is then seen as having a
+        dead host, not as a smaller healthy slice."""
         placed = ray.util.placement_group_table(self.placement_group).get("bundles_to_node_id", {})
-        return [placed[i] for i in sorted(placed) if placed[i]]
+        return [placed.get(i) or UNPLACED for i in range(self.spec.num_hosts)]
 
     def ready(self) -> ray.ObjectRef:
         """One ref that resolves when every bundle is placed (made once: each call of

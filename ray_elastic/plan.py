@@ -166,6 +166,7 @@ class ErrorKind(enum.StrEnum):
     NODE_DIED = "node_died"  # Ray says the process's node died
     UNAVAILABLE = "unavailable"  # maybe dead: node health decides
     SLICE_DOWN = "slice_down"  # JAX reported a lost peer (pathwaysutils' slice-down statuses)
+    STORAGE = "storage"  # a checkpoint could not be read or written: the storage's fault, not the host's
     HANG = "hang"  # no step finished and the process did not answer a probe
     TASK_ERROR = "task_error"  # the task's own code raised
 
@@ -197,6 +198,7 @@ class FailureVerdict:
     recoverable: bool
     reason: str
     training_code: bool = False  # the task's own code raised: a bug, never retried
+    quarantined: tuple[str, ...] = ()  # lost slices whose hosts live but keep failing: held, never reused
 
 
 def classify_failure(
@@ -218,18 +220,40 @@ def classify_failure(
 
     A process that died while its node lives is collateral (for example killed when
     the coordination process died): its slice is healthy. A ``task_error`` is user
-    code failing, not a slice: not recoverable by re-forming the world.
+    code failing, not a slice: not recoverable by re-forming the world, unless
+    something else died too (a lost slice, a dead or hung process, a slice-down
+    error): then the peers' errors are collateral, whatever their text says.
     """
     dead_slices = set(dead_slices) | {s for s, k in errors.items() if k is ErrorKind.NODE_DIED}
     lost = tuple(s for s in world_slices if s in dead_slices)
     crashed = tuple(s for s in world_slices if s in errors and s not in dead_slices)
-    user = [s for s, k in errors.items() if k is ErrorKind.TASK_ERROR and s not in dead_slices]
+    deaths = lost or any(k is not ErrorKind.TASK_ERROR for k in errors.values())
+    user = [] if deaths else [s for s, k in errors.items() if k is ErrorKind.TASK_ERROR]
     if user:
         return FailureVerdict(lost, crashed, False, f"training code failed on slice {user[0]}: {error_text}", True)
     if not errors and not lost:
         return FailureVerdict((), (), False, "no failure to recover from")
     what = f"lost slice(s) {', '.join(lost)}" if lost else f"process failure on {', '.join(crashed)}"
     return FailureVerdict(lost, crashed, True, what)
+
+
+HOST_FAULTS = (ErrorKind.PROCESS_DIED, ErrorKind.ACTOR_DIED, ErrorKind.UNAVAILABLE, ErrorKind.HANG)
+
+
+def drop_repeat_offender(verdict: FailureVerdict, *, origin: Optional[str], previous_origin: Optional[str],
+                         progressed: bool, origin_kind: Optional[ErrorKind] = ErrorKind.PROCESS_DIED) -> FailureVerdict:
+    """A slice whose process failed first in two failures in a row, with no step finished in between,
+    is lost even though its host answers: a host that fails the same way in every generation would
+    otherwise be re-formed forever. It is also quarantined: its reservation stays held, so the
+    replacement asked for cannot be placed on the same hosts again."""
+    if progressed or origin is None or origin != previous_origin or origin not in verdict.crashed_slices:
+        return verdict
+    if origin_kind not in HOST_FAULTS:  # storage or a peer's collective error: not this host's doing
+        return verdict
+    return dataclasses.replace(
+        verdict, lost_slices=verdict.lost_slices + (origin,), quarantined=verdict.quarantined + (origin,),
+        crashed_slices=tuple(s for s in verdict.crashed_slices if s != origin),
+        reason=f"slice {origin} failed twice in a row without a step finished: dropped ({verdict.reason})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,9 +289,9 @@ def decide_next_world(
     can_resize = mode == "replica-resize" or (timed_out and fallback_to_resize)
     if can_resize and len(survivors) + add >= min_slices:
         return NextWorld(Action.FORM, survivors, add, f"resize to {len(survivors) + add} of {num_slices} slices")
-    if mode == "pause-and-resume" and timed_out:
-        why = (f"only {len(survivors) + add} slice(s) available, fewer than min_slices={min_slices}"
-               if fallback_to_resize else "fallback_to_resize is off")
+    if timed_out:  # never below min_slices forever: replica-resize waits as long as pause-and-resume
+        have = f"only {len(survivors) + add} slice(s) available, fewer than min_slices={min_slices}"
+        why = have if mode == "replica-resize" or fallback_to_resize else "fallback_to_resize is off"
         return NextWorld(Action.FAIL, survivors, add, f"no replacement slice arrived in time and {why}")
     return NextWorld(Action.WAIT, survivors, add, f"{len(survivors) + add} of {num_slices} slices, need "
                      f"{num_slices if mode == 'pause-and-resume' else min_slices}")
@@ -305,6 +329,7 @@ class RestorePlan:
     step: int
     source: RestoreSource
     holders: tuple[str, ...] = ()
+    directory: Optional[str] = None  # a checkpoint from another directory (``fit(resume_from=...)``); None: the run's own
 
     def donor(self, slice_name: str) -> Optional[str]:
         """Whose snapshot ``slice_name`` loads: its own when it holds one (a zero-copy read from its

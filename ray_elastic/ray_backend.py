@@ -63,6 +63,9 @@ class RayBackend:
     def replenish(self, members: list) -> None:
         self.pool.replenish(members)
 
+    def warm(self, reservations: list) -> bool:
+        return self.pool.warm(reservations)
+
     def discard(self, reservation) -> None:
         self.pool.discard(reservation)
 

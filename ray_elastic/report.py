@@ -25,6 +25,7 @@ class Timeline:
     failures: list[tuple[float, list[str]]]    # (t detected, slices lost)
     recoveries: list[tuple[float, float]]      # (t detected, t training again)
     waiting: list[tuple[float, float]]         # (t start, t end) of waiting for capacity
+    grow_pauses: list[tuple[float, float]]     # (t last step of the smaller world, t bigger world ready)
     checkpoints: list[tuple[float, int]]       # (t, step) of committed checkpoints
     goodput: Goodput
     num_slices: int
@@ -45,7 +46,7 @@ def timeline(events: list[dict]) -> Timeline:
     t0 = events[0]["ts"]
     start = events[0]
     alive: list[tuple[float, int]] = [(0.0, 0)]
-    rate, fails, recs, waits, ckpts = [], [], [], [], []
+    rate, fails, recs, waits, grows, ckpts = [], [], [], [], [], []
     prev_ts = None
 
     def set_alive(t: float, n: int) -> None:
@@ -66,6 +67,8 @@ def timeline(events: list[dict]) -> Timeline:
             recs.append((e["detected_at"] - t0, e["ready_at"] - t0))
             if e.get("wait_for_capacity_s", 0) > 0:
                 waits.append((e["capacity_ready_at"] - t0 - e["wait_for_capacity_s"], e["capacity_ready_at"] - t0))
+        elif k == "scale_up" and "pause_s" in e:
+            grows.append((e["ready_at"] - e["pause_s"] - t0, e["ready_at"] - t0))
         elif k == "steps":
             if prev_ts is not None and e["ts"] > prev_ts:
                 rate.append((t, len(e["steps"]) / (e["ts"] - prev_ts)))
@@ -76,7 +79,7 @@ def timeline(events: list[dict]) -> Timeline:
             set_alive(t, 0)
     kept, _ = kept_and_rewound(events)
     losses = [(s, kept[s][0]) for s in sorted(kept)]
-    return Timeline(alive, rate, losses, fails, recs, waits, ckpts, account(events), start.get("num_slices", 0))
+    return Timeline(alive, rate, losses, fails, recs, waits, grows, ckpts, account(events), start.get("num_slices", 0))
 
 
 def render(run_dir: str, out: Optional[str] = None, tl: Optional[Timeline] = None) -> str:
@@ -112,13 +115,15 @@ def render(run_dir: str, out: Optional[str] = None, tl: Optional[Timeline] = Non
             ax.axvspan(a, b, color="tab:orange", alpha=0.25)
         for a, b in tl.waiting:
             ax.axvspan(a, b, color="tab:purple", alpha=0.2)
+        for a, b in tl.grow_pauses:
+            ax.axvspan(a, b, color="tab:cyan", alpha=0.25)
         for t, _ in tl.checkpoints:
             ax.axvline(t, color="tab:gray", linestyle=":", linewidth=0.8)
     for t, lost in tl.failures:
         ax_sl.annotate("lost " + ", ".join(lost), (t, ax_sl.get_ylim()[1] * 0.92), fontsize=8, color="tab:red",
                        rotation=0, ha="left")
     ax_rate.set_xlabel("seconds since start  (red: failure, orange: recovery, purple: waiting for capacity, "
-                       "gray: checkpoint)", fontsize=8)
+                       "cyan: growing back, gray: checkpoint)", fontsize=8)
     if tl.losses:
         ax_loss.plot([s for s, _ in tl.losses], [v for _, v in tl.losses], color="tab:blue")
     ax_loss.set_xlabel("step")

@@ -100,7 +100,9 @@ class ScaleUpRecord:
     to_slices: int
     restored_from_step: int
     steps_rewound: int
-    resize_s: float
+    resize_s: float  # the smaller world stopped -> the bigger one is ready
+    pause_s: float  # the smaller world's last step -> the bigger one is ready: training paused this long
+    ready_at: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +163,7 @@ class StepLedger:
         self._buffer: list[dict] = []
         self._generation = 0
         self._snapshot_steps: Callable[[], list[int]] = list
+        self.committed_step = -1  # the newest checkpoint a process reported committed in this run
 
     def start_world(self, generation: int, snapshot_steps: Callable[[], list[int]]) -> None:
         """Steps from now on belong to ``generation``; ``snapshot_steps()`` says which were snapshotted."""
@@ -187,6 +190,7 @@ class StepLedger:
 
     def saves_committed(self, finished: list) -> None:
         for step, total_s in finished:
+            self.committed_step = max(self.committed_step, step)
             self.events.emit("checkpoint_committed", step=step, total_s=total_s)
 
     @property

@@ -150,6 +150,23 @@ class SimulatedSlice:
         return [n.node_id for n in self.nodes]
 
 
+LOOPBACK = "127.0.0.1"
+# Every simulated node's address is LOOPBACK: nothing of a local run listens on or sends to the
+# machine's network address. Ray turns a loopback address given to ray.init (or a job driver's
+# RAY_ADDRESS) into the machine's "reachable" address unless it is told the cluster is one machine,
+# which is what this flag (named for Windows and macOS, where it is the default) says. Processes
+# Ray starts read it from the environment; this process read it when it imported Ray.
+ONE_MACHINE_FLAG = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _one_machine(on: bool) -> bool:
+    """Tell this process's Ray whether the cluster is one machine; returns what it said before."""
+    from ray._private import ray_constants
+
+    before, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, not on
+    return not before
+
+
 class SimulatedTPUCluster:
     """A Ray head plus one Ray node per simulated TPU slice host.
 
@@ -196,11 +213,15 @@ class SimulatedTPUCluster:
         # A private temp dir: never touch other Ray instances on this machine.
         self.temp_dir = tempfile.mkdtemp(prefix="rel-", dir="/tmp")
         os.makedirs(os.path.join(self.temp_dir, "ray"), exist_ok=True)
-        self._old_ray_tmpdir = os.environ.get("RAY_TMPDIR")
-        os.environ["RAY_TMPDIR"] = self.temp_dir
+        # Ray reads these from the environment of every process it starts (raylets, workers, job
+        # drivers), so they are set here and given back at shutdown.
+        self._old_env = {k: os.environ.get(k) for k in ("RAY_TMPDIR", ONE_MACHINE_FLAG)}
+        os.environ.update({"RAY_TMPDIR": self.temp_dir, ONE_MACHINE_FLAG: "0"})
+        self._was_one_machine = _one_machine(True)
         self.dashboard_port = free_port()
         head_args = dict(
             num_cpus=1,
+            node_ip_address=LOOPBACK,
             gcs_server_port=free_port(),
             temp_dir=os.path.join(self.temp_dir, "ray"),
             include_dashboard=dashboard,
@@ -269,6 +290,7 @@ class SimulatedTPUCluster:
             nodes.append(
                 self._cluster.add_node(
                     num_cpus=2,
+                    node_ip_address=LOOPBACK,
                     resources=host.resources,
                     labels=host.labels,
                     env_vars=host.env,
@@ -281,6 +303,11 @@ class SimulatedTPUCluster:
             self.slices.append(sl)
         logger.info("simulated slice %s added (%d host(s))", name, len(nodes))
         return sl
+
+    def processes(self) -> list[psutil.Process]:
+        """Every live process of the cluster: the head's and each live slice host's, with children."""
+        nodes = [self._cluster.head_node] + [n for sl in self.alive_slices() for n in sl.nodes]
+        return [p for node in nodes for p in self._node_processes(node)]
 
     def _node_processes(self, node) -> list[psutil.Process]:
         """The raylet of a node and everything it started (workers, agents)."""
@@ -389,10 +416,12 @@ class SimulatedTPUCluster:
                 logger.warning("cluster shutdown: %s", e)
             self._cluster = None
         self._starter.shutdown(wait=False)
-        if self._old_ray_tmpdir is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = self._old_ray_tmpdir
+        _one_machine(self._was_one_machine)
+        for k, v in self._old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 

@@ -44,6 +44,14 @@ class SnapshotStore:
         hosts = self._refs[slice_name][step]
         return [hosts[h] for h in range(self.hosts_per_slice)]
 
+    def drop_after(self, step: int) -> None:
+        """A new world restarts after ``step``: forget every part of later steps. A step an old world
+        half delivered (one host's part) must never combine with the new world's rerun of it into
+        a "complete" snapshot: after a resize the two are not the same numbers."""
+        for steps in self._refs.values():
+            for s in [s for s in steps if s > step]:
+                del steps[s]
+
     def slices(self) -> list[str]:
         return list(self._refs)
 

@@ -16,6 +16,7 @@ from typing import Callable
 
 import ray
 
+from ray_elastic import health
 from ray_elastic.config import ElasticConfig
 from ray_elastic.plan import is_snapshot_step, watchdog_timeout
 from ray_elastic.snapshots import SnapshotStore
@@ -69,7 +70,8 @@ class StepStreams:
                 submitted += n
             heads = {q[0].gen: p for p, q in enumerate(self.queues) if q}
             if not heads:
-                return RunOutcome(OutcomeKind.GROW if draining and submitted < end_step else OutcomeKind.DONE)
+                kind = OutcomeKind.GROW if draining and submitted < end_step else OutcomeKind.DONE
+                return RunOutcome(kind, {}, last_progress_wall)
             limit = watchdog_timeout(self.step_times, self.config.hang_timeout_factor, self.config.hang_timeout_min_s)
             ready, _ = ray.wait(list(heads), num_returns=1, timeout=POLL_S)
             for gen in ready:
@@ -81,7 +83,12 @@ class StepStreams:
                 if progressed:
                     last_progress, last_progress_wall = time.monotonic(), time.time()
             if time.monotonic() - last_progress > limit:
-                return RunOutcome(OutcomeKind.HANG, {}, last_progress_wall)
+                answers = health.probe(self.world.workers, self.config.probe_timeout_s)
+                if not health.busy(answers, self._reported):
+                    silent = {p: TimeoutError("no answer to the health probe")
+                              for p, a in enumerate(answers) if a is None}
+                    return RunOutcome(OutcomeKind.HANG, silent, last_progress_wall)
+                last_progress = time.monotonic()  # slow, not hung: watch again from now
 
     def _consume(self, p: int) -> bool:
         """Take one item of process ``p``'s current stream; True when a step finished for the first time.

@@ -9,8 +9,11 @@ the state snapshots of snapshot-keeping slices in between.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import logging
 import os
-import socket
+import threading
 import time
 from typing import Optional
 
@@ -19,8 +22,34 @@ import ray
 from ray_elastic.errors import SliceDownError
 from ray_elastic.plan import WorldPlan, is_checkpoint_step, is_snapshot_step
 
+logger = logging.getLogger(__name__)
+TRACE_AHEAD_WORLDS = 3  # world sizes a standby traces the step for: full size and the next smaller ones
 
-@ray.remote(max_restarts=0, max_task_retries=0, concurrency_groups={"health": 1})
+
+@contextlib.contextmanager
+def _world_errors(what: str, everything: bool = False):
+    """Raise what fails here as :class:`SliceDownError` when it is the world's fault, not the task's:
+    JAX's slice-down errors (a peer died mid-collective) always; any error with ``everything``
+    (steps that run no task code). The controller then recovers instead of calling it a bug."""
+    import jax
+
+    try:
+        yield
+    except SliceDownError:
+        raise
+    except jax.errors.JaxRuntimeError as e:
+        from pathwaysutils.elastic.elastic import is_error_due_to_slice_down
+
+        if everything or is_error_due_to_slice_down(e, log_traceback=False):
+            raise SliceDownError(f"{what}: {e}") from e
+        raise
+    except Exception as e:
+        if everything:
+            raise SliceDownError(f"{what}: {e!r}") from e
+        raise
+
+
+@ray.remote(max_restarts=0, max_task_retries=0, concurrency_groups={"health": 1, "ahead": 1})
 class SliceWorker:
     """One process of the JAX world, pinned to one host of one slice.
 
@@ -36,17 +65,49 @@ class SliceWorker:
         self.process_id: Optional[int] = None
         self.loop = None
         self.batches = None
+        self.traced: dict = {}  # program key -> future of the step traced ahead for worlds of that layout
+        self._tracing: list = []  # the same futures, for ``traced_ahead`` (``compile`` pops ``traced``)
+        self._prepared = threading.Event()
         self.last_step = -1
+        self.saving = False  # inside a checkpoint save: a slow step then is not a hang
+        self._port_holder = None  # process 0: the coordinator's port, held until JAX binds it
 
     def prepare(self) -> dict:
-        """Everything that does not need the world: import JAX, load the task's data."""
+        """Everything that does not need the world: import JAX, load the task's data. Then, in the
+        background, trace the step for the worlds this process may join: joining one then only
+        lowers and loads it."""
         t0 = time.perf_counter()
-        from ray_elastic import jax_world
-        from ray_elastic.data import StepBatches
+        try:
+            from ray_elastic import jax_world
+            from ray_elastic.data import StepBatches
 
-        jax_world.enable_compilation_cache(self.config.compilation_cache_dir)
-        self.batches = StepBatches(self.task.dataset(), self.config.global_batch_size, self.config.seed)
+            c = self.config
+            jax_world.enable_compilation_cache(c.compilation_cache_dir)
+            self.batches = StepBatches(self.task.dataset(), c.global_batch_size, c.seed)
+            tracer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trace-ahead")
+            for plan in self._likely_plans():
+                self.traced[jax_world.program_key(plan)] = tracer.submit(
+                    jax_world.trace_ahead, self.task, plan, c.seed, c.fsdp_min_size, self.batches,
+                    scale_updates=c.lr_rule is not None)
+            self._tracing = list(self.traced.values())
+            tracer.shutdown(wait=False)
+        finally:
+            self._prepared.set()
         return self.host_info() | {"prepare_s": time.perf_counter() - t0}
+
+    @ray.method(concurrency_group="ahead")
+    def traced_ahead(self) -> None:
+        """Returns once ``prepare`` is done and its traces are finished (or cancelled, or failed):
+        a standby is warm only then, so a world formed on it only lowers and loads, and its
+        tracing threads do not compete with the world's first steps for the CPUs."""
+        self._prepared.wait()
+        concurrent.futures.wait(self._tracing)
+
+    def _likely_plans(self) -> list[WorldPlan]:
+        """Layouts of the largest worlds this run may form (``ElasticConfig.world_plan``, as forming does)."""
+        c = self.config
+        return [c.world_plan(0, [f"s{i}" for i in range(n)])
+                for n in sorted(c.world_sizes(), reverse=True)[:TRACE_AHEAD_WORLDS]]
 
     def host_info(self) -> dict:
         """Where this process really runs (for placement checks and event logs)."""
@@ -61,22 +122,26 @@ class SliceWorker:
     @ray.method(concurrency_group="health")
     def probe(self) -> dict:
         """Answered on its own thread even while a step is blocked in a collective."""
-        return {"pid": os.getpid(), "last_step": self.last_step}
+        return {"pid": os.getpid(), "last_step": self.last_step, "saving": self.saving}
 
     def reserve_coordinator_port(self) -> str:
-        """Process 0 hosts the JAX coordination service: pick a free port on its host."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"{ray.util.get_node_ip_address()}:{port}"
+        """Process 0 hosts the JAX coordination service: a free port on its node's address, held
+        until ``join_world`` has initialised JAX (see ``jax_world.hold_port``)."""
+        from ray_elastic import jax_world as jw
+
+        ip = ray.util.get_node_ip_address()
+        self._port_holder = jw.hold_port(ip)
+        return f"{ip}:{self._port_holder.getsockname()[1]}"
 
     def join_world(self, plan: WorldPlan, *, slice_index: int, host_index: int, coordinator_address: str,
-                   timeout_s: float, snapshot: Optional[list] = None, checkpoint_step: Optional[int] = None) -> dict:
+                   timeout_s: float, snapshot: Optional[list] = None, checkpoint_step: Optional[int] = None,
+                   checkpoint_dir: Optional[str] = None) -> dict:
         """``jax.distributed.initialize``, mesh, and the state: fresh, from a snapshot or from a checkpoint.
 
         ``snapshot`` is ``[ref]`` of a snapshot from the same host position of an earlier
         world (wrapped in a list so Ray hands over the ref, and the load is timed here).
-        ``checkpoint_step`` names a committed Orbax checkpoint (steps completed) to load.
+        ``checkpoint_step`` names a committed Orbax checkpoint (steps completed) to load, from
+        ``checkpoint_dir`` when given (another run's directory, read only) else the run's own.
         """
         from ray_elastic import jax_world as jw
 
@@ -86,25 +151,37 @@ class SliceWorker:
         self.plan = plan
         self.process_id = plan.process_id(slice_index, host_index)
         t0 = time.perf_counter()
-        jw.initialize(coordinator_address, plan, self.process_id, timeout_s)
+        try:
+            with _world_errors("jax.distributed.initialize", everything=True):  # a peer or the coordinator
+                jw.initialize(coordinator_address, plan, self.process_id, timeout_s)
+        finally:
+            if self._port_holder is not None:
+                self._port_holder.close()
+                self._port_holder = None
         t_init = time.perf_counter() - t0
-        checkpointer = None
-        if c.checkpoint_dir:
-            from ray_elastic.checkpoints import Checkpointer
+        from ray_elastic.checkpoints import Checkpointer
 
-            checkpointer = Checkpointer(c.checkpoint_dir, c.max_to_keep, c.async_checkpointing)
+        checkpointer = Checkpointer(c.checkpoint_dir, c.max_to_keep, c.async_checkpointing) if c.checkpoint_dir else None
+        source = checkpointer
+        if checkpoint_step is not None and checkpoint_dir not in (None, c.checkpoint_dir):
+            source = Checkpointer(checkpoint_dir, None, read_only=True)
         blocks, t_fetch = None, 0.0
         if snapshot is not None:
             t1 = time.perf_counter()
-            snap = ray.get(snapshot[0])
-            blocks = snap["leaves"]
+            with _world_errors("fetching the snapshot from its donor", everything=True):  # the donor died
+                snap = ray.get(snapshot[0])
+            blocks = {"leaves": snap["leaves"], "ranges": snap["ranges"]}
             self.last_step = snap["step"]
             t_fetch = time.perf_counter() - t1
         t2 = time.perf_counter()
         mesh = jw.build_mesh(plan)
-        self.loop = jw.TrainLoop(self.task, plan, self.process_id, c.seed, mesh, c.fsdp_min_size, self.batches,
-                                 restore=blocks, scale_updates=c.lr_rule is not None,
-                                 checkpointer=checkpointer, checkpoint_step=checkpoint_step)
+        with _world_errors("building the train state"):  # runs the task's code: only JAX's slice-down errors
+            self.loop = jw.TrainLoop(self.task, plan, self.process_id, c.seed, mesh, c.fsdp_min_size, self.batches,
+                                     restore=blocks, scale_updates=c.lr_rule is not None,
+                                     checkpointer=checkpointer, checkpoint_step=checkpoint_step,
+                                     restore_from=source)
+        if source is not checkpointer:
+            source.close()
         if checkpoint_step is not None:
             self.last_step = checkpoint_step - 1
         return {
@@ -118,8 +195,20 @@ class SliceWorker:
             "sharded_params": self.loop.sharded_params,
         }
 
-    def compile(self, step: int) -> float:
-        return self.loop.compile(step)
+    def compile(self, step: int) -> dict:
+        from ray_elastic import jax_world as jw
+
+        ahead = self.traced.pop(jw.program_key(self.plan), None)
+        for other in self.traced.values():
+            other.cancel()  # one world per process: the others are not needed
+        traced = None
+        if ahead is not None and ahead.cancel() is False:  # started or done: its result comes sooner
+            try:
+                traced = ahead.result()
+            except Exception as e:  # noqa: BLE001 - the world's own trace raises it where it counts
+                logger.warning("tracing ahead failed: %r", e)
+        with _world_errors("compiling the step"):
+            return self.loop.compile(step, traced)
 
     @ray.method(num_returns="streaming")
     def run_chunk(self, start_step: int, num_steps: int, final_step: int):
@@ -130,23 +219,16 @@ class SliceWorker:
         Checkpoints are started after every ``checkpoint_every`` steps and after
         ``final_step``, by every process (each writes its own shards).
         """
-        import jax
-
         c = self.config
         streams = self.plan.takes_snapshots(self.process_id)
         done = []
         for step in range(start_step, start_step + num_steps):
-            try:
+            with _world_errors(f"step {step}"):
                 metrics = self.loop.step(step)
                 if c.checkpoint_dir and is_checkpoint_step(step, c.checkpoint_every, final_step):
                     metrics["checkpoint_step"] = step + 1
-                    metrics["checkpoint_blocking_s"] = self.loop.save_checkpoint(step + 1, self._metadata(step + 1))
-            except jax.errors.JaxRuntimeError as e:
-                from pathwaysutils.elastic.elastic import is_error_due_to_slice_down
-
-                if is_error_due_to_slice_down(e, log_traceback=False):
-                    raise SliceDownError(str(e)) from e
-                raise
+                    with self._saving():
+                        metrics["checkpoint_blocking_s"] = self.loop.save_checkpoint(step + 1, self._metadata(step + 1))
             if self.loop.checkpointer is not None:
                 finished = self.loop.checkpointer.finished_saves()
                 if finished:
@@ -154,18 +236,28 @@ class SliceWorker:
             self.last_step = step
             if streams:
                 if is_snapshot_step(step, c.snapshot_every):
-                    yield {"step": step, "leaves": self.loop.snapshot()}
+                    yield {"step": step, **self.loop.snapshot()}
                 yield metrics
             else:
                 done.append(metrics)
         if not streams:
             yield done
 
+    @contextlib.contextmanager
+    def _saving(self):
+        """Inside a checkpoint save or commit: the health probe says so, and the watchdog waits."""
+        self.saving = True
+        try:
+            yield
+        finally:
+            self.saving = False
+
     def _metadata(self, steps_done: int) -> dict:
         """Saved with every checkpoint: where the data stands and the shape of the world that wrote it."""
         p, c = self.plan, self.config
         return {
             "step": steps_done,
+            "task": self.task.name(),  # checkpoints belong to a task: another one's are not resumed silently
             "data_position": steps_done * p.stride,
             "data_stride": p.stride,
             "seed": c.seed,
@@ -176,10 +268,15 @@ class SliceWorker:
             "saved_at": time.time(),
         }
 
-    def finish_checkpoints(self) -> list:
-        """Wait until the in-flight save is committed (before a planned teardown or the end);
-        the (step, total seconds) of saves that finished since they were last reported."""
+    def finish_checkpoints(self, save_step: Optional[int] = None) -> list:
+        """Wait until the in-flight save is committed (before a planned teardown or the end); with
+        ``save_step``, save the current state as that checkpoint first (the run's last one, when the
+        world that was saving it failed). The (step, total seconds) of saves that finished since they
+        were last reported."""
         if self.loop is None or self.loop.checkpointer is None:
             return []
-        self.loop.checkpointer.wait()
+        with self._saving():
+            if save_step is not None:
+                self.loop.save_checkpoint(save_step, self._metadata(save_step))
+            self.loop.checkpointer.wait()
         return self.loop.checkpointer.finished_saves()

@@ -12,14 +12,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import ray
 
 from ray_elastic.config import ElasticConfig
-from ray_elastic.errors import FormingError
+from ray_elastic.errors import FormingError, HostLost, ProcessFailed
 from ray_elastic.placement import SliceReservation
-from ray_elastic.plan import WorldPlan, plan_world
+from ray_elastic.plan import WorldPlan
 from ray_elastic.worker import SliceWorker
 
 logger = logging.getLogger(__name__)
@@ -32,9 +32,21 @@ class FormationTimes:
     start_actors_s: float = 0.0
     jax_init_s: float = 0.0
     state_load_s: float = 0.0
-    compile_s: float = 0.0
+    compile_s: float = 0.0  # trace + lower + load, slowest process
+    trace_s: float = 0.0
+    lower_s: float = 0.0
+    load_s: float = 0.0  # XLA compile, or loading from the persistent cache
     total_s: float = 0.0
     standbys_used: int = 0
+    processes_starting: int = 0  # taken before they had started (Python, JAX, data): forming waited for them
+
+
+class Standby(NamedTuple):
+    """A slice process started ahead of need, with the refs that say how far it got."""
+
+    actor: ray.actor.ActorHandle
+    prepared: ray.ObjectRef  # Python, JAX and the task's data loaded (its host info)
+    traced: ray.ObjectRef  # the steps of the likely worlds traced too
 
 
 class WorkerPool:
@@ -50,39 +62,56 @@ class WorkerPool:
         self.task_ref = task_ref
         self.config = config
         self.env = env or {}  # forwarded to every slice process (GCS endpoint and credentials)
-        self._standby: dict[tuple[int, int], tuple] = {}  # (id(reservation), host) -> (actor, prepare ref)
+        # (id(reservation), host) -> standbys, oldest first
+        self._standby: dict[tuple[int, int], list[Standby]] = {}
 
-    def _start(self, res: SliceReservation, host: int) -> tuple:
+    def _start(self, res: SliceReservation, host: int) -> Standby:
         options = {"num_cpus": 0, "scheduling_strategy": res.host_strategy(host)}
         if self.env:
             options["runtime_env"] = {"env_vars": self.env}
         actor = SliceWorker.options(**options).remote(self.task_ref, self.config)
-        return actor, actor.prepare.remote()
+        return Standby(actor, actor.prepare.remote(), actor.traced_ahead.remote())
 
     def take(self, res: SliceReservation, host: int) -> tuple[tuple, bool]:
-        """An actor for (slice, host): the warm standby if there is one, else a new process."""
-        got = self._standby.pop((id(res), host), None)
-        return (got, True) if got is not None else (self._start(res, host), False)
+        """An actor and its prepare ref for (slice, host): the warm standby if there is one, else a new process."""
+        queue = self._standby.get((id(res), host))
+        s, warm = (queue.pop(0), True) if queue else (self._start(res, host), False)
+        return (s.actor, s.prepared), warm
 
     def replenish(self, reservations: list[SliceReservation]) -> None:
-        """Start a standby for every host of these slices that has none."""
-        if not self.config.standby_workers:
-            return
+        """Start standbys until every host of these slices has ``config.standby_workers`` of them.
+
+        (Starting them one at a time per host, to spare the CPUs next to a training world, was
+        measured: the worst recovery improved, the median, cascades and grow-back pauses did not.)
+        """
         for res in reservations:
             for h in range(res.spec.num_hosts):
-                if (id(res), h) not in self._standby:
-                    self._standby[(id(res), h)] = self._start(res, h)
+                queue = self._standby.setdefault((id(res), h), [])
+                while len(queue) < self.config.standby_workers:
+                    queue.append(self._start(res, h))
+
+    def warm(self, reservations: list[SliceReservation]) -> bool:
+        """Every host of these slices has a standby that finished starting (Python, JAX, data) and
+        tracing the step ahead."""
+        if not self.config.standby_workers:
+            return True
+        queues = [self._standby.get((id(res), h)) for res in reservations for h in range(res.spec.num_hosts)]
+        if not all(queues):
+            return False
+        refs = [q[0].traced for q in queues]  # the one ``take`` hands out next
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(done) == len(refs)
 
     def discard(self, res: SliceReservation) -> None:
         """The slice left: kill its standbys."""
         for h in range(res.spec.num_hosts):
-            got = self._standby.pop((id(res), h), None)
-            if got is not None:
-                _kill(got[0])
+            for s in self._standby.pop((id(res), h), []):
+                _kill(s.actor)
 
     def shutdown(self) -> None:
-        for actor, _ in self._standby.values():
-            _kill(actor)
+        for queue in self._standby.values():
+            for s in queue:
+                _kill(s.actor)
         self._standby.clear()
 
 
@@ -106,24 +135,47 @@ def _host_labels(reservations: list[SliceReservation]) -> Optional[list[list[dic
     return out
 
 
-def _gather(refs: list, owners: list[str], timeout_s: float) -> list:
+WATCH_S = 0.25  # how often a wait while forming looks at the members' placements
+
+
+def _gather(refs: list, owners: list, timeout_s: float, error: Callable[[list, BaseException], Exception] = FormingError,
+            what: str = "while forming the world", watch: Optional[Callable[[], None]] = None) -> list:
     """``ray.get(refs)``, but failing at the first error rather than after the slowest ref, and
-    naming the slice it came from: when a peer dies while a world forms, the others would wait
-    in ``jax.distributed.initialize`` or a collective until their timeout."""
+    naming whose it was (``error(owners, cause)``): when a peer dies, the others would wait in
+    ``jax.distributed.initialize``, a collective or a checkpoint commit until their timeout.
+    ``watch`` is called every ``WATCH_S`` while waiting; what it raises ends the wait."""
     pending = dict(zip(refs, owners))
     deadline = time.monotonic() + timeout_s
     while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        left = max(0.0, deadline - time.monotonic())
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, WATCH_S) if watch else left)
         if not ready:
-            raise FormingError(sorted(set(pending.values())), TimeoutError(
-                f"no answer within {timeout_s:.0f}s while forming the world"))
+            if watch is None or time.monotonic() >= deadline:
+                raise error(sorted(set(pending.values())), TimeoutError(f"no answer within {timeout_s:.0f}s {what}"))
+            watch()
+            continue
         for ref in ready:
             try:
                 ray.get(ref)
-            except Exception as e:  # noqa: BLE001 - the first error ends forming at once
-                raise FormingError([pending[ref]], e) from e
+            except Exception as e:  # noqa: BLE001 - the first error ends the wait at once
+                raise error([pending[ref]], e) from e
             del pending[ref]
     return ray.get(refs)
+
+
+def _placed(reservations: list[SliceReservation], names: list[str]) -> Callable[[], None]:
+    """A ``watch`` that fails forming when a member's host has lost its node. No ref need fail
+    then: the member's own call may have returned already while a peer still waits on it (a
+    newcomer fetching its snapshot from it waited out ``jax_init_timeout_s``), or its process may
+    never have started (Ray places the bundle again instead of failing the actor)."""
+    hosts = [res.node_ids() for res in reservations]  # where the processes are: Ray may move a bundle
+
+    def check() -> None:
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}  # UNPLACED never is
+        for nodes, name in zip(hosts, names):
+            if not alive.issuperset(nodes):
+                raise FormingError([name], HostLost(f"a host of slice {name} lost its node while the world formed"))
+    return check
 
 
 def _kill(actor) -> None:
@@ -154,31 +206,37 @@ class World:
         pool: WorkerPool,
         config: ElasticConfig,
         start_step: int,
-        global_batch_size: int,
-        lr_scale: float = 1.0,
         restore: Optional[Callable[[str], Optional[list]]] = None,
         checkpoint_step: Optional[int] = None,
+        checkpoint_dir: Optional[str] = None,
     ) -> "World":
         """Take one actor per host of each slice, join them into one JAX world, load state, compile.
 
         Args:
             restore: slice name -> per-host snapshot refs it loads (None: fresh parameters).
-            checkpoint_step: every process loads this committed checkpoint instead (steps completed).
+            checkpoint_step: every process loads this committed checkpoint instead (steps completed),
+                from ``checkpoint_dir`` when given (else the run's own).
         """
         spec = config.slice
         t0 = time.perf_counter()
         taken = [[pool.take(res, h) for h in range(spec.num_hosts)] for res in reservations]
         actors = [[a for (a, _), _ in sa] for sa in taken]
-        times = FormationTimes(standbys_used=sum(warm for sa in taken for _, warm in sa))
         prepared = [[p for (_, p), _ in sa] for sa in taken]
+        flat_prepared = [p for sp in prepared for p in sp]
+        started, _ = ray.wait(flat_prepared, num_returns=len(flat_prepared), timeout=0)
+        times = FormationTimes(standbys_used=sum(warm for sa in taken for _, warm in sa),
+                               processes_starting=len(flat_prepared) - len(started))
         try:
             # Slice names and host order come from the nodes' TPU labels when Ray has them, so a
             # new process that is still starting does not hold the others back: they begin
             # joining the JAX world at once and it catches up.
             labels = _host_labels(reservations)
             if labels is None:
+                known = [res.slice_name or f"new-slice-{i}" for i, res in enumerate(reservations)]
+                infos = _gather(flat_prepared, [n for n in known for _ in range(spec.num_hosts)],
+                                config.jax_init_timeout_s, watch=_placed(reservations, known))
                 labels = [[{"slice_name": i["slice_name"], "tpu_worker_id": i["tpu_worker_id"]}
-                           for i in ray.get(sp, timeout=config.jax_init_timeout_s)] for sp in prepared]
+                           for i in infos[s * spec.num_hosts:(s + 1) * spec.num_hosts]] for s in range(len(known))]
             # Order hosts inside a slice by TPU worker id: process ids follow the hardware.
             workers, host_prepared = [], []
             for sa, sp, sl in zip(actors, prepared, labels):
@@ -188,13 +246,12 @@ class World:
             names = [sl[0]["slice_name"] or f"slice-{i}" for i, sl in enumerate(labels)]
             for res, name in zip(reservations, names):
                 res.slice_name = name
-            plan = plan_world(
-                generation, names, spec.num_hosts, spec.host_devices, global_batch_size,
-                data_stride=config.global_batch_size, lr_scale=lr_scale, snapshot_slices=config.snapshot_replicas,
-            )
+            plan = config.world_plan(generation, names)
             times.start_actors_s = time.perf_counter() - t0
 
-            coordinator = ray.get(workers[0][0].reserve_coordinator_port.remote(), timeout=config.jax_init_timeout_s)
+            watch = _placed(reservations, names)
+            coordinator, = _gather([workers[0][0].reserve_coordinator_port.remote()], names[:1],
+                                   config.jax_init_timeout_s, watch=watch)
             joins = []
             for s, sw in enumerate(workers):
                 refs = restore(names[s]) if restore is not None else None
@@ -202,15 +259,18 @@ class World:
                     src = [refs[h]] if refs is not None else None
                     joins.append(w.join_world.remote(
                         plan, slice_index=s, host_index=h, coordinator_address=coordinator,
-                        timeout_s=config.jax_init_timeout_s, snapshot=src, checkpoint_step=checkpoint_step))
+                        timeout_s=config.jax_init_timeout_s, snapshot=src, checkpoint_step=checkpoint_step,
+                        checkpoint_dir=checkpoint_dir))
             owners = [n for n in names for _ in range(spec.num_hosts)]  # slice of each process, plan order
-            joins = _gather(joins, owners, config.jax_init_timeout_s * 2)
+            joins = _gather(joins, owners, config.jax_init_timeout_s * 2, watch=watch)
             host_infos = [ray.get(sp, timeout=config.jax_init_timeout_s) for sp in host_prepared]
             times.jax_init_s = max(j["init_s"] for j in joins)
             times.state_load_s = max(j["snapshot_fetch_s"] + j["state_s"] for j in joins)
             flat = [w for sw in workers for w in sw]
-            compiles = _gather([w.compile.remote(start_step) for w in flat], owners, config.jax_init_timeout_s * 2)
-            times.compile_s = max(compiles)
+            compiles = _gather([w.compile.remote(start_step) for w in flat], owners, config.jax_init_timeout_s * 2,
+                               watch=watch)
+            for phase in ("trace_s", "lower_s", "load_s", "compile_s"):
+                setattr(times, phase, max(c[phase] for c in compiles))
             times.total_s = time.perf_counter() - t0
         except BaseException:
             for sa in actors:
@@ -233,10 +293,14 @@ class World:
         """Start a chunk of steps on every process; one streaming generator per process."""
         return [w.run_chunk.remote(start_step, num_steps, final_step) for w in self.workers]
 
-    def finish_checkpoints(self, timeout_s: float) -> list:
+    def finish_checkpoints(self, timeout_s: float, save_step: Optional[int] = None) -> list:
         """Wait for every process's in-flight checkpoint save to commit (a planned stop, not a failure);
-        returns process 0's newly committed (step, total seconds)."""
-        return ray.get([w.finish_checkpoints.remote() for w in self.workers], timeout=timeout_s)[0]
+        with ``save_step``, first save the current state as that checkpoint. Returns process 0's newly
+        committed (step, total seconds). Raises :class:`ProcessFailed` naming the first process that failed."""
+        refs = [w.finish_checkpoints.remote(save_step) for w in self.workers]
+        # A dead process fails its ref at once; the others would wait in the commit for it.
+        return _gather(refs, list(range(len(refs))), timeout_s, lambda procs, e: ProcessFailed(procs[0], e),
+                       "while checkpoints committed")[0]
 
     def teardown(self, confirm_s: float = 0.0) -> None:
         """Stop every process of this generation (SIGKILL: a hung JAX worker ignores SIGTERM).

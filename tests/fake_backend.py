@@ -10,15 +10,21 @@ Install it with ``trainer.backend_cls = FakeBackend(...)``: it is called as the 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable, Optional
 
-from ray_elastic.plan import ErrorKind, is_snapshot_step, plan_world
+from ray_elastic.errors import FormingError, StorageError
+from ray_elastic.plan import ErrorKind, is_snapshot_step
 from ray_elastic.states import OutcomeKind, RunOutcome
 from ray_elastic.world import FormationTimes
 
 
 class ProcessDied(RuntimeError):
     """What a fake actor's death looks like (Ray's ``ActorDiedError`` in the real backend)."""
+
+
+class NodeDied(ProcessDied):
+    """An actor whose node died (Ray's ``ActorDiedError`` saying "because its node has died")."""
 
 
 class TaskBug(ValueError):
@@ -85,7 +91,7 @@ class FakeWorld:
     def teardown(self, confirm_s: float = 0.0) -> None:
         self.torn_down = True
 
-    def finish_checkpoints(self, timeout_s: float) -> list:
+    def finish_checkpoints(self, timeout_s: float, save_step=None) -> list:
         return []
 
 
@@ -96,7 +102,7 @@ class FakeStreams:
     def run(self, start: int, end: int, grow_requested: Callable[[], bool]) -> RunOutcome:
         for step in range(start, end):
             if step > start and grow_requested():
-                return RunOutcome(OutcomeKind.GROW)
+                return RunOutcome(OutcomeKind.GROW, {}, time.time())
             fault = self.backend.faults.pop(step, None)
             if fault is not None:
                 outcome = fault(self.backend, self.world)
@@ -132,6 +138,8 @@ class FakeBackend:
         self.steps_run: list[tuple[int, int]] = []
         self.requests: list[FakeRequest] = []
         self.suspects_seen: list[set] = []  # per failure, the slices worth a grace period
+        self.warms_after = 0  # a host's standby is warm after this many ``warm`` checks since it started
+        self.standby_checks: dict[str, int] = {}  # host -> checks since its standby started
         self.config = None
 
     def __call__(self, task, config, address=None) -> "FakeBackend":  # stands in for the class
@@ -173,12 +181,20 @@ class FakeBackend:
         return self.requests[-1]
 
     def replenish(self, members) -> None:
-        pass
+        for r in members:
+            self.standby_checks.setdefault(r.host, 0)
+
+    def warm(self, reservations) -> bool:
+        hosts = [r.host for r in reservations]
+        for h in hosts:
+            if h in self.standby_checks:
+                self.standby_checks[h] += 1
+        return all(self.standby_checks.get(h, 0) > self.warms_after for h in hosts)
 
     def discard(self, reservation) -> None:
         pass
 
-    def form(self, *, generation, reservations, start_step, global_batch_size, lr_scale, restore, checkpoint_step):
+    def form(self, *, generation, reservations, start_step, restore, checkpoint_step, checkpoint_dir=None):
         self.form_attempts += 1
         action = self.form_script.pop(0) if self.form_script else None
         if action is not None:
@@ -188,8 +204,7 @@ class FakeBackend:
                 raise ProcessDied(f"host of {r.host} is dead")
             r.slice_name = r.host
         names = [r.slice_name for r in reservations]
-        plan = plan_world(generation, names, 1, 2, global_batch_size, data_stride=self.config.global_batch_size,
-                          snapshot_slices=self.config.snapshot_replicas)
+        plan = self.config.world_plan(generation, names)
         restored = {}
         for n in names:
             refs = restore(n)
@@ -203,6 +218,12 @@ class FakeBackend:
         return FakeStreams(self, world, store, on_metrics)
 
     def error_kind(self, error: BaseException) -> ErrorKind:
+        if isinstance(error, FormingError):
+            return self.error_kind(error.cause)  # as health.error_kind
+        if isinstance(error, StorageError):
+            return ErrorKind.STORAGE
+        if isinstance(error, NodeDied):
+            return ErrorKind.NODE_DIED
         if isinstance(error, ProcessDied):
             return ErrorKind.PROCESS_DIED  # as Ray reports a SIGKILLed process, whether or not its host lives
         if isinstance(error, TimeoutError):
@@ -237,6 +258,15 @@ def crash_process(index: int):
     """Slice ``index``'s process dies; its host lives."""
     def fire(backend, world):
         return RunOutcome(OutcomeKind.FAILURE, {index: ProcessDied("actor died")})
+    return fire
+
+
+def lose_coordinator_survivor_reports_first(survivor: int):
+    """Slice 0's host dies; the JAX processes elsewhere abort with it, and ``survivor``'s death is
+    the first (and only) error seen."""
+    def fire(backend, world):
+        backend.kill(world.plan.slice_names[0])
+        return RunOutcome(OutcomeKind.FAILURE, {survivor: ProcessDied("actor died")})
     return fire
 
 

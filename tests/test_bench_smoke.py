@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -21,7 +23,7 @@ def test_overhead_bench_prints_ratio():
 
 def test_recovery_bench_prints_recovery_times():
     out = _last_json(["bench/recovery.py", "--repeats", "1", "--positions", "0", "--kinds", "process", "--cascades",
-                      "0", "--multihost", "0", "--gap", "5", "--gap-s", "3"])
+                      "0", "--cold", "0", "--multihost", "0", "--gap", "5", "--gap-s", "3"])
     assert out["steps_rewound_max"] == 0 and out["faults"] == 2
     assert 0 < out["replica_resize_recovery_s"] <= out["replica_resize_worst_s"] < 60
     assert 0 < out["detection_worst_s"] < 60 and 0 < out["pause_resume_recovery_after_arrival_s"] < 60
@@ -31,3 +33,28 @@ def test_checkpoint_bench_prints_save_and_restore_times():
     out = _last_json(["bench/checkpoint.py", "--steps", "20", "--every", "10", "--example", "mlp"])
     assert 0 < out["save_blocking_fraction"] < 1
     assert out["save_total_s"] > 0 and out["restore_s"] > 0 and out["local"]["saves"] == 2
+
+
+def _chaos(args, timeout):
+    out = _last_json(["bench/chaos.py", *args], timeout=timeout)
+    assert out["unrecovered"] == 0 and out["faults"] == out["planned"], out
+    # Rewound only when every holder of the newest snapshot was lost (or its process died in that step).
+    assert out["unexplained_rewound"] == 0 and out["uncommitted_restored"] == 0, out
+    assert out["final_checkpoint_committed"], out
+    assert out["same_shape_max_diff"] == 0.0, out  # before the world first changed shape: bit for bit
+    return out
+
+
+def test_chaos_bench_recovers_every_fault():
+    """A short chaos soak: four faults of the kinds that combine failures (two at once, a second
+    during a recovery, one while a world forms, a replacement lost on arrival)."""
+    out = _chaos(["--faults", "4", "--multihost-faults", "0", "--steps", "100", "--gap", "20",
+                  "--kinds", "two_at_once,during_recovery,while_forming,dies_on_arrival"], timeout=900)
+    assert out["faults"] == 4 and out["max_rel_loss_diff"] <= 1e-4, out
+
+
+@pytest.mark.soak
+def test_chaos_bench_soak():
+    """Every kind, one-host and two-host slices: what the README reports, at a tenth of the length."""
+    out = _chaos(["--faults", "16", "--multihost-faults", "2"], timeout=3600)
+    assert out["loss_diff_over_noise"] <= 2, out

@@ -1,5 +1,6 @@
 """Orbax checkpoints on local disk and on the real GCS API (fake-gcs-server), on the simulated cluster."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -19,11 +20,13 @@ from ray_elastic.checkpoints import Checkpointer, latest_checkpoint
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
 
 from conftest import reference_losses, reference_run
-from faults import ensure_slices, max_rel_err
+from faults import FaultPlan, ensure_slices, kill_process_of_slice, max_rel_err
 
 SIM_CLUSTER = {"num_slices": 4}
 BIN = os.path.join(os.path.dirname(sys.executable), "ray-elastic")
 GBS, SEED = 48, 3
+SLOW_SAVE_WATCHDOG_S = 1.0  # far above a step (~0.02 s)
+SLOW_BUCKET_DELAY_S = 0.03  # per request; a save makes ~70 in sequence: ~4 s here, far over the watchdog
 
 
 def _config(cluster, num_slices=3, **kw) -> ElasticConfig:
@@ -201,6 +204,111 @@ def test_slice_killed_during_a_save(sim_cluster, local_gcs, reference):
     assert final == {30: True, 35: True, 40: True}, final
     assert result.steps == list(range(40))
     assert max_rel_err(result.losses, ref_losses) <= 1e-4
+
+
+def test_the_final_checkpoint_survives_a_failure_while_it_is_written(sim_cluster, tmp_path, reference):
+    """A process dies as the last step's save is in flight: the next world saves that step again,
+    and ``fit`` returns only once it is committed."""
+    ensure_slices(sim_cluster, 4)
+    directory = str(tmp_path / "ckpt")
+    plan = FaultPlan({29: lambda t: kill_process_of_slice(t, 2)})
+    trainer = ElasticTrainer(DigitsMLPTask(), _config(sim_cluster, checkpoint_dir=directory, checkpoint_every=1000),
+                             progress=False, on_step=plan.on_step)
+    plan.trainer = trainer
+    result = trainer.fit(30)
+    assert not plan.faults and len(result.recoveries) == 1 and result.steps == list(range(30))
+    assert latest_checkpoint(directory).step == 30
+    assert [e["step"] for e in result.events if e["kind"] == "checkpoint_committed"][-1] == 30
+    assert max_rel_err(result.losses, reference[0][:30]) <= 1e-4
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(sim_cluster, tmp_path, reference):
+    ensure_slices(sim_cluster, 4)
+    ref_losses, _ = reference
+    directory = str(tmp_path / "ckpt")
+    _fit(sim_cluster, directory, 20, every=10)  # commits 10 and 20
+    damaged = 0
+    for root, _, files in os.walk(os.path.join(directory, "20", "state")):
+        if os.path.basename(root) == "d":  # OCDBT data files: the arrays; the metadata still reads
+            for f in files:
+                open(os.path.join(root, f), "r+b").truncate(0)
+                damaged += 1
+    assert damaged and latest_checkpoint(directory).step == 20
+    result = _fit(sim_cluster, directory, 30, every=10)
+    assert [e["step"] for e in result.events if e["kind"] == "checkpoint_unreadable"] == [20]
+    assert [e["step"] for e in result.events if e["kind"] == "checkpoint_restore"] == [10]
+    assert result.steps == list(range(10, 30)) and latest_checkpoint(directory).step == 30
+    assert max_rel_err(result.losses, ref_losses[10:30]) <= 1e-4
+
+
+def test_checkpoints_belong_to_their_task_and_another_runs_are_loaded_only_when_asked(sim_cluster, tmp_path,
+                                                                                       reference):
+    @dataclasses.dataclass
+    class OtherTask(DigitsMLPTask):
+        """Another job: same shapes, another name."""
+
+    ensure_slices(sim_cluster, 4)
+    ref_losses, _ = reference
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    _fit(sim_cluster, a, 20, every=10)
+    assert latest_checkpoint(a).metadata["task"] == "DigitsMLPTask"
+    cfg_a = _config(sim_cluster, checkpoint_dir=a, checkpoint_every=10)
+    with pytest.raises(ValueError, match="holds checkpoints of task 'DigitsMLPTask'.*resume_from="):
+        ElasticTrainer(OtherTask(), cfg_a, progress=False).fit(30)
+    # Asked for: start from A's newest checkpoint, write to B; A is only read.
+    cfg_b = _config(sim_cluster, checkpoint_dir=b, checkpoint_every=10)
+    result = ElasticTrainer(OtherTask(), cfg_b, progress=False).fit(30, resume_from=a)
+    assert [e["step"] for e in result.events if e["kind"] == "checkpoint_restore"] == [20]
+    assert result.steps == list(range(20, 30)) and max_rel_err(result.losses, ref_losses[20:30]) <= 1e-4
+    assert (latest_checkpoint(b).step, latest_checkpoint(b).metadata["task"]) == (30, "OtherTask")
+    assert latest_checkpoint(a).step == 20
+
+
+def test_a_slow_synchronous_save_is_not_a_hang(sim_cluster, local_gcs, monkeypatch):
+    """Synchronous saves to a far-away bucket (every request held SLOW_BUCKET_DELAY_S) take longer
+    than the watchdog allows a step: still no hang."""
+    from ray_elastic.local_gcs import FlakyEndpoint
+
+    ensure_slices(sim_cluster, 4)
+    slow = FlakyEndpoint(local_gcs, fail_every=0, delay_s=SLOW_BUCKET_DELAY_S)
+    try:
+        for k, v in slow.env.items():  # the slice processes get the driver's GCS environment
+            monkeypatch.setenv(k, v)
+        cfg = _config(sim_cluster, checkpoint_dir=f"gs://{_bucket(local_gcs)}/run", checkpoint_every=5,
+                      async_checkpointing=False, hang_timeout_min_s=SLOW_SAVE_WATCHDOG_S, hang_timeout_factor=1.0)
+        result = ElasticTrainer(DigitsMLPTask(), cfg, progress=False).fit(20)
+    finally:
+        monkeypatch.undo()
+        slow.stop()
+    saves = [e["blocking_s"] for e in result.events if e["kind"] == "checkpoint_save"]
+    failures = [e for e in result.events if e["kind"] == "failure"]
+    assert not failures and result.steps == list(range(20)), (saves, failures)
+    assert min(saves) > SLOW_SAVE_WATCHDOG_S, saves  # the watchdog's limit was really passed, every time
+
+
+def test_transient_storage_errors_are_retried_not_failures(sim_cluster, local_gcs, reference, monkeypatch):
+    """Every 20th request to the bucket is a 503 while a run restores checkpoint 20 and saves 30
+    (listings, reads, writes, commits): the GCS clients retry them with backoff, so no world
+    fails and nothing is rewound. (Every 4th also passes, at four times the length: each refusal
+    costs a backoff of about a second.)"""
+    from ray_elastic.local_gcs import FlakyEndpoint
+
+    ensure_slices(sim_cluster, 3)
+    bucket, ref_losses = _bucket(local_gcs), reference[0]
+    _fit(sim_cluster, f"gs://{bucket}/run", 20)
+    flaky = FlakyEndpoint(local_gcs, fail_every=20)
+    try:
+        for k, v in flaky.env.items():  # the slice processes get the driver's GCS environment
+            monkeypatch.setenv(k, v)
+        result = _fit(sim_cluster, f"gs://{bucket}/run", 30)
+    finally:
+        monkeypatch.undo()  # back to the emulator itself
+        flaky.stop()
+    assert sum(flaky.failed.values()) > 0, flaky.failed
+    assert [e for e in result.events if e["kind"] in ("failure", "checkpoint_unreadable")] == []
+    assert [e["step"] for e in result.events if e["kind"] == "checkpoint_restore"] == [20]
+    assert result.steps == list(range(20, 30)) and max_rel_err(result.losses, ref_losses[20:30]) <= 1e-4
+    assert _steps_in_bucket(local_gcs, bucket, "run") == {10: True, 20: True, 30: True}
 
 
 def _train_cmd(address_env, directory, run_dir):

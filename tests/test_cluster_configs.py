@@ -75,3 +75,26 @@ def test_kuberay_manifest_has_tpu_worker_groups_and_autoscaling():
     (container,) = pod["containers"]
     res = container["resources"]
     assert res["limits"]["google.com/tpu"] == res["requests"]["google.com/tpu"] == str(slice_spec.chips_per_host)
+
+
+def _pip_installs(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "pip install" in line and "ray-elastic" in line]
+
+
+@pytest.mark.parametrize("name", ["gce-tpu.yaml", "kuberay-tpu.yaml"])
+def test_every_host_installs_this_version_and_the_dashboard_is_not_public(name):
+    import ray_elastic
+
+    with open(os.path.join(CLUSTER, name)) as f:
+        text = f.read()
+    installs = _pip_installs(text)
+    # A replacement slice provisioned later must run the survivors' code: every install is pinned.
+    assert installs and all(f"ray-elastic=={ray_elastic.__version__}" in line for line in installs), installs
+    if name == "gce-tpu.yaml":
+        head_cmd = " ".join(_load(name)["head_start_ray_commands"])
+        assert "--dashboard-host=127.0.0.1" in head_cmd
+    else:  # in a pod, 0.0.0.0 is the pod's network: allowed only with no public Service and a comment saying so
+        m = _load(name)
+        assert m["spec"]["headGroupSpec"]["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+        assert "LoadBalancer" not in text.replace("no LoadBalancer", "") and "kind: Ingress" not in text
+        assert "Do not expose the service" in text

@@ -23,6 +23,14 @@ SIM = SliceSpec("v4", "2x2x1", devices_per_host=2)
         (dict(num_slices=2, global_batch_size=12, steps_per_chunk=0), "steps_per_chunk must be >= 1"),
         (dict(num_slices=2, global_batch_size=12, snapshot_every=-1), "snapshot_every must be >= 0"),
         (dict(num_slices=2, global_batch_size=12, checkpoint_every=0), "checkpoint_every must be >= 1"),
+        (dict(num_slices=2, global_batch_size=12, snapshot_every=0), "snapshot_every=0 without a checkpoint_dir"),
+        (dict(num_slices=2, global_batch_size=12, jax_init_timeout_s=None), "jax_init_timeout_s must be a number"),
+        (dict(num_slices=2, global_batch_size=12, jax_init_timeout_s=0.5), "jax_init_timeout_s must be >= 1"),
+        (dict(num_slices=2, global_batch_size=12, slice_timeout_s=0), "slice_timeout_s must be a number of seconds > 0"),
+        (dict(num_slices=2, global_batch_size=12, hang_timeout_factor=-1), "hang_timeout_factor must be"),
+        (dict(num_slices=2, global_batch_size=12, node_death_grace_s=None), "node_death_grace_s must be"),
+        (dict(num_slices=2, global_batch_size=12, standby_workers=-1), "standby_workers must be an integer >= 0"),
+        (dict(num_slices=2, global_batch_size=12, standby_workers=1.5), "standby_workers must be an integer >= 0"),
         (dict(num_slices=2, global_batch_size=12, max_to_keep=0), "max_to_keep must be >= 1"),
         (dict(num_slices=2, global_batch_size=12, checkpoint_dir=" "), "checkpoint_dir must be a local path"),
     ],
@@ -32,6 +40,11 @@ def test_bad_config_raises_clear_value_error(kwargs, message):
         ElasticConfig(slice=SIM, **kwargs)
     assert message in str(e.value)
     assert not ray.is_initialized(), "validation must not touch Ray"
+
+
+def test_snapshots_off_needs_checkpoints_or_an_explicit_opt_in():
+    ElasticConfig(num_slices=2, global_batch_size=12, slice=SIM, snapshot_every=0, checkpoint_dir="/tmp/ckpt")
+    ElasticConfig(num_slices=2, global_batch_size=12, slice=SIM, snapshot_every=0, allow_restart_from_scratch=True)
 
 
 @pytest.mark.parametrize(

@@ -11,13 +11,14 @@ import warnings
 import pytest
 
 from ray_elastic import ElasticConfig, ElasticTrainer, SliceSpec
-from ray_elastic.errors import CapacityTimeoutError, RetriesExhaustedError, TrainingCodeError
+from ray_elastic.errors import CapacityTimeoutError, FormingError, StorageError, RetriesExhaustedError, StateLostError, TrainingCodeError
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
 from ray_elastic.states import ControllerState as S
+from ray_elastic.states import OutcomeKind, RunOutcome
 from ray_elastic.states import InvalidTransition, check_transition
 
-from fake_backend import (FakeBackend, ProcessDied, TaskBug, add_capacity, crash_process, hang_slice, lose_slice,
-                          task_bug)
+from fake_backend import (FakeBackend, NodeDied, ProcessDied, TaskBug, add_capacity, crash_process, hang_slice, lose_slice,
+                          task_bug, lose_coordinator_survivor_reports_first)
 
 STEPS = 20
 
@@ -64,6 +65,18 @@ def test_a_crash_on_a_live_host_is_vouched_for_and_a_lost_host_is_suspect():
     assert [f["vouched_slices"] for f in kinds(result, "failure")] == [["s1"], []]
 
 
+def test_a_lost_host_that_reported_nothing_is_found_when_a_survivor_dies_first():
+    # The coordinator's host dies; a survivor's aborted process is the first error seen.
+    backend = FakeBackend(faults={5: lose_coordinator_survivor_reports_first(1)})
+    trainer = make(backend)
+    result = trainer.fit(STEPS)
+    assert_every_step_once_no_rewind(result, backend)
+    (failure,) = kinds(result, "failure")  # not a second one while forming on the dead host
+    assert failure["lost_slices"] == ["s0"] and failure["crashed_slices"] == ["s1"]
+    assert backend.suspects_seen == [{"s0"}]  # the silent host is worth the grace period; s1 is vouched for
+    assert [w.slices for w in trainer.worlds] == [["s0", "s1", "s2"], ["s1", "s2"]]
+
+
 def test_lost_slice_shrinks_the_world_and_asks_for_a_replacement():
     backend = FakeBackend(faults={5: lose_slice(2)})
     trainer = make(backend)
@@ -108,6 +121,62 @@ def test_second_failure_while_forming_loses_another_slice():
     assert backend.formed[-1].restored == {"s0": 4}
 
 
+def test_a_node_death_while_forming_that_names_no_slice_loses_only_the_dead_slice():
+    def lose_s0_at_the_coordinator(backend):
+        backend.kill("s0")
+        raise NodeDied("the coordinator's actor died because its node has died")  # no slice named
+
+    backend = FakeBackend(faults={5: lose_slice(2)}, form_script=[None, lose_s0_at_the_coordinator])
+    trainer = make(backend)
+    result = trainer.fit(STEPS)
+    assert_every_step_once_no_rewind(result, backend)
+    assert [f["lost_slices"] for f in kinds(result, "failure")] == [["s2"], ["s0"]]
+    assert trainer.worlds[-1].slices == ["s1"] and backend.formed[-1].restored == {"s1": 4}
+
+
+def test_a_slice_that_fails_twice_in_a_row_without_progress_is_dropped():
+    def s1_dies_while_joining(backend):
+        raise FormingError(["s1"], ProcessDied("s1's process died in jax.distributed.initialize"))
+
+    backend = FakeBackend(faults={5: crash_process(1)}, form_script=[None, s1_dies_while_joining])
+    trainer = make(backend)
+    result = trainer.fit(STEPS)
+    assert_every_step_once_no_rewind(result, backend)
+    failures = kinds(result, "failure")
+    assert [(f["origin"], f["lost_slices"], f["failures_in_a_row"]) for f in failures] == [
+        ("s1", [], 1), ("s1", ["s1"], 2)]
+    assert failures[1]["quarantined_slices"] == ["s1"]
+    # A replacement is asked for, and the quarantined slice is held so it cannot be that replacement.
+    assert trainer.worlds[-1].slices == ["s0", "s2"] and len(backend.requests) == 1
+    assert backend.requests[0].res is None
+
+
+def test_an_unreadable_checkpoint_is_said_once_and_never_blames_the_host():
+    def checkpoint_damaged(backend):
+        raise FormingError(["s1"], StorageError("restoring checkpoint 10 failed: truncated", 10))
+
+    backend = FakeBackend(faults={5: crash_process(1)}, form_script=[None, checkpoint_damaged, checkpoint_damaged])
+    trainer = make(backend)
+    result = trainer.fit(STEPS)
+    assert_every_step_once_no_rewind(result, backend)
+    assert [e["step"] for e in kinds(result, "checkpoint_unreadable")] == [10]
+    assert trainer.gens.unreadable_checkpoints == {10}
+    # The same slice first failed twice in a row without progress, but storage is not its host's fault.
+    assert all(f["quarantined_slices"] == [] and f["lost_slices"] == [] for f in kinds(result, "failure"))
+    assert trainer.worlds[-1].slices == ["s0", "s1", "s2"]
+
+
+def test_failures_in_a_row_without_progress_are_bounded():
+    def dies_while_joining(backend):
+        raise ProcessDied("a process died while joining")  # names no slice: nothing to drop
+
+    backend = FakeBackend(faults={5: crash_process(1)}, form_script=[None] + [dies_while_joining] * 10)
+    trainer = make(backend, max_failures_in_a_row=3)
+    with pytest.raises(RetriesExhaustedError, match="4 failures in a row without a step finished"):
+        trainer.fit(STEPS)
+    assert backend.form_attempts == 4  # the first world, then three attempts after the crash
+
+
 def test_pause_and_resume_waits_then_times_out():
     backend = FakeBackend(faults={5: lose_slice(1)})
     events = []
@@ -116,6 +185,57 @@ def test_pause_and_resume_waits_then_times_out():
         trainer.fit(STEPS)
     assert trainer.state is S.ERRORED
     assert [e["kind"] for e in events] == ["failure", "waiting_for_capacity"]
+
+
+def test_replica_resize_below_min_slices_waits_then_times_out():
+    backend = FakeBackend(faults={5: lose_slice(1)})
+    trainer = make(backend, min_slices=3, replacement_timeout_s=0.3)
+    with pytest.raises(CapacityTimeoutError, match="fewer than min_slices=3.*lower min_slices"):
+        trainer.fit(STEPS)
+    assert trainer.state is S.ERRORED
+
+
+def lose_both_holders(backend, world):
+    for name in world.plan.slice_names[:2]:  # the snapshot holders (with snapshot_replicas=2)
+        backend.kill(name)
+    return RunOutcome(OutcomeKind.FAILURE, {0: ProcessDied("actor died"), 1: ProcessDied("actor died")})
+
+
+def test_losing_every_snapshot_holder_without_a_checkpoint_is_not_a_silent_restart():
+    backend = FakeBackend(slices=4, faults={5: lose_both_holders})
+    trainer = make(backend, num_slices=4, global_batch_size=48, snapshot_replicas=2)
+    with pytest.raises(StateLostError, match="restart training from step 0 .5 steps done.*allow_restart_from_scratch"):
+        trainer.fit(STEPS)
+    assert len(backend.formed) == 1  # nothing formed on fresh parameters
+
+
+def test_restart_from_scratch_when_allowed():
+    backend = FakeBackend(slices=4, faults={5: lose_both_holders})
+    trainer = make(backend, num_slices=4, global_batch_size=48, snapshot_replicas=2, allow_restart_from_scratch=True)
+    result = trainer.fit(STEPS)
+    assert result.summary["steps_rewound"] == 5 and trainer.worlds[-1].restore_source == "fresh"
+
+
+@pytest.mark.parametrize("lost", list(itertools.combinations(range(4), 2)))
+def test_any_two_slices_lost_at_once_leave_a_snapshot_holder(lost):
+    """The default holders (3) outlast any two lost slices: nothing is rewound."""
+    def lose_two(backend, world):
+        for i in lost:
+            backend.kill(world.plan.slice_names[i])
+        return RunOutcome(OutcomeKind.FAILURE, {i: ProcessDied("actor died") for i in lost})
+
+    backend = FakeBackend(slices=4, faults={5: lose_two})
+    trainer = make(backend, num_slices=4, global_batch_size=48, min_slices=2)
+    result = trainer.fit(STEPS)
+    assert_every_step_once_no_rewind(result, backend)
+    assert trainer.worlds[-1].restore_source == "snapshot" and len(trainer.worlds[-1].slices) == 2
+
+
+def test_a_lost_holder_is_replaced_by_a_survivor_at_once():
+    backend = FakeBackend(faults={5: lose_slice(0)})
+    make(backend).fit(STEPS)
+    new = backend.formed[-1].plan
+    assert [new.slice_names[p] for p in range(new.num_processes) if new.takes_snapshots(p)] == ["s1", "s2"]
 
 
 def test_pause_and_resume_waits_for_the_replacement():
@@ -139,6 +259,18 @@ def test_replica_resize_grows_back_at_a_step_boundary():
     (up,) = kinds(result, "scale_up")
     assert (up["from_slices"], up["to_slices"], up["steps_rewound"]) == (2, 3, 0)
     assert result.summary["scale_ups"] == 1 and result.summary["recoveries"] == 1
+
+
+def test_growing_back_waits_for_the_newcomers_process_while_training_goes_on():
+    backend = FakeBackend(faults={5: lose_slice(2), 8: add_capacity})
+    backend.warms_after = 4  # the newcomer's process takes four step boundaries to start
+    trainer = make(backend)
+    result = trainer.fit(STEPS)
+    assert_every_step_once_no_rewind(result, backend)
+    (up,) = kinds(result, "scale_up")
+    grown = trainer.worlds[-1]
+    assert grown.slices == ["s0", "s1", "s3"] and grown.start_step >= 13  # not at step 9: trained on while warming
+    assert "s3" in backend.standby_checks  # the newcomer's process was started before the switch
 
 
 def test_max_failures_within_the_window():

@@ -6,6 +6,7 @@ from ray_elastic import ElasticConfig, ElasticTrainer
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
 
 from conftest import reference_losses
+from faults import FaultPlan, ensure_slices, in_thread, kill_process_of_slice, max_rel_err, slice_name
 
 SIM_CLUSTER = {"num_slices": 2, "hosts_per_slice": 2}
 
@@ -33,3 +34,48 @@ def test_two_slices_of_two_hosts(sim_cluster):
     assert infos[0]["slice_name"] == infos[1]["slice_name"] != infos[2]["slice_name"] == infos[3]["slice_name"]
     assert all(j["sharded_params"] > 0 for j in trainer.world.join_infos)
     assert [j["row_range"] for j in trainer.world.join_infos] == [(0, 8), (8, 16), (16, 24), (24, 32)]
+
+
+def _two_host_run(sim_cluster, faults: dict, max_rewound: int = 0, **trainer_kw):
+    ensure_slices(sim_cluster, 2)
+    cfg = ElasticConfig(num_slices=2, global_batch_size=32, slice=sim_cluster.slice_spec, steps_per_chunk=10, seed=1,
+                        standby_workers=1, hang_timeout_min_s=3.0, replacement_timeout_s=60.0)
+    plan = FaultPlan(faults)
+    trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=plan.on_step, **trainer_kw)
+    plan.trainer = trainer
+    result = trainer.fit(30)
+    assert not plan.faults and result.steps == list(range(30)) and result.summary["steps_rewound"] <= max_rewound
+    ref = reference_losses(DigitsMLPTask(), global_batch_size=32, seed=1, num_steps=30)
+    assert max_rel_err(result.losses, ref) <= 1e-4
+    return trainer, result
+
+
+def test_a_slice_that_lost_one_host_while_training_is_lost(sim_cluster):
+    victim = {}
+
+    def kill_one_host(t):
+        victim["name"] = slice_name(t, 1)
+        in_thread(sim_cluster.kill_host, victim["name"], 1)  # host 0 of that slice lives on
+
+    trainer, result = _two_host_run(sim_cluster, {15: kill_one_host})
+    (failure,) = [e for e in result.events if e["kind"] == "failure"]
+    assert failure["lost_slices"] == [victim["name"]], failure
+    assert trainer.worlds[-1].slices == [slice_name(trainer, 0)] and result.summary["mesh"] == {"replica": 1, "fsdp": 4}
+
+
+def test_a_slice_that_loses_one_host_while_a_world_forms_is_lost(sim_cluster):
+    victim = {}
+
+    def before_world():
+        if trainer_box and len(trainer_box[0].worlds) == 1:  # forming the world after the crash
+            victim["name"] = trainer_box[0].worlds[0].slices[1]
+            sim_cluster.kill_host(victim["name"], 1)
+
+    trainer_box = []
+    faults = {15: lambda t: (trainer_box.append(t), kill_process_of_slice(t, 0))}
+    # Slice 0's newest snapshot may lack the step its killed process was in; slice 1 had it, and is
+    # lost before anything loads from it: at most that one step is run again.
+    trainer, result = _two_host_run(sim_cluster, faults, max_rewound=1, pre_callback=before_world)
+    lost = [s for e in result.events if e["kind"] == "failure" for s in e["lost_slices"]]
+    assert lost == [victim["name"]], [e for e in result.events if e["kind"] == "failure"]
+    assert victim["name"] not in trainer.worlds[-1].slices and len(trainer.worlds[-1].slices) == 1

@@ -108,6 +108,17 @@ def test_report_timeline_reflects_the_events(run):
     assert tl.step_rate and all(r > 0 for _, r in tl.step_rate)
 
 
+def test_report_timeline_marks_grow_back_pauses():
+    events = [{"ts": 10.0, "kind": "run_started", "num_slices": 3},
+              {"ts": 12.0, "kind": "world_formed", "slices": ["a", "b"], "compile_s": 0.5, "total_s": 1.0},
+              {"ts": 20.0, "kind": "scale_up", "pause_s": 1.5, "ready_at": 20.0, "from_slices": 2, "to_slices": 3},
+              {"ts": 20.0, "kind": "world_formed", "slices": ["a", "b", "c"], "compile_s": 0.5, "total_s": 1.0},
+              {"ts": 30.0, "kind": "run_finished"}]
+    tl = timeline(events)
+    assert tl.grow_pauses == [(8.5, 10.0)]
+    assert [n for _, n in tl.slices_alive] == [0, 2, 3, 0]
+
+
 def test_report_renders_a_png_and_the_cli_prints_goodput(run, tmp_path):
     import matplotlib.image
 

@@ -39,7 +39,7 @@ def test_param_partition_shards_largest_divisible_dim_over_fsdp():
 # ----------------------------------------------------------------------------- recovery decisions
 from ray_elastic.plan import Action, ErrorKind as K, RestoreSource  # noqa: E402
 from ray_elastic.plan import (FailureVerdict, batch_for_world, choose_restore, classify_failure,  # noqa: E402
-                              decide_next_world, failures_exceeded, is_checkpoint_step, is_snapshot_step, lr_scale,
+                              decide_next_world, drop_repeat_offender, failures_exceeded, is_checkpoint_step, is_snapshot_step, lr_scale,
                               should_grow, watchdog_timeout)
 from ray_elastic.snapshots import SnapshotStore  # noqa: E402
 
@@ -63,6 +63,25 @@ def test_classify_user_error_is_not_recoverable():
     assert v.recoverable and not v.training_code
 
 
+def test_a_task_error_next_to_a_death_is_collateral():
+    # A survivor's collective error whose text pathwaysutils does not know, next to a lost slice.
+    v = classify_failure(errors={"a": K.TASK_ERROR, "c": K.ACTOR_DIED}, dead_slices={"c"}, world_slices=["a", "b", "c"])
+    assert v.recoverable and not v.training_code and v.lost_slices == ("c",) and v.crashed_slices == ("a",)
+    v = classify_failure(errors={"a": K.TASK_ERROR, "b": K.SLICE_DOWN}, dead_slices=set(), world_slices=["a", "b"])
+    assert v.recoverable
+    v = classify_failure(errors={"a": K.TASK_ERROR}, dead_slices=set(), world_slices=["a", "b"])
+    assert not v.recoverable and v.training_code
+
+
+def test_drop_repeat_offender():
+    v = classify_failure(errors={"b": K.PROCESS_DIED}, dead_slices=set(), world_slices=["a", "b", "c"])
+    same = dict(origin="b", previous_origin="b")
+    assert drop_repeat_offender(v, **same, progressed=True) == v  # steps in between: a new failure
+    assert drop_repeat_offender(v, origin="b", previous_origin="a", progressed=False) == v
+    d = drop_repeat_offender(v, **same, progressed=False)
+    assert (d.lost_slices, d.crashed_slices, d.quarantined) == (("b",), (), ("b",)) and "twice in a row" in d.reason
+
+
 def nw(mode, survivors, ready, num_slices, min_slices, **kw):
     return decide_next_world(mode=mode, survivors=survivors, ready_replacements=ready, num_slices=num_slices,
                              min_slices=min_slices, **kw)
@@ -74,6 +93,10 @@ def test_decide_next_world_replica_resize():
     assert d.action == "wait" and "need 2" in d.reason
     d = nw("replica-resize", ["a"], 5, 3, 2)
     assert (d.action, d.survivors, d.replacements) == ("form", ("a",), 2)
+    # Never below min_slices forever: once replacement_timeout_s is spent, fail and say what is left.
+    d = nw("replica-resize", ["a"], 0, 3, 2, timed_out=True)
+    assert d.action == "fail" and "only 1 slice(s) available, fewer than min_slices=2" in d.reason
+    assert nw("replica-resize", [], 0, 3, 1, timed_out=True).action == "fail"
 
 
 def test_decide_next_world_pause_and_resume():
@@ -126,6 +149,17 @@ def test_snapshot_store_completes_per_slice_and_prunes():
     assert sorted(st._refs["a"]) == [2, 3, 4]  # older complete steps dropped
     st.forget("a")
     assert st.latest_complete(["a"]) == {}
+
+
+def test_snapshot_store_never_completes_a_step_from_two_worlds():
+    st = SnapshotStore(hosts_per_slice=2)
+    st.add("a", 0, 5, "old-a0-5"); st.add("a", 1, 5, "old-a1-5")  # noqa: E702
+    st.add("a", 0, 6, "old-a0-6")  # the old world died after host 0 delivered step 6
+    st.drop_after(5)  # the next world restores step 5 and runs step 6 again
+    st.add("a", 1, 6, "new-a1-6")
+    assert st.latest_complete(["a"]) == {"a": 5}
+    st.add("a", 0, 6, "new-a0-6")
+    assert st.refs("a", 6) == ["new-a0-6", "new-a1-6"]
 
 
 def test_misc_policies():

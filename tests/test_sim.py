@@ -1,5 +1,6 @@
 """The simulated TPU cluster: real Ray nodes with TPU conventions, and real faults."""
 
+import ipaddress
 import os
 import time
 
@@ -127,3 +128,33 @@ def test_add_slice_registers_new_node(sim_cluster):
     sl = sim_cluster.add_slice()
     assert len(sim_cluster.alive_slices()) == n + 1
     assert _node(sl.node_ids[0])["Alive"]
+
+
+def test_a_local_run_stays_on_loopback(sim_cluster):
+    """Nothing of a simulated run (Ray, the slice processes, the JAX coordinator) listens on or
+    talks to the machine's network address."""
+    from ray_elastic import ElasticConfig, ElasticTrainer
+    from ray_elastic.examples.digits_mlp import DigitsMLPTask
+
+    sockets = []
+
+    def on_step(m):
+        if m["step"] == 2:  # a world is up: its JAX processes and coordinator exist
+            for p in sim_cluster.processes():
+                try:
+                    sockets.extend((p.pid, c) for c in p.net_connections(kind="inet"))
+                except psutil.NoSuchProcess:
+                    pass
+
+    cfg = ElasticConfig(num_slices=2, global_batch_size=32, slice=sim_cluster.slice_spec, steps_per_chunk=5)
+    ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=on_step).fit(4)
+    assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+    listening = [(pid, c.laddr) for pid, c in sockets if c.status == psutil.CONN_LISTEN]
+    remote = [(pid, c.raddr) for pid, c in sockets if c.raddr]
+    assert len(listening) > 5 and len(remote) > 5
+    assert [(pid, a) for pid, a in listening + remote if not _loopback(a.ip)] == []
+
+
+def _loopback(ip: str) -> bool:
+    a = ipaddress.ip_address(ip)
+    return a.is_loopback or (a.version == 6 and a.ipv4_mapped is not None and a.ipv4_mapped.is_loopback)

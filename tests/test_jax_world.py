@@ -1,0 +1,118 @@
+"""The JAX side alone, in real multi-process JAX worlds (no Ray): the step a standby traces ahead of
+a world computes what the world's own trace computes, and a snapshot block goes back only where it
+came from."""
+
+import json
+import os
+import subprocess
+import sys
+
+import psutil
+
+
+NUM_PROCESSES, DEVICES, BATCH, STEPS = 2, 2, 48, 3
+
+
+def _process(process_id: int, coordinator: str, cache_dir: str) -> None:
+    """One process: trace ahead (before jax.distributed exists), join, then train the same steps
+    from the same fresh state with the step traced ahead and with the world's own trace."""
+    from ray_elastic import jax_world
+    from ray_elastic.data import StepBatches
+    from ray_elastic.examples.digits_mlp import DigitsMLPTask
+    from ray_elastic.plan import plan_world
+
+    task = DigitsMLPTask()
+    plan = plan_world(0, [f"s{i}" for i in range(NUM_PROCESSES)], 1, DEVICES, BATCH)
+    batches = StepBatches(task.dataset(), BATCH, 0)
+    jax_world.enable_compilation_cache(cache_dir)
+    traced = jax_world.trace_ahead(task, plan, 0, 2**20, batches)
+    jax_world.initialize(coordinator, plan, process_id, 60)
+    mesh = jax_world.build_mesh(plan)
+    out = {}
+    for name, ahead in (("ahead", traced), ("own", None)):
+        loop = jax_world.TrainLoop(task, plan, process_id, 0, mesh, 2**20, batches)
+        times = loop.compile(0, ahead)
+        out[name] = {"losses": [m["loss"] for m in loop.run(0, STEPS)], "traced_ahead": times["traced_ahead"],
+                     "trace_s": times["trace_s"]}
+    port = int(coordinator.rsplit(":", 1)[1])
+    out["listening_on"] = sorted({c.laddr.ip.removeprefix("::ffff:") for c in psutil.net_connections("tcp")
+                                  if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN})
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def test_the_step_traced_ahead_trains_like_the_worlds_own(tmp_path):
+    # Process 0's port is held as SliceWorker.reserve_coordinator_port holds it: nobody else can take it.
+    results = _run_world(["trace", str(tmp_path / "cache")])
+    for r in results:
+        assert r["ahead"]["traced_ahead"] and r["ahead"]["trace_s"] == 0.0
+        assert not r["own"]["traced_ahead"] and r["own"]["trace_s"] > 0
+        assert r["ahead"]["losses"] == r["own"]["losses"]  # bit for bit: the same program
+        assert r["ahead"]["losses"][-1] < r["ahead"]["losses"][0]
+    assert results[0]["ahead"]["losses"] == results[1]["ahead"]["losses"]
+    # The coordination service (process 0) bound the held port, on the given address only
+    # (gRPC may use an IPv6 socket for it: ::ffff:127.0.0.1; without the bind address it is ::).
+    assert results[0]["listening_on"] == ["127.0.0.1"]
+
+
+def _snapshot_process(process_id: int, coordinator: str) -> None:
+    """A one-slice world of 2 processes: snapshot, restore into the same mesh (fine), then into a
+    mesh whose fsdp axis puts the other process's devices first (refused, not placed by position)."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from ray_elastic import jax_world
+    from ray_elastic.data import StepBatches
+    from ray_elastic.examples.digits_mlp import DigitsMLPTask
+    from ray_elastic.plan import FSDP_AXIS, REPLICA_AXIS, plan_world
+
+    task = DigitsMLPTask()
+    plan = plan_world(0, ["s0"], NUM_PROCESSES, DEVICES, BATCH)
+    batches = StepBatches(task.dataset(), BATCH, 0)
+    jax_world.initialize(coordinator, plan, process_id, 60)
+    mesh = jax_world.build_mesh(plan)
+    loop = jax_world.TrainLoop(task, plan, process_id, 0, mesh, 1024, batches)
+    snap = loop.snapshot()
+    same = jax_world.TrainLoop(task, plan, process_id, 0, mesh, 1024, batches, restore=snap)
+    out = {"sharded": loop.sharded_params, "same_ok": all(
+        np.array_equal(a, b) for a, b in zip(snap["leaves"], same.snapshot()["leaves"]))}
+    swapped = Mesh(np.roll(mesh.devices, DEVICES, axis=1), (REPLICA_AXIS, FSDP_AXIS))
+    try:
+        jax_world.TrainLoop(task, plan, process_id, 0, swapped, 1024, batches, restore=snap)
+        out["swapped"] = "placed"
+    except ValueError as e:
+        out["swapped"] = str(e)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def _run_world(args: list, timeout_s: float = 240) -> list[dict]:
+    """Run this file as NUM_PROCESSES processes of one JAX world on 127.0.0.1; their RESULT lines."""
+    from ray_elastic.jax_world import hold_port
+
+    holder = hold_port("127.0.0.1")
+    port = holder.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}"}
+    procs = [subprocess.Popen([sys.executable, __file__, args[0], str(p), f"127.0.0.1:{port}", *args[1:]],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for p in range(NUM_PROCESSES)]
+    results = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout_s)
+            assert p.returncode == 0
+            results.append(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]))
+    finally:
+        holder.close()
+    return results
+
+
+def test_a_snapshot_block_is_placed_by_its_index_not_its_position():
+    for r in _run_world(["snapshot"]):
+        assert r["sharded"] > 0 and r["same_ok"]
+        assert "refusing to place it by position" in r["swapped"], r["swapped"]
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "snapshot":
+        _snapshot_process(int(sys.argv[2]), sys.argv[3])
+    else:
+        _process(int(sys.argv[2]), sys.argv[3], sys.argv[4])
