@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-soak bench install clean
+.PHONY: demo test test-soak test-all bench install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ test: $(STAMP)
 
 test-soak: $(STAMP)
 	$(PY) -m pytest -q -ra -m soak $(ARGS)
+
+# Everything: the default suite, the soaks and the benchmarks' end-to-end runs.
+test-all: $(STAMP)
+	$(PY) -m pytest -q -ra -o addopts="" $(ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py

@@ -385,6 +385,8 @@ class ElasticTrainer:
                 info = checkpoints.latest_checkpoint(self.config.checkpoint_dir)  # reported or not, what is there
                 if info is None or info.step < num_steps:
                     self._finish_checkpoints(save_step=num_steps)
+                else:  # the failed world's save committed before its process died: it is the run's last
+                    self.ledger.saves_committed([(info.step, None)])
         except ProcessFailed as e:
             return RunOutcome(OutcomeKind.FAILURE, {e.process: e.cause}, time.time())
         return RunOutcome(OutcomeKind.DONE)

@@ -9,9 +9,11 @@ cluster's provisioner) reacts to.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Optional
 
 import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray.util.tpu import SlicePlacementGroup
 
@@ -19,6 +21,7 @@ from ray_elastic.config import SliceSpec
 
 logger = logging.getLogger(__name__)
 UNPLACED = "<unplaced>"  # no node: never among the live ones
+SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
 
 
 class SliceReservation:
@@ -26,12 +29,19 @@ class SliceReservation:
 
     def __init__(self, spec: SliceSpec, head_timeout_s: Optional[float] = None):
         self.spec = spec
-        self._handle = SlicePlacementGroup(
-            topology=spec.topology,
-            accelerator_version=spec.accelerator,
-            resources_per_bundle={"CPU": 1, "TPU": spec.chips_per_host},
-            head_reservation_timeout_s=head_timeout_s,
-        )
+        # Multi-host: claim the head host of a whole, idle slice first and pin every bundle to it.
+        self.pinned_slice, self._head_pg = _claim_whole_slice(spec, head_timeout_s) if spec.num_hosts > 1 else (None, None)
+        try:
+            self._handle = SlicePlacementGroup(
+                topology=spec.topology,
+                accelerator_version=spec.accelerator,
+                resources_per_bundle={"CPU": 1, "TPU": spec.chips_per_host},
+                bundle_label_selector=[{SLICE_NAME_LABEL: self.pinned_slice}] * spec.num_hosts
+                if self.pinned_slice else None,
+            )
+        except BaseException:
+            self._release_head()
+            raise
         self.placement_group = self._handle.placement_group
         self.slice_name: Optional[str] = None  # learnt from the hosts when a world forms on it
         self._ready_ref: Optional[ray.ObjectRef] = None
@@ -56,9 +66,18 @@ class SliceReservation:
             ready, _ = ray.wait([self.ready()], timeout=timeout_s)
             if ready:
                 # The worker group now holds the hosts; the head marker is no longer needed.
-                self._handle.release_head_pgs()
+                self._release_head()
                 self._is_ready = True
         return self._is_ready
+
+    def lost_a_host(self) -> bool:
+        """The multi-host slice it is pinned to has lost a host since: it can never be placed."""
+        return self.pinned_slice is not None and len(_live_hosts(self.pinned_slice)) < self.spec.num_hosts
+
+    def _release_head(self) -> None:
+        head, self._head_pg = self._head_pg, None
+        if head is not None:
+            _remove(head)
 
     def host_strategy(self, host_index: int) -> PlacementGroupSchedulingStrategy:
         """Schedule onto bundle ``host_index`` of this slice."""
@@ -68,6 +87,68 @@ class SliceReservation:
 
     def release(self) -> None:
         self._handle.shutdown()
+        self._release_head()
+
+
+def _live_hosts(slice_name: str) -> list[dict]:
+    return [n for n in ray.nodes() if n["Alive"] and (n.get("Labels") or {}).get(SLICE_NAME_LABEL) == slice_name]
+
+
+def _whole_and_idle(slice_name: str, spec: SliceSpec) -> bool:
+    """Every host of the slice is alive and none of its TPUs is held (by another reservation)."""
+    from ray._private.state import available_resources_per_node  # what ray.util.tpu itself reads
+
+    hosts = _live_hosts(slice_name)
+    if len(hosts) != spec.num_hosts:
+        return False
+    free = available_resources_per_node()
+    return all(free.get(n["NodeID"], n["Resources"]).get("TPU", 0) >= n["Resources"].get("TPU", 0) for n in hosts)
+
+
+def _claim_whole_slice(spec: SliceSpec, timeout_s: Optional[float]) -> tuple[str, PlacementGroup]:
+    """The name of a whole, idle multi-host slice and the placement group holding its head host.
+
+    Ray's two-step reservation claims any free head host, and a slice's head is free when the
+    slice lost another host (its survivors stay up), when the slice is in use (the head marker is
+    given back once its hosts are held), or while the slice's other hosts are still coming up.
+    Pinned to such a slice, a reservation waits forever, or until that slice frees up, while a
+    good slice may sit idle. So a claimed head is checked; one that is not usable yet is held (so
+    the next claim lands elsewhere) and checked again every second; the rest are given back once
+    a good one is found. The pending claim is the demand the autoscaler adds a slice for.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    held: dict[str, PlacementGroup] = {}
+    claim, claimed = None, None
+    try:
+        while True:
+            for name in list(held):
+                if _whole_and_idle(name, spec):
+                    return name, held.pop(name)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"no whole, idle {spec.pod_type} slice could be reserved within {timeout_s:.0f}s "
+                                   f"(claimed and unusable: {sorted(held) or 'none'})")
+            if claim is None:
+                claim = placement_group([{f"TPU-{spec.pod_type}-head": 1}], bundle_label_selector=[
+                    {"ray.io/tpu-worker-id": "0", "ray.io/tpu-pod-type": spec.pod_type}])
+                claimed = claim.ready()
+            ready, _ = ray.wait([claimed], timeout=1.0 if left is None else min(1.0, left))
+            if ready:
+                node = ray.util.placement_group_table(claim)["bundles_to_node_id"][0]
+                labels = next((n.get("Labels") or {} for n in ray.nodes() if n["NodeID"] == node), {})
+                held[labels.get(SLICE_NAME_LABEL, node)], claim = claim, None  # checked at the top of the loop
+    finally:
+        for pg in held.values():
+            _remove(pg)
+        if claim is not None:
+            _remove(claim)
+
+
+def _remove(pg: PlacementGroup) -> None:
+    try:
+        remove_placement_group(pg)
+    except Exception as e:  # noqa: BLE001 - the cluster may be going away
+        logger.debug("could not remove placement group %s: %s", pg.id, e)
 
 
 def reserve_slices(spec: SliceSpec, count: int, timeout_s: float) -> list[SliceReservation]:
@@ -131,7 +212,13 @@ class ReplacementRequest:
             logger.info("replacement head reservation failed (%s); asking again", e)
             self._future = self._submit()
             return None
-        return res if res.wait(0) else None
+        if res.wait(0):
+            return res
+        if res.lost_a_host():  # its slice broke after it was claimed: it would wait forever
+            logger.info("replacement slice %s lost a host before it was ready; asking again", res.pinned_slice)
+            res.release()
+            self._future = self._submit()
+        return None
 
     def cancel(self) -> None:
         """No longer needed: give the reservation back (now, or when it is made)."""

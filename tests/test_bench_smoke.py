@@ -1,4 +1,8 @@
-"""The benchmarks run end to end and print their JSON line (tiny sizes; figures come from full runs)."""
+"""The benchmarks run end to end and print their JSON line (tiny sizes; figures come from full runs).
+
+The chaos smoke is in the default suite (it is a test of recovery); the others are marked
+``bench`` (``make test-all`` or ``-m bench``): they check that a bench still runs, which matters
+when its figures are refreshed, and would cost the default suite three more clusters."""
 
 import json
 import os
@@ -16,11 +20,13 @@ def _last_json(args, timeout=600):
     return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
 
 
+@pytest.mark.bench
 def test_overhead_bench_prints_ratio():
     out = _last_json(["bench/overhead.py", "--steps", "40", "--reps", "1"])
     assert out["overhead_ratio"] > 0 and out["bare_step_s"] > 0
 
 
+@pytest.mark.bench
 def test_recovery_bench_prints_recovery_times():
     out = _last_json(["bench/recovery.py", "--repeats", "1", "--positions", "0", "--kinds", "process", "--cascades",
                       "0", "--cold", "0", "--multihost", "0", "--gap", "5", "--gap-s", "3"])
@@ -29,6 +35,7 @@ def test_recovery_bench_prints_recovery_times():
     assert 0 < out["detection_worst_s"] < 60 and 0 < out["pause_resume_recovery_after_arrival_s"] < 60
 
 
+@pytest.mark.bench
 def test_checkpoint_bench_prints_save_and_restore_times():
     out = _last_json(["bench/checkpoint.py", "--steps", "20", "--every", "10", "--example", "mlp"])
     assert 0 < out["save_blocking_fraction"] < 1

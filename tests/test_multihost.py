@@ -79,3 +79,37 @@ def test_a_slice_that_loses_one_host_while_a_world_forms_is_lost(sim_cluster):
     lost = [s for e in result.events if e["kind"] == "failure" for s in e["lost_slices"]]
     assert lost == [victim["name"]], [e for e in result.events if e["kind"] == "failure"]
     assert victim["name"] not in trainer.worlds[-1].slices and len(trainer.worlds[-1].slices) == 1
+
+
+def test_a_reservation_claims_only_a_whole_idle_slice(sim_cluster):
+    """A slice that lost a host keeps a free head host (its survivors stay up), and so does a slice
+    in use (its head marker is given back once its hosts are held). Ray's two-step reservation
+    would claim either and then wait forever for hosts it cannot have; ours waits for the slice
+    that arrives."""
+    import threading
+    import time
+
+    import ray
+
+    from ray_elastic.placement import SliceReservation
+
+    ensure_slices(sim_cluster, 2)
+    spec = sim_cluster.slice_spec
+    busy = SliceReservation(spec, head_timeout_s=60)
+    new, res = {}, None
+    try:
+        assert busy.wait(60)
+        broken = next(s for s in sim_cluster.alive_slices() if s.name != busy.pinned_slice)
+        sim_cluster.kill_host(broken.name, 1)  # its head host (worker 0) lives on
+        deadline = time.monotonic() + 60
+        while broken.node_ids[1] in {n["NodeID"] for n in ray.nodes() if n["Alive"]} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        threading.Timer(3.0, lambda: new.update(name=sim_cluster.add_slice().name)).start()
+        res = SliceReservation(spec, head_timeout_s=120)  # blocks until a whole, idle slice's head is claimed
+        assert res.pinned_slice == new["name"], (res.pinned_slice, new, broken.name, busy.pinned_slice)
+        assert res.wait(60)
+    finally:
+        for r in (busy, res):
+            if r is not None:
+                r.release()
+        sim_cluster.reap_dead_slices()

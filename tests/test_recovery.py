@@ -28,8 +28,10 @@ SAME_SHAPE, RESIZED = 1e-6, 1e-4
 
 
 def config(cluster, **kw) -> ElasticConfig:
+    """One warm standby per host (the default is 2): a recovery here still takes warm processes,
+    and each test starts three fewer processes on the machine's two cores."""
     base = dict(num_slices=3, global_batch_size=48, slice=cluster.slice_spec, steps_per_chunk=10, seed=0,
-                hang_timeout_min_s=3.0, slice_timeout_s=60.0, replacement_timeout_s=90.0)
+                hang_timeout_min_s=3.0, slice_timeout_s=60.0, replacement_timeout_s=90.0, standby_workers=1)
     return ElasticConfig(**{**base, **kw})
 
 
@@ -43,7 +45,7 @@ def cluster(sim_cluster):
 def baseline(sim_cluster):
     """The failure-free run every recovery is compared with."""
     ensure_slices(sim_cluster, 3)
-    result = ElasticTrainer(DigitsMLPTask(), config(sim_cluster), progress=False).fit(STEPS)
+    result = ElasticTrainer(DigitsMLPTask(), config(sim_cluster, standby_workers=0), progress=False).fit(STEPS)
     assert result.summary["recoveries"] == 0
     return result.losses
 
@@ -52,7 +54,7 @@ def baseline(sim_cluster):
 def baseline_long(sim_cluster):
     """A longer failure-free run, for cases that must outlast a slice's provisioning."""
     ensure_slices(sim_cluster, 3)
-    return ElasticTrainer(DigitsMLPTask(), config(sim_cluster), progress=False).fit(LONG_STEPS).losses
+    return ElasticTrainer(DigitsMLPTask(), config(sim_cluster, standby_workers=0), progress=False).fit(LONG_STEPS).losses
 
 
 def run(cluster, faults: dict, steps: int = STEPS, **cfg_kw):

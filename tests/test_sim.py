@@ -146,7 +146,8 @@ def test_a_local_run_stays_on_loopback(sim_cluster):
                 except psutil.NoSuchProcess:
                     pass
 
-    cfg = ElasticConfig(num_slices=2, global_batch_size=32, slice=sim_cluster.slice_spec, steps_per_chunk=5)
+    cfg = ElasticConfig(num_slices=2, global_batch_size=32, slice=sim_cluster.slice_spec, steps_per_chunk=5,
+                        standby_workers=1)  # a standby's sockets are checked too
     ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=on_step).fit(4)
     assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
     listening = [(pid, c.laddr) for pid, c in sockets if c.status == psutil.CONN_LISTEN]
