@@ -134,15 +134,27 @@ class StepStreams:
             return True
         return False
 
-    def drain(self, timeout_s: float, errors: dict[int, BaseException]) -> None:
-        """After a failure, collect what surviving processes already streamed (their last snapshots)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+    def drain(self, timeout_s: float, errors: dict[int, BaseException], newest_s: float = 3.0) -> None:
+        """After a failure, collect what surviving processes already streamed (their last snapshots).
+
+        Reads until nothing more comes within ``timeout_s``; but while a surviving snapshot holder
+        has not yet delivered the snapshot of the newest finished step, keeps reading for up to
+        ``newest_s``: that snapshot is what lets the next world lose no step, and on busy CPUs it
+        can arrive later than the first pause of the stream (a dead process's items are errors
+        at once; only a hung holder makes this wait the whole ``newest_s``).
+        """
+        start = time.monotonic()
+        every = self.config.snapshot_every
+        newest = self._reported - (self._reported + 1) % every if every > 0 else -1  # newest snapshot step finished
+        while True:
+            behind = any(self.streaming[p] and q and q[0].cursor <= newest
+                         for p, q in enumerate(self.queues) if p not in errors)
+            left = start + (max(newest_s, timeout_s) if behind else timeout_s) - time.monotonic()
             heads = {q[0].gen: p for p, q in enumerate(self.queues) if q and p not in errors}
-            if not heads:
+            if not heads or left <= 0:
                 return
-            ready, _ = ray.wait(list(heads), num_returns=len(heads), timeout=max(0.0, min(0.05, deadline - time.monotonic())))
-            if not ready:
+            ready, _ = ray.wait(list(heads), num_returns=len(heads), timeout=min(0.05, left))
+            if not ready and not behind:
                 return
             for gen in ready:
                 p = heads[gen]
