@@ -460,7 +460,9 @@ class Provisioner:
             if info.get("state") != "PENDING":
                 continue
             bundles = info.get("bundles", {}).values()
-            if any(b.get("TPU", 0) > 0 for b in bundles):
+            # TPU hosts, or the head host of a multi-host slice (``TPU-<pod type>-head``: the first
+            # step of a slice reservation, which the Ray autoscaler also launches a slice for)
+            if any(b.get("TPU", 0) > 0 or any(k.startswith("TPU-") and k.endswith("-head") for k in b) for b in bundles):
                 pending.append(pg_id)
         return pending
 

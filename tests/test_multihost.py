@@ -36,10 +36,10 @@ def test_two_slices_of_two_hosts(sim_cluster):
     assert [j["row_range"] for j in trainer.world.join_infos] == [(0, 8), (8, 16), (16, 24), (24, 32)]
 
 
-def _two_host_run(sim_cluster, faults: dict, max_rewound: int = 0, **trainer_kw):
+def _two_host_run(sim_cluster, faults: dict, max_rewound: int = 0, cfg_kw=None, **trainer_kw):
     ensure_slices(sim_cluster, 2)
     cfg = ElasticConfig(num_slices=2, global_batch_size=32, slice=sim_cluster.slice_spec, steps_per_chunk=10, seed=1,
-                        standby_workers=1, hang_timeout_min_s=3.0, replacement_timeout_s=60.0)
+                        standby_workers=1, hang_timeout_min_s=3.0, replacement_timeout_s=60.0, **(cfg_kw or {}))
     plan = FaultPlan(faults)
     trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=plan.on_step, **trainer_kw)
     plan.trainer = trainer
@@ -61,6 +61,27 @@ def test_a_slice_that_lost_one_host_while_training_is_lost(sim_cluster):
     (failure,) = [e for e in result.events if e["kind"] == "failure"]
     assert failure["lost_slices"] == [victim["name"]], failure
     assert trainer.worlds[-1].slices == [slice_name(trainer, 0)] and result.summary["mesh"] == {"replica": 1, "fsdp": 4}
+
+
+def test_a_slice_that_lost_one_host_is_replaced_by_a_new_slice(sim_cluster):
+    """Pause-and-resume: the lost slice's head host lives on, yet the replacement is a new
+    slice, provisioned for the pending claim of a head host (the first step of a multi-host
+    reservation, which has no ``TPU`` bundle of its own)."""
+    victim = {}
+
+    def kill_one_host(t):
+        victim["name"], victim["survivor"] = slice_name(t, 0), slice_name(t, 1)
+        in_thread(sim_cluster.kill_host, victim["name"], 1)
+
+    prov = sim_cluster.provisioner(delay_s=1.0)
+    try:
+        trainer, result = _two_host_run(sim_cluster, {15: kill_one_host}, cfg_kw={"mode": "pause-and-resume"})
+    finally:
+        prov.stop()
+    assert len(prov.added) == 1 and len(result.recoveries) == 1, (prov.added, result.recoveries)
+    assert sorted(trainer.worlds[-1].slices) == sorted([victim["survivor"], prov.added[0]])
+    assert result.summary["mesh"] == {"replica": 2, "fsdp": 4}
+    sim_cluster.reap_dead_slices()
 
 
 def test_a_slice_that_loses_one_host_while_a_world_forms_is_lost(sim_cluster):
