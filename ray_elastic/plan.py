@@ -152,6 +152,11 @@ def is_snapshot_step(step: int, every: int) -> bool:
     return every > 0 and (step + 1) % every == 0
 
 
+def newest_snapshot_step(step: int, every: int) -> int:
+    """The newest step at or before ``step`` after which a snapshot is taken (-1: none)."""
+    return step - (step + 1) % every if every > 0 else -1
+
+
 def is_checkpoint_step(step: int, every: int, final_step: int) -> bool:
     """Checkpoint after steps every-1, 2*every-1, ... and after the run's last step."""
     return (step + 1) % every == 0 or step == final_step

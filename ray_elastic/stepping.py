@@ -18,7 +18,7 @@ import ray
 
 from ray_elastic import health
 from ray_elastic.config import ElasticConfig
-from ray_elastic.plan import is_snapshot_step, watchdog_timeout
+from ray_elastic.plan import is_snapshot_step, newest_snapshot_step, watchdog_timeout
 from ray_elastic.snapshots import SnapshotStore
 from ray_elastic.states import OutcomeKind, RunOutcome
 from ray_elastic.world import World
@@ -144,8 +144,7 @@ class StepStreams:
         at once; only a hung holder makes this wait the whole ``newest_s``).
         """
         start = time.monotonic()
-        every = self.config.snapshot_every
-        newest = self._reported - (self._reported + 1) % every if every > 0 else -1  # newest snapshot step finished
+        newest = newest_snapshot_step(self._reported, self.config.snapshot_every)
         while True:
             behind = any(self.streaming[p] and q and q[0].cursor <= newest
                          for p, q in enumerate(self.queues) if p not in errors)

@@ -18,7 +18,7 @@ import ray
 
 from ray_elastic.config import ElasticConfig
 from ray_elastic.errors import FormingError, HostLost, ProcessFailed
-from ray_elastic.placement import SliceReservation
+from ray_elastic.placement import SLICE_NAME_LABEL, SliceReservation
 from ray_elastic.plan import WorldPlan
 from ray_elastic.worker import SliceWorker
 
@@ -126,9 +126,9 @@ def _host_labels(reservations: list[SliceReservation]) -> Optional[list[list[dic
         hosts = []
         for node in res.node_ids():
             lab = node_labels.get(node, {})
-            if "ray.io/tpu-slice-name" not in lab:
+            if SLICE_NAME_LABEL not in lab:
                 return None
-            hosts.append({"slice_name": lab["ray.io/tpu-slice-name"], "tpu_worker_id": lab.get("ray.io/tpu-worker-id", "")})
+            hosts.append({"slice_name": lab[SLICE_NAME_LABEL], "tpu_worker_id": lab.get("ray.io/tpu-worker-id", "")})
         if len(hosts) != res.spec.num_hosts:
             return None
         out.append(hosts)

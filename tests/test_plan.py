@@ -170,3 +170,13 @@ def test_misc_policies():
     assert failures_exceeded([97, 98, 99, 100], now=101, max_failures=2, window_s=5) is True
     assert watchdog_timeout([], 10, 3) == 3 and watchdog_timeout([1.0] * 5, 10, 3) == 10
     assert should_grow("replica-resize", 2, 1, 3) and not should_grow("replica-resize", 3, 1, 3)
+
+
+def test_newest_snapshot_step_follows_the_snapshot_rule():
+    from ray_elastic.plan import is_snapshot_step, newest_snapshot_step
+
+    for every in (1, 3, 5):
+        for step in range(-1, 20):
+            want = max([s for s in range(step + 1) if is_snapshot_step(s, every)], default=-1)
+            assert newest_snapshot_step(step, every) == want, (step, every)
+    assert newest_snapshot_step(10, 0) == -1
