@@ -1,14 +1,20 @@
-"""Controller overhead: a Ray-driven run against the same step function as a bare multi-process JAX program.
+"""Controller overhead: a Ray-driven run against the best bare multi-process JAX loop, on two model sizes.
 
 Both sides run 3 processes x 2 CPU devices (3 simulated v4-8 slices), the same
-task, batch and step function (``ray_elastic.jax_world.TrainLoop``). The bare
-side is plain ``jax.distributed`` over subprocesses, no Ray. The controller side
-pays for everything ray-elastic adds, including the per-step in-memory snapshots
-(default ``snapshot_every=1`` on ``snapshot_replicas=3`` slices, here all of them) that make recovery rewind-free. Each side runs
-``--reps`` times, interleaved, and the medians of the steady-state time per step
-are compared. Last line: ``{"overhead_ratio": ...}``.
+task, batch and step function (``ray_elastic.jax_world.TrainLoop``). The bare side
+is plain ``jax.distributed`` over subprocesses, no Ray, written as a JAX user would:
+the next step is dispatched before the last one's loss is read (``--in-flight 1``);
+the blocking loop (each loss read before the next step) is measured too. The
+controller side pays for everything ray-elastic adds, with default settings
+(``snapshot_every`` as ``ElasticConfig`` has it, snapshots on every slice) and with
+snapshots off. The *small* model's train state is ~240 KB per process; the *large*
+one's ~80x that, so the snapshot's cost as the state grows shows. Each measurement
+runs ``--reps`` times, interleaved, and the medians of the steady-state time per
+step (the run's second half) are compared. Last line, one JSON object:
+``{"overhead_ratio": ... (default settings, small model), "overhead_ratio_large": ...,
+"overhead_ratio_no_snapshots": ..., "snapshot_every_chosen": ..., ...}``.
 
-    .venv/bin/python bench/overhead.py [--steps 300] [--reps 2]
+    .venv/bin/python bench/overhead.py [--steps 200] [--large-steps 60] [--reps 2]
 """
 
 from __future__ import annotations
@@ -19,18 +25,18 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 NUM_SLICES, DEVICES, BATCH, CHUNK = 3, 2, 48, 20
+MODELS = {"small": dict(seq_len=32, d_model=32, num_layers=1), "large": dict(seq_len=32, d_model=256, num_layers=2)}
 
 
-def task():
+def task(model: str):
     from ray_elastic.examples.char_transformer import CharTransformerTask
 
-    return CharTransformerTask(seq_len=32, d_model=32, num_layers=1, max_chars=100_000)
+    return CharTransformerTask(max_chars=100_000, **MODELS[model])
 
 
-def bare_worker(process_id: int, coordinator: str, steps: int, out: str) -> None:
+def bare_worker(process_id: int, coordinator: str, steps: int, out: str, model: str, in_flight: int) -> None:
     """One process of the bare JAX program (no Ray anywhere)."""
     from ray_elastic import jax_world
     from ray_elastic.data import StepBatches
@@ -42,76 +48,96 @@ def bare_worker(process_id: int, coordinator: str, steps: int, out: str) -> None
     from ray_elastic import ElasticConfig, SliceSpec
 
     fsdp_min_size = ElasticConfig(num_slices=1, global_batch_size=BATCH, slice=SliceSpec()).fsdp_min_size  # the default
-    t = task()
+    t = task(model)
     loop = jax_world.TrainLoop(t, plan, process_id, 0, jax_world.build_mesh(plan), fsdp_min_size,
                                StepBatches(t.dataset(), BATCH, 0))
     loop.compile(0)
     half = steps // 2
-    loop.run(0, half)  # warm-up: measured like the controller side, over the second half
-    t0 = time.perf_counter()
-    loop.run(half, steps - half)
-    dt = time.perf_counter() - t0
+    loop.run(0, half, in_flight)  # warm-up: measured like the controller side, over the second half
+    times = [m["step_time_s"] for m in loop.run(half, steps - half, in_flight)]
     if process_id == 0:
+        state_bytes = sum(b.nbytes for b in loop.snapshot()["leaves"])
         with open(out, "w") as f:
-            json.dump({"step_s": dt / (steps - half)}, f)
+            json.dump({"step_s": statistics.mean(times), "state_bytes": state_bytes}, f)
 
 
-def run_bare(steps: int) -> float:
+def run_bare(steps: int, model: str, in_flight: int) -> dict:
     from ray_elastic.sim import free_port
 
     out = f"/tmp/ray-elastic-bare-{os.getpid()}.json"
     coord = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}"}
-    procs = [
-        subprocess.Popen([sys.executable, __file__, "--bare-worker", str(i), coord, str(steps), out], env=env)
-        for i in range(NUM_SLICES)
-    ]
+    procs = [subprocess.Popen([sys.executable, __file__, "--bare-worker", str(i), coord, str(steps), out, model,
+                               str(in_flight)], env=env)
+             for i in range(NUM_SLICES)]
     for p in procs:
-        if p.wait(timeout=600) != 0:
+        if p.wait(timeout=900) != 0:
             raise RuntimeError("bare worker failed")
     with open(out) as f:
-        return json.load(f)["step_s"]
+        return json.load(f)
 
 
-def run_ray(steps: int, spec, snapshot_every: int, snapshot_replicas: int = 3) -> float:
+def run_ray(steps: int, spec, model: str, **overrides) -> dict:
     from ray_elastic import ElasticConfig, ElasticTrainer
 
-    arrivals = []
-    cfg = ElasticConfig(num_slices=NUM_SLICES, global_batch_size=BATCH, slice=spec, steps_per_chunk=CHUNK,
-                        snapshot_every=snapshot_every, snapshot_replicas=snapshot_replicas,
-                        allow_restart_from_scratch=snapshot_every == 0)  # no faults here
-    result = ElasticTrainer(task(), cfg, progress=False,
-                            on_step=lambda m: arrivals.append((time.perf_counter(), m["step"]))).fit(steps)
-    # Steady state: the second half of the run. The first half also pays one-time work
-    # (standby processes for the next generation start after the first step).
-    t_half = next(t for t, step in arrivals if step == steps // 2 - 1)
-    return (arrivals[-1][0] - t_half) / (steps - steps // 2)
+    kw = dict(snapshot_replicas=NUM_SLICES) | overrides
+    if kw.get("snapshot_every") == 0:
+        kw["allow_restart_from_scratch"] = True  # no faults here
+    cfg = ElasticConfig(num_slices=NUM_SLICES, global_batch_size=BATCH, slice=spec, steps_per_chunk=CHUNK, **kw)
+    result = ElasticTrainer(task(model), cfg, progress=False).fit(steps)
+    # Steady state: the second half of the run (the first also pays one-time work: standby
+    # processes for the next generation start after the first step). Each step's time is the
+    # interval between finished steps, as the bare loop measures it.
+    return {"step_s": statistics.mean(result.step_times[steps // 2:]), "snapshot_every": result.summary["snapshot_every"]}
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--bare-worker":
-        bare_worker(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5])
+        bare_worker(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6], int(sys.argv[7]))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=200, help="steps per run, small model")
+    ap.add_argument("--large-steps", type=int, default=60, help="steps per run, large model")
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--snapshot-every", type=int, default=1, help="ElasticConfig.snapshot_every of the controller run")
-    ap.add_argument("--snapshot-replicas", type=int, default=3, help="ElasticConfig.snapshot_replicas (slices holding one)")
+    ap.add_argument("--snapshot-every", default=None, help="override ElasticConfig.snapshot_every (default: its default)")
     args = ap.parse_args()
 
     from ray_elastic.sim import SimulatedTPUCluster
 
-    bare, ray_side = [], []
+    snap = {} if args.snapshot_every is None else {
+        "snapshot_every": args.snapshot_every if args.snapshot_every == "auto" else int(args.snapshot_every)}
+    runs = {  # name -> (model, what runs it)
+        "bare": ("small", lambda c, n: run_bare(n, "small", 1)),
+        "bare_blocking": ("small", lambda c, n: run_bare(n, "small", 0)),
+        "default": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", **snap)),
+        "no_snapshots": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", snapshot_every=0)),
+        "every_step": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", snapshot_every=1)),
+        "every_step_2_replicas": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", snapshot_every=1,
+                                                                  snapshot_replicas=2)),
+        "bare_large": ("large", lambda c, n: run_bare(n, "large", 1)),
+        "default_large": ("large", lambda c, n: run_ray(n, c.slice_spec, "large", **snap)),
+    }
+    got: dict[str, list[dict]] = {k: [] for k in runs}
     with SimulatedTPUCluster(num_slices=NUM_SLICES, devices_per_host=DEVICES, log_to_driver=False) as cluster:
         for rep in range(args.reps):
-            bare.append(run_bare(args.steps))
-            ray_side.append(run_ray(args.steps, cluster.slice_spec, args.snapshot_every, args.snapshot_replicas))
-            print(f"rep {rep}: bare {bare[-1] * 1e3:.2f} ms/step, ray-elastic {ray_side[-1] * 1e3:.2f} ms/step", flush=True)
-    b, r = statistics.median(bare), statistics.median(ray_side)
-    print(f"median step time: bare JAX {b * 1e3:.2f} ms, ray-elastic controller {r * 1e3:.2f} ms")
-    print(json.dumps({"overhead_ratio": round(r / b, 4), "bare_step_s": round(b, 5), "controller_step_s": round(r, 5),
-                      "steps": args.steps, "reps": args.reps, "snapshot_every": args.snapshot_every,
-                      "snapshot_replicas": args.snapshot_replicas}))
+            for name, (model, fn) in runs.items():
+                got[name].append(fn(cluster, args.large_steps if model == "large" else args.steps))
+                print(f"rep {rep} {name:<22} {got[name][-1]['step_s'] * 1e3:8.2f} ms/step", flush=True)
+    med = {k: statistics.median(r["step_s"] for r in v) for k, v in got.items()}
+    ratio = lambda k, base: round(med[k] / med[base], 4)  # noqa: E731
+    print("median ms/step: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in med.items()))
+    print(json.dumps({
+        "overhead_ratio": ratio("default", "bare"), "overhead_ratio_large": ratio("default_large", "bare_large"),
+        "overhead_ratio_no_snapshots": ratio("no_snapshots", "bare"),
+        "overhead_ratio_every_step": ratio("every_step", "bare"),
+        "overhead_ratio_every_step_2_replicas": ratio("every_step_2_replicas", "bare"),
+        "blocking_loop_ratio": ratio("bare_blocking", "bare"),
+        "snapshot_every_chosen": got["default"][-1]["snapshot_every"],
+        "snapshot_every_chosen_large": got["default_large"][-1]["snapshot_every"],
+        "state_bytes_per_process": got["bare"][-1]["state_bytes"],
+        "state_bytes_per_process_large": got["bare_large"][-1]["state_bytes"],
+        "step_ms": {k: round(v * 1e3, 2) for k, v in med.items()}, "steps": args.steps,
+        "large_steps": args.large_steps, "reps": args.reps}))
 
 
 if __name__ == "__main__":

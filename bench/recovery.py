@@ -76,7 +76,7 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
             threading.Thread(target=cluster.kill_slice, args=(name,), daemon=True).start()
 
     def on_step(m: dict) -> None:
-        arrivals.append(time.time())
+        arrivals.append(m.get("finished_at", time.time()))  # steps arrive in batches: when each finished
         box["last_step"] = m["step"]
         t = box["t"]
         full = t.world is not None and t.world.plan.num_slices == 3

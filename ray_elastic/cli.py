@@ -59,8 +59,11 @@ def _add_training_args(p: argparse.ArgumentParser, default_slices: int) -> None:
                         "--checkpoint-dir itself to accept another task's); new ones go to --checkpoint-dir")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--max-to-keep", type=int, default=3, help="committed checkpoints kept")
-    p.add_argument("--snapshot-every", type=int, default=1,
-                   help="steps between in-memory snapshots (0: none, recover from checkpoints)")
+    p.add_argument("--snapshot-every", type=_snapshot_every, default=ElasticConfig.snapshot_every,
+                   help="steps between in-memory snapshots (0: none, recover from checkpoints; 'auto': "
+                        "the smallest interval costing at most --snapshot-budget of the step time)")
+    p.add_argument("--snapshot-budget", type=float, default=ElasticConfig.snapshot_budget,
+                   help="share of the step time snapshots may cost with --snapshot-every auto")
     p.add_argument("--allow-restart-from-scratch", action="store_true",
                    help="when every snapshot holder is lost and there is no checkpoint, restart from step 0 "
                         "instead of failing")
@@ -83,8 +86,18 @@ def _config(args, spec: SliceSpec) -> ElasticConfig:
         checkpoint_every=args.checkpoint_every,
         max_to_keep=args.max_to_keep,
         snapshot_every=args.snapshot_every,
+        snapshot_budget=args.snapshot_budget,
         allow_restart_from_scratch=args.allow_restart_from_scratch,
     )
+
+
+def _snapshot_every(value: str):
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'auto', got {value!r}") from None
 
 
 def _print_summary(result, as_json: bool, goodput_printed: bool = False) -> None:

@@ -222,7 +222,8 @@ class ElasticTrainer:
     def _run(self, num_steps: int) -> RunOutcome:
         self._enter(S.RUNNING)
         world, start = self.world, self.worlds[-1].start_step
-        streams = self.backend.drive(world, self.gens.store, self.ledger.add, self.ledger.step_times)
+        streams = self.backend.drive(world, self.gens.store, self.ledger.add, self.ledger.step_times,
+                                     self._snapshot_interval)
         self.ledger.start_world(world.plan.generation, streams.take_snapshot_steps)
         t0 = time.perf_counter()
         outcome = streams.run(start, num_steps, self.gens.capacity_returned)
@@ -234,6 +235,10 @@ class ElasticTrainer:
         if outcome.kind is OutcomeKind.DONE:  # the last checkpoint commits before the run is finished
             outcome = self._final_checkpoint(num_steps)
         return outcome
+
+    def _snapshot_interval(self, step: int, every: int) -> None:
+        """The snapshot interval from ``step`` on (``snapshot_every="auto"`` picks it as the run goes)."""
+        self.events.emit("snapshot_interval", step=step, every=every, max_rewind_steps=max(0, every - 1))
 
     # ------------------------------------------------------------- the loop's two halves
     def _intake(self, outcome: RunOutcome, previous: WorldChange) -> WorldChange:

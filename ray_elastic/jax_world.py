@@ -7,12 +7,14 @@ same step function.
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 import time
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -197,6 +199,12 @@ def block_range(indices, shape) -> tuple:
     return rng
 
 
+def host_blocks(leaves: list[jax.Array]) -> dict:
+    """This process's block of every leaf, and its global index range (see :func:`local_block`)."""
+    blocks = [local_block(x) for x in leaves]
+    return {"leaves": [b for b, _ in blocks], "ranges": [r for _, r in blocks]}
+
+
 def local_block(arr: jax.Array) -> tuple[np.ndarray, tuple]:
     """This process's part of a global array, as one numpy block, and the block's global index range.
 
@@ -207,6 +215,8 @@ def local_block(arr: jax.Array) -> tuple[np.ndarray, tuple]:
     """
     if arr.ndim == 0:
         return np.asarray(arr.addressable_shards[0].data), ()
+    if arr.is_fully_replicated:  # the whole array on each device: one shard is the block
+        return np.array(arr.addressable_shards[0].data), tuple((0, d) for d in arr.shape)
     rng = block_range([sh.index for sh in arr.addressable_shards], arr.shape)
     block = np.empty([b - a for a, b in rng], dtype=arr.dtype)
     for sh in arr.addressable_shards:
@@ -243,6 +253,9 @@ class TrainLoop:
         self.process_id = process_id
         self.row_range = plan.process_rows(process_id)
         self.batches = batches
+        self._in_flight: collections.deque = collections.deque()  # (step, loss, dispatched at)
+        self._last_finish: Optional[float] = None
+        self._copy = None  # the jitted device-side copy of the state, for snapshots
 
         make, (graphdef, abstract) = _abstract_state(task, seed, plan.lr_scale if scale_updates else None)
         self.state_shardings, self.batch_sharding, self._step = _step_program(task, graphdef, abstract, mesh,
@@ -286,13 +299,17 @@ class TrainLoop:
             for k, v in local.items()
         }
 
-    def compile(self, step: int, traced: Optional[jax.stages.Traced] = None) -> dict:
+    def compile(self, step: int, traced: Optional[jax.stages.Traced] = None, snapshots: bool = False) -> dict:
         """Compile the step (from the persistent cache when warm); seconds of each phase.
 
         ``traced``: from :func:`trace_ahead` for this world's layout (tracing is then already
         done; it is lowered for this world's devices). ``load_s`` is XLA compiling, or loading
-        the executable on a persistent-cache hit.
+        the executable on a persistent-cache hit. ``snapshots``: also compile the state's copy
+        (:meth:`snapshot_copy`), so the first snapshot does not hold up a step.
         """
+        if snapshots:
+            self._copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t),
+                                 out_shardings=self.state_shardings).lower(self.state).compile()
         t0 = time.perf_counter()
         if traced is not None:
             lowered = traced.lower(lowering_platforms=(self.mesh.devices.flat[0].platform,))
@@ -308,16 +325,43 @@ class TrainLoop:
         t3 = time.perf_counter()
         return {"trace_s": t1 - t0, "lower_s": t2 - t1, "load_s": t3 - t2, "compile_s": t3 - t0, "traced_ahead": False}
 
-    def step(self, step: int) -> dict:
-        """Run one training step; its loss and wall time."""
+    def dispatch(self, step: int) -> None:
+        """Start step ``step`` and return before it has run (JAX dispatches asynchronously);
+        :meth:`finish` reads it. The device queue then never drains between steps."""
         t0 = time.perf_counter()
         self.state, loss = self._step(self.state, self.global_batch_array(step))
-        value = float(np.asarray(loss.addressable_shards[0].data))
-        return {"step": step, "loss": value, "step_time_s": time.perf_counter() - t0}
+        self._in_flight.append((step, loss, t0))
 
-    def run(self, start_step: int, num_steps: int) -> list[dict]:
-        """Run ``num_steps`` steps from ``start_step``; per-step loss and wall time."""
-        return [self.step(s) for s in range(start_step, start_step + num_steps)]
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def finish(self) -> dict:
+        """Wait for the oldest dispatched step: its loss and step time. The step time is the interval
+        since the previous step finished (for the first, since it was dispatched): with steps in
+        flight that is what a step costs the run, waits between chunks included."""
+        step, loss, t_dispatch = self._in_flight.popleft()
+        value = float(np.asarray(loss.addressable_shards[0].data))
+        now = time.perf_counter()
+        since = t_dispatch if self._last_finish is None else self._last_finish
+        self._last_finish = now
+        return {"step": step, "loss": value, "step_time_s": now - since}
+
+    def step(self, step: int) -> dict:
+        """Run one step and wait for it (a blocking loop: the device idles while the host reads the loss)."""
+        self.dispatch(step)
+        return self.finish()
+
+    def run(self, start_step: int, num_steps: int, in_flight: int = 1) -> list[dict]:
+        """Run ``num_steps`` steps from ``start_step`` keeping ``in_flight`` more dispatched than read
+        (0: blocking); per-step loss and step time."""
+        out = []
+        for s in range(start_step, start_step + num_steps):
+            self.dispatch(s)
+            while self.in_flight() > in_flight:
+                out.append(self.finish())
+        while self.in_flight():
+            out.append(self.finish())
+        return out
 
     def save_checkpoint(self, steps_done: int, metadata: dict) -> float:
         """Start an async save of the state as checkpoint ``steps_done``; seconds the step was blocked."""
@@ -325,6 +369,16 @@ class TrainLoop:
 
     def snapshot(self) -> dict:
         """Host copy of this process's part of the train state (params and optimizer state): per
-        leaf the block (``leaves``) and its global index range (``ranges``)."""
-        blocks = [local_block(x) for x in jax.tree.leaves(self.state)]
-        return {"leaves": [b for b, _ in blocks], "ranges": [r for _, r in blocks]}
+        leaf the block (``leaves``) and its global index range (``ranges``). Waits for the state."""
+        return host_blocks(jax.tree.leaves(self.state))
+
+    def snapshot_copy(self) -> list[jax.Array]:
+        """A device-side copy of the state after the last dispatched step, already on its way to
+        the host: the next step may donate the state's buffers while the copy is read out in the
+        background (:func:`host_blocks`). Costs one more copy of the state in device memory."""
+        if self._copy is None:
+            self._copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self.state_shardings)
+        leaves = jax.tree.leaves(self._copy(self.state))
+        for x in leaves:
+            x.copy_to_host_async()
+        return leaves

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+import statistics
 from typing import Optional, Sequence
 
 REPLICA_AXIS = "replica"
@@ -150,6 +152,21 @@ def lr_scale(num_active: int, num_total: int, rule) -> float:
 def is_snapshot_step(step: int, every: int) -> bool:
     """Snapshots are taken after steps every-1, 2*every-1, ... (after every step when every=1; never when 0)."""
     return every > 0 and (step + 1) % every == 0
+
+
+def snapshot_interval(snapshot_s: list[float], step_s: list[float], budget: float, current: int = 1,
+                      max_every: int = 1000) -> int:
+    """``snapshot_every="auto"``: the smallest interval at which snapshots cost at most ``budget`` of
+    the run's time. A snapshot costing ``c`` seconds every ``k`` steps of ``t`` seconds costs
+    ``c / (k t)``; ``c`` is what it cost its process (host copy and hand-over to the keeper, wall
+    time, so an upper bound where the copy overlaps the next step). Medians of the recent
+    measurements; ``current`` until both exist. The rewind this allows is at most ``k - 1`` steps."""
+    if not snapshot_s or not step_s:
+        return current
+    c, t = statistics.median(snapshot_s), statistics.median(step_s)
+    if t <= 0:
+        return current
+    return max(1, min(max_every, math.ceil(c / (budget * t) - 1e-9)))
 
 
 def newest_snapshot_step(step: int, every: int) -> int:

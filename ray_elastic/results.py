@@ -133,6 +133,8 @@ class RunSummary:
     startup_s: Optional[float] = None
     compile_s: Optional[float] = None
     median_step_s: Optional[float] = None
+    snapshot_every: Optional[int] = None  # the last snapshot interval (``snapshot_every="auto"`` picks it)
+    max_rewind_steps: Optional[int] = None  # the most a recovery could rewind with a holder alive (interval - 1)
 
 
 @dataclasses.dataclass
@@ -218,6 +220,8 @@ def summarize(*, ledger: StepLedger, worlds: list[WorldRecord], recoveries: list
     def count(kind: str) -> int:
         return sum(1 for e in events if e["kind"] == kind)
 
+    intervals = [e["every"] for e in events if e["kind"] == "snapshot_interval"]
+
     summary = RunSummary(
         steps=len(steps), num_steps=num_steps, wall_s=round(wall_s, 3), resumed_from_checkpoint=first_step or None,
         goodput=round(gp.goodput, 4), slices=len(last.slices), hosts_per_slice=hosts_per_slice, mesh=last.mesh,
@@ -227,6 +231,8 @@ def summarize(*, ledger: StepLedger, worlds: list[WorldRecord], recoveries: list
         checkpoint_restores=count("checkpoint_restore"), steps_rewound=sum(r.steps_rewound for r in recoveries),
         max_recovery_s=round(max((r.recovery_s for r in recoveries), default=0.0), 3), startup_s=round(startup_s, 3),
         compile_s=round(worlds[0].times["compile_s"], 3), median_step_s=steady[len(steady) // 2],
+        snapshot_every=intervals[-1] if intervals else None,
+        max_rewind_steps=max(intervals) - 1 if intervals and min(intervals) > 0 else None,
     )
     return FitResult(steps, losses, times, list(recoveries), dataclasses.asdict(summary), list(events))
 

@@ -1,15 +1,22 @@
 """Which in-memory snapshots exist, per slice and step (driver-side bookkeeping).
 
-A snapshot is the state of one process after a step, returned by that slice's
-actor as a streaming-generator item: the object lives in the object store of the
-slice's own node and is owned by the driver, so it outlives the actor process
-and dies only with the node. A slice's snapshot of a step is *complete* when
-every host of the slice has delivered its part.
+A snapshot is the state of one process after a step, held by the keeper actor of
+that process's host (:mod:`ray_elastic.snapshot_keeper`): it outlives the slice
+process and dies only with the node. A slice's snapshot of a step is *complete*
+when every host of the slice has its part.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
+
+
+class SnapshotRef(NamedTuple):
+    """Where one host's part of a snapshot is: its keeper, and the (generation, step) it is kept under."""
+
+    keeper: Any
+    generation: int
+    step: int
 
 
 class SnapshotStore:
@@ -38,6 +45,10 @@ class SnapshotStore:
             if done:
                 out[name] = max(done)
         return out
+
+    def complete(self, slice_name: str, step: int) -> bool:
+        """Every host of the slice has its part of the snapshot of ``step``."""
+        return len(self._refs.get(slice_name, {}).get(step, {})) == self.hosts_per_slice
 
     def refs(self, slice_name: str, step: int) -> list:
         """Per-host refs of a complete snapshot, host order."""

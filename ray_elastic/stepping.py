@@ -1,10 +1,13 @@
-"""Driving one world: chunks of steps in flight, streamed metrics and snapshots back.
+"""Driving one world: chunks of steps in flight, finished steps streamed back.
 
 Each process runs chunks as Ray streaming generators. Snapshot-keeping processes
-stream, for every step, the snapshot (when due) and the step's metrics; the others
-return their chunk's metrics at its end. Two chunks are kept queued, so workers
-never wait on the driver. The loop ends when the steps are done, a process fails,
-the watchdog sees no progress, or (on request) at a chunk boundary to grow.
+stream their finished steps a few times a second, naming the steps whose snapshots
+their host's keeper now holds; the others return their chunk's steps at its end.
+The driver reads every item of every stream (an error is an item: reading them all
+is how a death is seen at once), but no snapshot passes through it. Two chunks are
+kept queued, so workers never wait on the driver. The loop ends when the steps are
+done, a process fails, the watchdog sees no progress, or (on request) at a step
+boundary to grow.
 """
 
 from __future__ import annotations
@@ -12,52 +15,81 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import ray
 
 from ray_elastic import health
 from ray_elastic.config import ElasticConfig
-from ray_elastic.plan import is_snapshot_step, newest_snapshot_step, watchdog_timeout
-from ray_elastic.snapshots import SnapshotStore
+from ray_elastic.plan import newest_snapshot_step, snapshot_interval, watchdog_timeout
+from ray_elastic.snapshots import SnapshotRef, SnapshotStore
 from ray_elastic.states import OutcomeKind, RunOutcome
 from ray_elastic.world import World
 
 CHUNKS_IN_FLIGHT = 2
 POLL_S = 0.25
+KEEPER_POLL_S = 0.05
 
 
 @dataclasses.dataclass
 class _Stream:
     gen: object
-    cursor: int  # the step whose items come next
-    snapshot: object = None  # this step's snapshot ref, until the step's metrics confirm it
+    first_step: int
 
 
 class StepStreams:
-    """Runs steps on ``world`` and feeds ``store`` and ``on_metrics``."""
+    """Runs steps on ``world`` and feeds ``store`` and ``on_metrics``.
+
+    ``on_interval(step, every)`` is told when the snapshot interval changes (``snapshot_every="auto"``).
+    """
 
     def __init__(self, world: World, config: ElasticConfig, store: SnapshotStore,
-                 on_metrics: Callable[[dict], None], step_times: list[float]):
+                 on_metrics: Callable[[dict], None], step_times: list[float],
+                 on_interval: Optional[Callable[[int, int], None]] = None):
         self.world = world
         self.config = config
         self.store = store
         self.on_metrics = on_metrics
+        self.on_interval = on_interval
         self.step_times = step_times
         n = len(world.workers)
         self.queues: list[collections.deque] = [collections.deque() for _ in range(n)]
         self.streaming = [world.plan.takes_snapshots(p) for p in range(n)]
-        self._snapshot_steps: list[int] = []  # steps whose snapshot process 0 delivered, not yet reported
+        self._snapshot_steps: list[int] = []  # steps newly kept by some holder, not yet reported
+        self.snapshot_seconds: list[float] = []  # what each snapshot cost its process (host copy + hand-over)
+        self._intervals: list[tuple[int, int]] = []  # (first step, snapshot interval) per change
+        self._reported = self._snapshot_reported = -1
 
     def take_snapshot_steps(self) -> list[int]:
         """Steps snapshotted since the last call (for the event log)."""
         out, self._snapshot_steps = self._snapshot_steps, []
         return out
 
+    def interval_at(self, step: int) -> int:
+        """The snapshot interval the chunk running ``step`` used."""
+        every = self._intervals[0][1] if self._intervals else 0
+        for first, e in self._intervals:
+            if first <= step:
+                every = e
+        return every
+
+    def _next_interval(self, step: int) -> int:
+        c = self.config
+        if c.snapshot_every != "auto":
+            every = c.snapshot_every
+        else:
+            every = snapshot_interval(self.snapshot_seconds[-20:], self.step_times[-20:], c.snapshot_budget,
+                                      self._intervals[-1][1] if self._intervals else 1)
+        if not self._intervals or self._intervals[-1][1] != every:
+            self._intervals.append((step, every))
+            if self.on_interval is not None:
+                self.on_interval(step, every)
+        return every
+
     def run(self, start_step: int, end_step: int, grow_requested: Callable[[], bool]) -> RunOutcome:
         submitted = start_step
         self._reported = self._snapshot_reported = start_step - 1
-        draining = False
+        draining = stopped = False
         last_progress = time.monotonic()
         last_progress_wall = time.time()
         while True:
@@ -65,9 +97,11 @@ class StepStreams:
                 draining = True  # finish what is queued, then stop at that step boundary
             while not draining and submitted < end_step and max(map(len, self.queues)) < CHUNKS_IN_FLIGHT:
                 n = min(self.config.steps_per_chunk, end_step - submitted)
-                for p, gen in enumerate(self.world.run_chunk(submitted, n, end_step - 1)):
-                    self.queues[p].append(_Stream(gen, submitted))
+                self._submit(submitted, n, end_step - 1)
                 submitted += n
+            if draining and not stopped:
+                self._submit(submitted, 0, end_step - 1)  # no steps: the processes finish the one in flight
+                stopped = True
             heads = {q[0].gen: p for p, q in enumerate(self.queues) if q}
             if not heads:
                 kind = OutcomeKind.GROW if draining and submitted < end_step else OutcomeKind.DONE
@@ -90,74 +124,95 @@ class StepStreams:
                     return RunOutcome(OutcomeKind.HANG, silent, last_progress_wall)
                 last_progress = time.monotonic()  # slow, not hung: watch again from now
 
+    def _submit(self, first: int, n: int, final_step: int) -> None:
+        every = self._next_interval(first)
+        for p, gen in enumerate(self.world.run_chunk(first, n, final_step, every)):
+            self.queues[p].append(_Stream(gen, first))
+
     def _consume(self, p: int) -> bool:
-        """Take one item of process ``p``'s current stream; True when a step finished for the first time.
+        """Read one item of process ``p``'s current stream; True when a step finished for the first time.
 
         Every streaming process reports every step (the loss is replicated, so all report the
         same value); the first report of a step is the one kept. Relying on process 0 alone
-        would lose the metrics of steps that only a surviving snapshot holder finished when
-        process 0's slice died, though their state is what the next world restores.
+        would lose the steps that only a surviving snapshot holder reported when process 0's
+        slice died, though their state is what the next world restores.
         """
         s = self.queues[p][0]
         try:
             ref = next(s.gen)
         except StopIteration:
             self.queues[p].popleft()
-            dangling, s.snapshot = s.snapshot, None
-            if dangling is not None:
-                # A snapshot is always followed by its step's metrics, so a stream that ends on one
-                # ended on its process's error: read it now (unread, only the watchdog would notice).
-                ray.get(dangling)
-                raise RuntimeError(f"process {p}'s stream ended after a snapshot without its step's metrics")
             return False
-        if not self.streaming[p]:
-            ray.get(ref)  # the chunk's metrics; raises the process's error
+        item = ray.get(ref)  # the process's error, when it failed
+        if not self.streaming[p] or not item:
             return False
         plan = self.world.plan
-        if is_snapshot_step(s.cursor, self.config.snapshot_every) and s.snapshot is None:
-            # A driver-owned ref to an object in this slice's own node's object store. It is
-            # only trusted once the step's metrics arrive: an item of a dying actor is an error.
-            s.snapshot = ref
-            return False
-        metrics = ray.get(ref)
-        step = s.cursor
-        if s.snapshot is not None:
-            self.store.add(self.world.slice_of(p), p % plan.hosts_per_slice, step, s.snapshot)
+        for step in item["kept"]:
+            self.store.add(self.world.slice_of(p), p % plan.hosts_per_slice, step,
+                           SnapshotRef(self.world.keepers[p], plan.generation, step))
             if step > self._snapshot_reported:
                 self._snapshot_reported = step
                 self._snapshot_steps.append(step)
-            s.snapshot = None
-        s.cursor += 1
-        if step > self._reported:
-            self._reported = step
-            self.on_metrics(metrics)
-            return True
-        return False
+        self.snapshot_seconds.extend(item["snapshot_s"])
+        progressed = False
+        for metrics in item["steps"]:
+            if metrics["step"] > self._reported:
+                self._reported = metrics["step"]
+                self.on_metrics(metrics)
+                progressed = True
+        return progressed
 
     def drain(self, timeout_s: float, errors: dict[int, BaseException], newest_s: float = 3.0) -> None:
-        """After a failure, collect what surviving processes already streamed (their last snapshots).
+        """After a failure, collect what surviving processes already streamed, then what their
+        keepers hold.
 
-        Reads until nothing more comes within ``timeout_s``; but while a surviving snapshot holder
-        has not yet delivered the snapshot of the newest finished step, keeps reading for up to
-        ``newest_s``: that snapshot is what lets the next world lose no step, and on busy CPUs it
-        can arrive later than the first pause of the stream (a dead process's items are errors
-        at once; only a hung holder makes this wait the whole ``newest_s``).
+        Reads streams until nothing more comes within ``timeout_s``. Then, while no surviving
+        snapshot holder's keepers hold the snapshot of the newest reported step, asks them again
+        for up to ``newest_s``: a holder's writer thread hands it over even while the process's
+        step loop is stuck in a collective with the dead peer, and that snapshot is what lets
+        the next world lose no step. Steps a keeper holds beyond the newest reported one are
+        not taken: the run has no metrics for them, so they are run again (never counted as kept).
         """
         start = time.monotonic()
-        newest = newest_snapshot_step(self._reported, self.config.snapshot_every)
         while True:
-            behind = any(self.streaming[p] and q and q[0].cursor <= newest
-                         for p, q in enumerate(self.queues) if p not in errors)
-            left = start + (max(newest_s, timeout_s) if behind else timeout_s) - time.monotonic()
             heads = {q[0].gen: p for p, q in enumerate(self.queues) if q and p not in errors}
+            left = start + timeout_s - time.monotonic()
             if not heads or left <= 0:
-                return
+                break
             ready, _ = ray.wait(list(heads), num_returns=len(heads), timeout=min(0.05, left))
-            if not ready and not behind:
-                return
+            if not ready:
+                break
             for gen in ready:
                 p = heads[gen]
                 try:
                     self._consume(p)
                 except Exception as e:  # noqa: BLE001
                     errors[p] = e
+        holders = [p for p in range(len(self.queues)) if self.streaming[p] and p not in errors]
+        newest = newest_snapshot_step(self._reported, self.interval_at(self._reported))
+        deadline = time.monotonic() + newest_s
+        while holders and newest >= 0 and not self._holds(holders, newest):
+            self._ask_keepers(holders)
+            if self._holds(holders, newest) or time.monotonic() >= deadline:
+                return
+            time.sleep(KEEPER_POLL_S)
+
+    def _holds(self, processes: list[int], step: int) -> bool:
+        """Some slice of ``processes`` has every host's part of the snapshot of ``step``."""
+        return any(self.store.complete(self.world.slice_of(p), step) for p in processes)
+
+    def _ask_keepers(self, processes: list[int]) -> None:
+        """Add to the store what these processes' keepers hold of this world, up to the newest reported step."""
+        plan = self.world.plan
+        asks = {self.world.keepers[p].held.remote(): p for p in processes}
+        ready, _ = ray.wait(list(asks), num_returns=len(asks), timeout=1.0)
+        for ref in ready:
+            p = asks[ref]
+            try:
+                held = ray.get(ref)
+            except Exception:  # noqa: BLE001 - the keeper's node is gone: so are its snapshots
+                continue
+            for generation, step in held:
+                if generation == plan.generation and step <= self._reported:
+                    self.store.add(self.world.slice_of(p), p % plan.hosts_per_slice, step,
+                                   SnapshotRef(self.world.keepers[p], generation, step))

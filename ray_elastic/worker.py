@@ -3,14 +3,17 @@
 It owns one JAX process for the lifetime of one world generation. It can be
 started ahead of need (a *standby*: Python, JAX and the task's data already
 loaded) and promoted when the next generation forms. The controller never sends
-it per-step work: it asks for chunks of steps, streamed back step by step, with
-the state snapshots of snapshot-keeping slices in between.
+it per-step work: it asks for chunks of steps. One step is always in flight (the
+next is dispatched before the last one's loss is read); snapshot-keeping processes
+hand their snapshots to the host's keeper from a background thread and stream
+their metrics a few times a second, each step only once its snapshot is kept.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -21,9 +24,34 @@ import ray
 
 from ray_elastic.errors import SliceDownError
 from ray_elastic.plan import WorldPlan, is_checkpoint_step, is_snapshot_step
+from ray_elastic.snapshot_keeper import SnapshotWriter
+from ray_elastic.snapshots import SnapshotRef
 
 logger = logging.getLogger(__name__)
 TRACE_AHEAD_WORLDS = 3  # world sizes a standby traces the step for: full size and the next smaller ones
+IN_FLIGHT = 1  # steps dispatched beyond the one whose loss is being read
+FLUSH_S = 0.2  # a snapshot-keeping process streams its finished steps at most this often (and at chunk ends)
+
+
+def set_niceness(niceness: Optional[int]) -> None:
+    """Give every thread of this process ``niceness`` (``ElasticConfig.worker_niceness``; None: leave
+    Ray's ``RAY_worker_niceness``, 15 by default). On Linux niceness is per thread, and threads
+    started later inherit their creator's. Lowering it needs root or CAP_SYS_NICE."""
+    if niceness is None or not os.path.isdir("/proc/self/task"):
+        return
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
+        except OSError as e:
+            logger.warning("could not set niceness %d: %r", niceness, e)
+            return
+
+
+def jax_world_host_blocks(leaves) -> dict:
+    """The host copy of a snapshot (JAX side; imported here only when a snapshot is written)."""
+    from ray_elastic.jax_world import host_blocks
+
+    return host_blocks(leaves)
 
 
 @contextlib.contextmanager
@@ -59,6 +87,7 @@ class SliceWorker:
     """
 
     def __init__(self, task, config):
+        set_niceness(config.worker_niceness)
         self.task = task
         self.config = config
         self.plan: Optional[WorldPlan] = None
@@ -71,6 +100,11 @@ class SliceWorker:
         self.last_step = -1
         self.saving = False  # inside a checkpoint save: a slow step then is not a hang
         self._port_holder = None  # process 0: the coordinator's port, held until JAX binds it
+        self.writer: Optional[SnapshotWriter] = None  # snapshot holders: hands snapshots to the keeper
+        self._finished: list[dict] = []  # metrics of finished steps not yet streamed
+        self._extra: dict[int, dict] = {}  # step -> what its metrics carry besides the loss (checkpoint)
+        self._reported = -1  # the newest step streamed
+        self._kept_early: list[int] = []  # steps kept whose metrics are not streamed yet
 
     def prepare(self) -> dict:
         """Everything that does not need the world: import JAX, load the task's data. Then, in the
@@ -134,14 +168,15 @@ class SliceWorker:
         return f"{ip}:{self._port_holder.getsockname()[1]}"
 
     def join_world(self, plan: WorldPlan, *, slice_index: int, host_index: int, coordinator_address: str,
-                   timeout_s: float, snapshot: Optional[list] = None, checkpoint_step: Optional[int] = None,
-                   checkpoint_dir: Optional[str] = None) -> dict:
+                   timeout_s: float, snapshot: Optional[SnapshotRef] = None, checkpoint_step: Optional[int] = None,
+                   checkpoint_dir: Optional[str] = None, keeper=None) -> dict:
         """``jax.distributed.initialize``, mesh, and the state: fresh, from a snapshot or from a checkpoint.
 
-        ``snapshot`` is ``[ref]`` of a snapshot from the same host position of an earlier
-        world (wrapped in a list so Ray hands over the ref, and the load is timed here).
-        ``checkpoint_step`` names a committed Orbax checkpoint (steps completed) to load, from
-        ``checkpoint_dir`` when given (another run's directory, read only) else the run's own.
+        ``snapshot`` names a snapshot from the same host position of an earlier world (fetched from
+        its keeper here, so the load is timed). ``checkpoint_step`` names a committed Orbax
+        checkpoint (steps completed) to load, from ``checkpoint_dir`` when given (another run's
+        directory, read only) else the run's own. ``keeper``: this host's
+        :class:`~ray_elastic.snapshot_keeper.SnapshotKeeper`, for a process that keeps snapshots.
         """
         from ray_elastic import jax_world as jw
 
@@ -169,7 +204,7 @@ class SliceWorker:
         if snapshot is not None:
             t1 = time.perf_counter()
             with _world_errors("fetching the snapshot from its donor", everything=True):  # the donor died
-                snap = ray.get(snapshot[0])
+                snap = ray.get(snapshot.keeper.fetch.remote(snapshot.generation, snapshot.step))
             blocks = {"leaves": snap["leaves"], "ranges": snap["ranges"]}
             self.last_step = snap["step"]
             t_fetch = time.perf_counter() - t1
@@ -184,6 +219,8 @@ class SliceWorker:
             source.close()
         if checkpoint_step is not None:
             self.last_step = checkpoint_step - 1
+        if keeper is not None and plan.takes_snapshots(self.process_id):
+            self.writer = SnapshotWriter(keeper, plan.generation)
         return {
             "init_s": t_init,
             "snapshot_fetch_s": t_fetch,
@@ -208,40 +245,76 @@ class SliceWorker:
             except Exception as e:  # noqa: BLE001 - the world's own trace raises it where it counts
                 logger.warning("tracing ahead failed: %r", e)
         with _world_errors("compiling the step"):
-            return self.loop.compile(step, traced)
+            return self.loop.compile(step, traced, snapshots=self.writer is not None)
 
     @ray.method(num_returns="streaming")
-    def run_chunk(self, start_step: int, num_steps: int, final_step: int):
+    def run_chunk(self, start_step: int, num_steps: int, final_step: int, snapshot_every: Optional[int] = None):
         """Run steps ``start_step ..``; stream what the controller needs.
 
-        Snapshot-keeping processes yield, for every step: the snapshot (when due) and
-        then the step's metrics. The others yield the chunk's metrics once at the end.
-        Checkpoints are started after every ``checkpoint_every`` steps and after
-        ``final_step``, by every process (each writes its own shards).
+        One step stays in flight across chunks; the run's last step and a chunk of no steps (the
+        controller's way to stop at a step boundary) finish every step. Snapshot-keeping processes
+        take a snapshot after every ``snapshot_every``-th step and stream their finished steps'
+        metrics at most every ``FLUSH_S`` and at the chunk's end: a list of step metrics, the
+        last item carrying the steps kept. A step is streamed only once its snapshot is kept, so
+        the controller never knows of a step that no snapshot covers when one was due. The others
+        stream their finished steps once, at the end. Checkpoints are started after every
+        ``checkpoint_every`` steps and after ``final_step``, by every process (each writes its
+        own shards).
         """
         c = self.config
+        every = snapshot_every if snapshot_every is not None else (1 if c.snapshot_every == "auto" else c.snapshot_every)
         streams = self.plan.takes_snapshots(self.process_id)
-        done = []
-        for step in range(start_step, start_step + num_steps):
+        end = start_step + num_steps
+        flush_at = time.monotonic()  # the first finished step goes out at once: progress is seen early
+        for step in range(start_step, end):
             with _world_errors(f"step {step}"):
-                metrics = self.loop.step(step)
+                self.loop.dispatch(step)
                 if c.checkpoint_dir and is_checkpoint_step(step, c.checkpoint_every, final_step):
-                    metrics["checkpoint_step"] = step + 1
                     with self._saving():
-                        metrics["checkpoint_blocking_s"] = self.loop.save_checkpoint(step + 1, self._metadata(step + 1))
-            if self.loop.checkpointer is not None:
-                finished = self.loop.checkpointer.finished_saves()
-                if finished:
-                    metrics["checkpoints_committed"] = finished
-            self.last_step = step
-            if streams:
-                if is_snapshot_step(step, c.snapshot_every):
-                    yield {"step": step, **self.loop.snapshot()}
-                yield metrics
-            else:
-                done.append(metrics)
-        if not streams:
-            yield done
+                        blocking = self.loop.save_checkpoint(step + 1, self._metadata(step + 1))
+                    self._extra[step] = {"checkpoint_step": step + 1, "checkpoint_blocking_s": blocking}
+                if self.writer is not None and is_snapshot_step(step, every):
+                    self.writer.submit(step, functools.partial(jax_world_host_blocks, self.loop.snapshot_copy()))
+                while self.loop.in_flight() > IN_FLIGHT:
+                    self._finish_one()
+            if streams and time.monotonic() >= flush_at:
+                flush_at = time.monotonic() + FLUSH_S
+                item = self._report()
+                if item:
+                    yield item
+        if num_steps == 0 or end - 1 >= final_step:
+            with _world_errors(f"step {end - 1}"):
+                while self.loop.in_flight():
+                    self._finish_one()
+                if self.writer is not None:
+                    self.writer.wait()
+        yield self._report()
+
+    def _finish_one(self) -> None:
+        metrics = self.loop.finish()
+        metrics["finished_at"] = time.time()  # streamed later: benchmarks time steps by this, not by arrival
+        metrics.update(self._extra.pop(metrics["step"], {}))
+        if self.loop.checkpointer is not None:
+            finished = self.loop.checkpointer.finished_saves()
+            if finished:
+                metrics["checkpoints_committed"] = finished
+        self.last_step = metrics["step"]
+        self._finished.append(metrics)
+
+    def _report(self) -> dict:
+        """Finished steps to stream (those before the step whose snapshot is still being written),
+        and the steps kept since the last report with the seconds each snapshot cost."""
+        pending = self.writer.pending() if self.writer is not None else None
+        kept, seconds = self.writer.take_kept() if self.writer is not None else ([], [])
+        cut = len(self._finished) if pending is None else sum(m["step"] < pending for m in self._finished)
+        ready, self._finished = self._finished[:cut], self._finished[cut:]
+        if ready:
+            self._reported = ready[-1]["step"]
+        # A step is named kept only once its metrics are streamed too (its loss may be read later).
+        kept = self._kept_early + kept
+        self._kept_early = [k for k in kept if k > self._reported]
+        kept = [k for k in kept if k <= self._reported]
+        return {"steps": ready, "kept": kept, "snapshot_s": seconds} if ready or kept or seconds else {}
 
     @contextlib.contextmanager
     def _saving(self):

@@ -20,6 +20,8 @@ from ray_elastic.config import ElasticConfig
 from ray_elastic.errors import FormingError, HostLost, ProcessFailed
 from ray_elastic.placement import SLICE_NAME_LABEL, SliceReservation
 from ray_elastic.plan import WorldPlan
+from ray_elastic.snapshot_keeper import SnapshotKeeper
+from ray_elastic.snapshots import SnapshotRef
 from ray_elastic.worker import SliceWorker
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,16 @@ class WorkerPool:
         self.env = env or {}  # forwarded to every slice process (GCS endpoint and credentials)
         # (id(reservation), host) -> standbys, oldest first
         self._standby: dict[tuple[int, int], list[Standby]] = {}
+        self._keepers: dict[tuple[int, int], ray.actor.ActorHandle] = {}  # (id(reservation), host) -> keeper
+
+    def keeper(self, res: SliceReservation, host: int) -> ray.actor.ActorHandle:
+        """The host's snapshot keeper, started with the first process placed there: it lives in the
+        slice's placement group until the slice leaves, so it outlives every slice process."""
+        key = (id(res), host)
+        if key not in self._keepers:
+            self._keepers[key] = SnapshotKeeper.options(
+                num_cpus=0, scheduling_strategy=res.host_strategy(host)).remote()
+        return self._keepers[key]
 
     def _start(self, res: SliceReservation, host: int) -> Standby:
         options = {"num_cpus": 0, "scheduling_strategy": res.host_strategy(host)}
@@ -86,6 +98,7 @@ class WorkerPool:
         """
         for res in reservations:
             for h in range(res.spec.num_hosts):
+                self.keeper(res, h)
                 queue = self._standby.setdefault((id(res), h), [])
                 while len(queue) < self.config.standby_workers:
                     queue.append(self._start(res, h))
@@ -107,12 +120,18 @@ class WorkerPool:
         for h in range(res.spec.num_hosts):
             for s in self._standby.pop((id(res), h), []):
                 _kill(s.actor)
+            keeper = self._keepers.pop((id(res), h), None)
+            if keeper is not None:
+                _kill(keeper)
 
     def shutdown(self) -> None:
         for queue in self._standby.values():
             for s in queue:
                 _kill(s.actor)
         self._standby.clear()
+        for keeper in self._keepers.values():
+            _kill(keeper)
+        self._keepers.clear()
 
 
 def _host_labels(reservations: list[SliceReservation]) -> Optional[list[list[dict]]]:
@@ -189,9 +208,10 @@ class World:
     """The actors of one generation, in process-id order, and their plan."""
 
     def __init__(self, plan: WorldPlan, workers: list, host_infos: list[dict], times: FormationTimes,
-                 join_infos: list[dict], reservations: list[SliceReservation]):
+                 join_infos: list[dict], reservations: list[SliceReservation], keepers: list):
         self.plan = plan
         self.workers = workers
+        self.keepers = keepers  # per process: its host's snapshot keeper
         self.host_infos = host_infos
         self.times = times
         self.join_infos = join_infos
@@ -206,14 +226,14 @@ class World:
         pool: WorkerPool,
         config: ElasticConfig,
         start_step: int,
-        restore: Optional[Callable[[str], Optional[list]]] = None,
+        restore: Optional[Callable[[str], Optional[list[SnapshotRef]]]] = None,
         checkpoint_step: Optional[int] = None,
         checkpoint_dir: Optional[str] = None,
     ) -> "World":
         """Take one actor per host of each slice, join them into one JAX world, load state, compile.
 
         Args:
-            restore: slice name -> per-host snapshot refs it loads (None: fresh parameters).
+            restore: slice name -> per-host snapshots it loads (:class:`SnapshotRef`; None: fresh parameters).
             checkpoint_step: every process loads this committed checkpoint instead (steps completed),
                 from ``checkpoint_dir`` when given (else the run's own).
         """
@@ -238,17 +258,20 @@ class World:
                 labels = [[{"slice_name": i["slice_name"], "tpu_worker_id": i["tpu_worker_id"]}
                            for i in infos[s * spec.num_hosts:(s + 1) * spec.num_hosts]] for s in range(len(known))]
             # Order hosts inside a slice by TPU worker id: process ids follow the hardware.
-            workers, host_prepared = [], []
-            for sa, sp, sl in zip(actors, prepared, labels):
+            workers, host_prepared, keepers = [], [], []
+            for res, sa, sp, sl in zip(reservations, actors, prepared, labels):
                 order = sorted(range(len(sa)), key=lambda i: int(sl[i]["tpu_worker_id"] or i))
                 workers.append([sa[i] for i in order])
                 host_prepared.append([sp[i] for i in order])
+                keepers.append([pool.keeper(res, i) for i in order])  # each process's own host's
             names = [sl[0]["slice_name"] or f"slice-{i}" for i, sl in enumerate(labels)]
             for res, name in zip(reservations, names):
                 res.slice_name = name
             plan = config.world_plan(generation, names)
             times.start_actors_s = time.perf_counter() - t0
 
+            # Steps from start_step on are run again: what earlier worlds kept of them is dropped.
+            begun = [k.begin.remote(generation, start_step) for ks in keepers for k in ks]
             watch = _placed(reservations, names)
             coordinator, = _gather([workers[0][0].reserve_coordinator_port.remote()], names[:1],
                                    config.jax_init_timeout_s, watch=watch)
@@ -256,12 +279,12 @@ class World:
             for s, sw in enumerate(workers):
                 refs = restore(names[s]) if restore is not None else None
                 for h, w in enumerate(sw):
-                    src = [refs[h]] if refs is not None else None
                     joins.append(w.join_world.remote(
                         plan, slice_index=s, host_index=h, coordinator_address=coordinator,
-                        timeout_s=config.jax_init_timeout_s, snapshot=src, checkpoint_step=checkpoint_step,
-                        checkpoint_dir=checkpoint_dir))
+                        timeout_s=config.jax_init_timeout_s, snapshot=refs[h] if refs is not None else None,
+                        checkpoint_step=checkpoint_step, checkpoint_dir=checkpoint_dir, keeper=keepers[s][h]))
             owners = [n for n in names for _ in range(spec.num_hosts)]  # slice of each process, plan order
+            _gather(begun, owners, config.jax_init_timeout_s, watch=watch)
             joins = _gather(joins, owners, config.jax_init_timeout_s * 2, watch=watch)
             host_infos = [ray.get(sp, timeout=config.jax_init_timeout_s) for sp in host_prepared]
             times.jax_init_s = max(j["init_s"] for j in joins)
@@ -278,7 +301,8 @@ class World:
                     _kill(a)
             raise
         logger.info("world %d formed in %.2fs: %s", generation, times.total_s, plan.mesh_shape)
-        return cls(plan, flat, [i for hi in host_infos for i in hi], times, joins, list(reservations))
+        return cls(plan, flat, [i for hi in host_infos for i in hi], times, joins, list(reservations),
+                   [k for ks in keepers for k in ks])
 
     def slice_of(self, process_id: int) -> str:
         return self.plan.slice_names[process_id // self.plan.hosts_per_slice]
@@ -289,9 +313,9 @@ class World:
             out.setdefault(self.slice_of(pid), []).append(info["node_id"])
         return out
 
-    def run_chunk(self, start_step: int, num_steps: int, final_step: int) -> list:
+    def run_chunk(self, start_step: int, num_steps: int, final_step: int, snapshot_every: int) -> list:
         """Start a chunk of steps on every process; one streaming generator per process."""
-        return [w.run_chunk.remote(start_step, num_steps, final_step) for w in self.workers]
+        return [w.run_chunk.remote(start_step, num_steps, final_step, snapshot_every) for w in self.workers]
 
     def finish_checkpoints(self, timeout_s: float, save_step: Optional[int] = None) -> list:
         """Wait for every process's in-flight checkpoint save to commit (a planned stop, not a failure);

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 from ray_elastic.errors import FormingError, StorageError
 from ray_elastic.plan import ErrorKind, is_snapshot_step
+from ray_elastic.snapshots import SnapshotRef
 from ray_elastic.states import OutcomeKind, RunOutcome
 from ray_elastic.world import FormationTimes
 
@@ -110,10 +111,12 @@ class FakeStreams:
                     return outcome
             self.backend.steps_run.append((self.world.plan.generation, step))
             self.on_metrics({"step": step, "loss": 1.0 / (step + 1), "step_time_s": 0.001})
-            if is_snapshot_step(step, self.backend.config.snapshot_every):
+            every = self.backend.config.snapshot_every
+            if is_snapshot_step(step, 1 if every == "auto" else every):
                 for p in range(self.world.plan.num_processes):
                     if self.world.plan.takes_snapshots(p):
-                        self.store.add(self.world.slice_of(p), 0, step, ("snapshot", step))
+                        self.store.add(self.world.slice_of(p), 0, step,
+                                       SnapshotRef(None, self.world.plan.generation, step))
         return RunOutcome(OutcomeKind.DONE)
 
     def drain(self, timeout_s: float, errors: dict) -> None:
@@ -209,12 +212,12 @@ class FakeBackend:
         for n in names:
             refs = restore(n)
             if refs is not None:
-                restored[n] = refs[0][1]
+                restored[n] = refs[0].step
         world = FakeWorld(self, plan, reservations, restored)
         self.formed.append(world)
         return world
 
-    def drive(self, world, store, on_metrics, step_times) -> FakeStreams:
+    def drive(self, world, store, on_metrics, step_times, on_interval=None) -> FakeStreams:
         return FakeStreams(self, world, store, on_metrics)
 
     def error_kind(self, error: BaseException) -> ErrorKind:

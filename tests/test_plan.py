@@ -180,3 +180,16 @@ def test_newest_snapshot_step_follows_the_snapshot_rule():
             want = max([s for s in range(step + 1) if is_snapshot_step(s, every)], default=-1)
             assert newest_snapshot_step(step, every) == want, (step, every)
     assert newest_snapshot_step(10, 0) == -1
+
+
+def test_snapshot_interval_keeps_the_cost_under_the_budget():
+    from ray_elastic.plan import snapshot_interval
+
+    # 4 ms per snapshot on 100 ms steps: every step costs 4%; every 2nd step 2%, within a 2% budget.
+    assert snapshot_interval([0.004] * 5, [0.1] * 5, 0.02) == 2
+    assert snapshot_interval([0.0041] * 5, [0.1] * 5, 0.02) == 3
+    assert snapshot_interval([0.001], [0.1], 0.02) == 1  # cheap: every step, zero rewind
+    assert snapshot_interval([], [0.1], 0.02, current=1) == 1  # nothing measured yet: as it is
+    assert snapshot_interval([5.0], [0.01], 0.02, max_every=50) == 50
+    # Medians: one slow snapshot (a keeper starting) does not set the interval.
+    assert snapshot_interval([0.001, 0.001, 2.0], [0.1] * 3, 0.02) == 1

@@ -1,0 +1,229 @@
+"""The scale curve: how steady-state cost and recovery grow with the world, and what limits the driver.
+
+Two parts:
+
+1. **Simulated clusters** at 2, 4 and 8 one-host slices (1 CPU device per host, so 8 fit
+   on this machine) and 2 two-host slices: per world, the best bare multi-process JAX loop
+   against ray-elastic with default settings (the overhead ratio), then one process kill
+   and one lost node (kill -> first step after recovery, and detection).
+2. **Driver model** at 64, 256 and 1024 processes: the controller's real per-step path
+   (``StepStreams``: chunks submitted as Ray streaming generators, every item read, the
+   snapshot holders' reports folded into the snapshot store and the step ledger) driving
+   scripted streams instead of JAX (a few async Ray actors play every process and yield
+   what a slice process yields, at a fixed step time). Reports driver CPU per step.
+
+Last line, one JSON object: ``{"clusters": [{...}, ...], "driver": [{"processes": N,
+"driver_cpu_ms_per_step": ...}, ...]}``; ``--plot scale.png`` draws the curve.
+
+    .venv/bin/python bench/scale.py [--slices 2 4 8] [--processes 64 256 1024] [--plot docs/scale.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+BATCH = 48
+
+
+# ----------------------------------------------------------------------------- part 1: clusters
+def cluster_point(num_slices: int, hosts: int, steps: int) -> dict:
+    """Overhead ratio and recovery figures of one world size on its own simulated cluster."""
+    import overhead
+    from ray_elastic import ElasticConfig, ElasticTrainer
+    from ray_elastic.examples.char_transformer import CharTransformerTask
+    from ray_elastic.sim import SimulatedTPUCluster
+
+    overhead.NUM_SLICES, overhead.DEVICES = num_slices * hosts, 1
+    bare = overhead.run_bare(steps, "small", 1)["step_s"]
+    with SimulatedTPUCluster(num_slices=num_slices, devices_per_host=1, hosts_per_slice=hosts,
+                             log_to_driver=False) as cluster:
+        cfg = dict(num_slices=num_slices, global_batch_size=BATCH, slice=cluster.slice_spec, steps_per_chunk=20,
+                   snapshot_replicas=num_slices, standby_workers=1, min_slices=1)
+        task = CharTransformerTask(max_chars=100_000, **overhead.MODELS["small"])
+        steady = ElasticTrainer(task, ElasticConfig(**cfg), progress=False).fit(steps)
+        ray_step = statistics.mean(steady.step_times[steps // 2:])
+
+        kills = [("process", 0), ("node", num_slices - 1)]  # the coordinator's process; the last slice's host
+        fired: list[dict] = []
+        done_at: list[float] = []
+
+        def on_step(m: dict) -> None:
+            done_at.append(m["finished_at"])
+            t = box["t"]
+            if kills and m["step"] >= box["next"] and t.world.plan.num_slices == num_slices and t.backend.warm(t.gens.members):
+                kind, pos = kills.pop(0)
+                fired.append({"kind": kind, "at": time.time()})
+                if kind == "process":
+                    os.kill(t.world.host_infos[pos * hosts]["pid"], signal.SIGKILL)
+                else:
+                    name = t.world.plan.slice_names[pos]
+                    target = cluster.kill_slice if hosts == 1 else (lambda n: cluster.kill_host(n, hosts - 1))
+                    threading.Thread(target=target, args=(name,), daemon=True).start()
+                box["next"] = m["step"] + 20
+
+        box = {"next": 10}
+        t = box["t"] = ElasticTrainer(task, ElasticConfig(**cfg), progress=False, on_step=on_step)
+        regrow = threading.Thread(target=_regrow, args=(cluster, num_slices, box), daemon=True)
+        regrow.start()
+        result = t.fit(80)
+        box["stop"] = True
+        rows = []
+        for f in fired:
+            recs = [r for r in result.recoveries if r.ready_at > f["at"]]
+            fails = [e for e in result.events if e["kind"] == "failure" and e["ts"] > f["at"]]
+            if recs and fails:
+                first = min(a for a in done_at if a > recs[0].ready_at)
+                rows.append({"kind": f["kind"], "detection_s": round(fails[0]["ts"] - fails[0]["classify_s"] - f["at"], 3),
+                             "kill_to_step_s": round(first - f["at"], 3), "steps_rewound": recs[0].steps_rewound})
+    return {"slices": num_slices, "hosts_per_slice": hosts, "processes": num_slices * hosts,
+            "bare_step_ms": round(bare * 1e3, 2), "step_ms": round(ray_step * 1e3, 2),
+            "overhead_ratio": round(ray_step / bare, 4), "recoveries": rows}
+
+
+def _regrow(cluster, num_slices: int, box: dict) -> None:
+    """Bring a lost slice back a few seconds later, so the next kill finds a full world."""
+    while not box.get("stop"):
+        time.sleep(1.0)
+        cluster.reap_dead_slices()
+        if len(cluster.alive_slices()) < num_slices:
+            time.sleep(2.0)
+            cluster.add_slice()
+
+
+# ----------------------------------------------------------------------------- part 2: driver model
+def driver_point(processes: int, steps: int, step_s: float, holders: int, actors: int) -> dict:
+    """Driver CPU per step of ``StepStreams`` driving ``processes`` scripted streams."""
+    import ray
+
+    from ray_elastic.config import ElasticConfig, SliceSpec
+    from ray_elastic.plan import plan_world
+    from ray_elastic.snapshots import SnapshotStore
+    from ray_elastic.stepping import StepStreams
+    from ray_elastic.worker import FLUSH_S
+
+    @ray.remote(num_cpus=0, max_concurrency=100_000)
+    class Script:
+        """Plays slice processes: what ``SliceWorker.run_chunk`` yields, without JAX."""
+
+        async def run_chunk(self, pid, start, n, final, every, holder, step_s):
+            loop = asyncio.get_running_loop()
+            t_start = loop.time()
+            batch, flush_at = [], loop.time()
+            for step in range(start, start + n):
+                await asyncio.sleep(max(0.0, t_start + (step - start + 1) * step_s - loop.time()))
+                batch.append({"step": step, "loss": 1.0, "step_time_s": step_s, "finished_at": time.time()})
+                if holder and loop.time() >= flush_at:
+                    flush_at = loop.time() + FLUSH_S
+                    yield {"steps": batch, "kept": [m["step"] for m in batch], "snapshot_s": [0.001] * len(batch)}
+                    batch = []
+            yield {"steps": batch, "kept": [m["step"] for m in batch] if holder else [], "snapshot_s": []}
+
+    scripts = [Script.remote() for _ in range(actors)]
+    ray.get([s.__ray_ready__.remote() for s in scripts])
+    plan = plan_world(0, [f"s{i}" for i in range(processes)], 1, 1, processes, snapshot_slices=holders)
+
+    class ScriptedWorld:
+        def __init__(self):
+            self.plan, self.workers, self.keepers = plan, scripts, [None] * processes
+
+        def slice_of(self, p: int) -> str:
+            return plan.slice_names[p]
+
+        def run_chunk(self, start, n, final, every):
+            return [scripts[p % actors].run_chunk.options(num_returns="streaming").remote(
+                p, start, n, final, every, plan.takes_snapshots(p), step_s) for p in range(processes)]
+
+    cfg = ElasticConfig(num_slices=1, global_batch_size=1, slice=SliceSpec(devices_per_host=1),
+                        steps_per_chunk=ElasticConfig.steps_per_chunk, hang_timeout_min_s=600)
+    ledger: list[dict] = []
+    streams = StepStreams(ScriptedWorld(), cfg, SnapshotStore(1), ledger.append, [])
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    streams.run(0, steps, lambda: False)
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    for s in scripts:
+        ray.kill(s)
+    assert [m["step"] for m in ledger] == list(range(steps)), "the driver lost steps"
+    return {"processes": processes, "holders": holders, "steps": steps, "steps_per_chunk": cfg.steps_per_chunk,
+            "driver_cpu_ms_per_step": round(cpu / steps * 1e3, 3), "wall_ms_per_step": round(wall / steps * 1e3, 2),
+            "scripted_step_ms": step_s * 1e3}
+
+
+def plot(out: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    one = [c for c in out["clusters"] if c["hosts_per_slice"] == 1]
+    if one:
+        a.plot([c["processes"] for c in one], [c["overhead_ratio"] for c in one], "o-", label="step time / bare loop")
+        for kind, marker in (("process", "s--"), ("node", "^--")):
+            pts = [(c["processes"], r["kill_to_step_s"]) for c in one for r in c["recoveries"] if r["kind"] == kind]
+            if pts:
+                a2 = a.twinx() if kind == "process" else a2  # noqa: F821
+                a2.plot(*zip(*pts), marker, label=f"{kind} kill -> step (s)")
+        a.set_xlabel("processes (1-host slices)")
+        a.set_ylabel("overhead ratio")
+        a.set_title("simulated cluster")
+        a.legend(loc="upper left", fontsize=8)
+        a2.set_ylabel("seconds")
+        a2.legend(loc="lower right", fontsize=8)
+    d = out["driver"]
+    b.plot([x["processes"] for x in d], [x["driver_cpu_ms_per_step"] for x in d], "o-")
+    b.axhline(5.0, color="grey", ls=":", label="goal: 5 ms/step at 1024")
+    b.set_xscale("log", base=2)
+    b.set_xlabel("processes (driver model)")
+    b.set_ylabel("driver CPU ms per step")
+    b.set_title("controller path, scripted streams")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--slices", type=int, nargs="*", default=[2, 4, 8])
+    ap.add_argument("--multihost", type=int, default=2, help="also this many 2-host slices (0: skip)")
+    ap.add_argument("--steps", type=int, default=100, help="steps of each steady-state run")
+    ap.add_argument("--processes", type=int, nargs="*", default=[64, 256, 1024])
+    ap.add_argument("--model-steps", type=int, default=100)
+    ap.add_argument("--model-step-ms", type=float, default=100.0)
+    ap.add_argument("--plot", default=None, help="write the curve to this PNG")
+    args = ap.parse_args()
+
+    out: dict = {"clusters": [], "driver": []}
+    for n in args.slices:
+        out["clusters"].append(cluster_point(n, 1, args.steps))
+        print(json.dumps(out["clusters"][-1]), flush=True)
+    if args.multihost:
+        out["clusters"].append(cluster_point(args.multihost, 2, args.steps))
+        print(json.dumps(out["clusters"][-1]), flush=True)
+    if args.processes:
+        import ray
+
+        from ray_elastic.sim import SimulatedTPUCluster
+
+        with SimulatedTPUCluster(num_slices=1, devices_per_host=1, log_to_driver=False):
+            for n in args.processes:
+                out["driver"].append(driver_point(n, args.model_steps, args.model_step_ms / 1e3,
+                                                  holders=3, actors=8))
+                print(json.dumps(out["driver"][-1]), flush=True)
+        assert not ray.is_initialized() or True
+    if args.plot:
+        plot(out, args.plot)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

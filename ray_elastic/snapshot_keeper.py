@@ -1,0 +1,133 @@
+"""In-memory snapshots off the step's critical path: a keeper per slice host, fed from a writer thread.
+
+A snapshot must outlive the process that took it (a killed process is the most
+common fault) and die with its node (a snapshot on a lost host must never be
+trusted). Ray 2.56 removed ``ray.put(..., _owner=...)``, so an object a process
+puts dies with that process; instead a small :class:`SnapshotKeeper` actor per
+slice host, started in the slice's placement group and living as long as the
+reservation, holds the newest snapshots of that host's process in its own
+memory. The slice process hands them over from :class:`SnapshotWriter`'s
+background thread, so the step loop only dispatches a device-side copy and goes on.
+
+The keeper answers which (generation, step) snapshots it holds; the driver asks at
+recovery and learns the rest from the steps the writer reports as kept, piggy-backed
+on the metrics the process streams anyway. A keeper holds a step only once the whole
+state after it was copied to host, which needs the step's collectives to have
+finished on every process: a held step is a finished step.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from typing import Callable, Optional
+
+import logging
+
+import numpy as np
+import ray
+
+logger = logging.getLogger(__name__)
+KEEP_STEPS = 2  # per host: the newest two, so the hosts of one slice always share one step
+
+
+@ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)
+class SnapshotKeeper:
+    """The newest snapshots of one slice host's process, by (generation, step)."""
+
+    def __init__(self, keep_steps: int = KEEP_STEPS):
+        self.keep_steps = keep_steps
+        self._entries: dict[tuple[int, int], dict] = {}
+        self._generation, self._start = -1, 0
+
+    def begin(self, generation: int, start_step: int) -> None:
+        """A world of ``generation`` starts after ``start_step - 1``: steps from ``start_step`` on are
+        run again by it, so what earlier worlds kept of them (after a resize, other numbers) is dropped,
+        and a late write from an earlier world is refused."""
+        self._generation, self._start = generation, start_step
+        for key in [k for k in self._entries if k[1] >= start_step]:
+            del self._entries[key]
+
+    def keep(self, generation: int, step: int, snapshot: dict) -> bool:
+        """Hold ``snapshot`` (blocks and ranges, copied out of the call's arguments); False when refused."""
+        if generation < self._generation:
+            return False
+        self._entries[(generation, step)] = {"leaves": [np.array(b, copy=True) for b in snapshot["leaves"]],
+                                             "ranges": snapshot["ranges"], "step": step}
+        for key in sorted(self._entries)[:-self.keep_steps]:
+            del self._entries[key]
+        return True
+
+    def held(self) -> list[tuple[int, int]]:
+        """(generation, step) of every snapshot held."""
+        return sorted(self._entries)
+
+    def fetch(self, generation: int, step: int) -> dict:
+        """The snapshot of ``step`` kept by ``generation``'s process (KeyError when it is gone)."""
+        return self._entries[(generation, step)]
+
+
+class SnapshotWriter:
+    """Hands snapshots to the host's keeper from a background thread, one at a time.
+
+    ``submit`` takes a callable that produces the host copy (it waits for the device copy
+    the step loop dispatched) and returns at once, unless the previous snapshot is still
+    being written: then it waits for it, so a snapshot is never skipped (skipping would
+    leave a reported step without its snapshot) and the cost shows in the step time,
+    where ``snapshot_every="auto"`` sees it.
+    """
+
+    def __init__(self, keeper, generation: int):
+        self.keeper = keeper
+        self.generation = generation
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot-writer")
+        self._future: Optional[concurrent.futures.Future] = None
+        self._lock = threading.Lock()
+        self._kept: list[int] = []
+        self._pending: Optional[int] = None
+        self.seconds: list[float] = []  # per snapshot: host copy + hand-over, and the wait in ``submit``
+
+    def submit(self, step: int, host_copy: Callable[[], dict]) -> None:
+        t0 = time.perf_counter()
+        self.wait()
+        waited = time.perf_counter() - t0
+        self._pending = step
+        self._future = self._pool.submit(self._write, step, host_copy, waited)
+
+    def _write(self, step: int, host_copy: Callable[[], dict], waited: float) -> None:
+        t0 = time.perf_counter()
+        try:
+            ok = ray.get(self.keeper.keep.remote(self.generation, step, host_copy()))
+        except Exception as e:  # noqa: BLE001 - the step goes on without this snapshot; recovery may rewind
+            logger.warning("snapshot of step %d not kept: %r", step, e)
+            ok = False
+        with self._lock:
+            if ok:
+                self._kept.append(step)
+            self.seconds.append(time.perf_counter() - t0 + waited)
+
+    def wait(self) -> None:
+        """Until the snapshot in flight is kept; raises what writing it raised."""
+        if self._future is not None:
+            future, self._future = self._future, None
+            try:
+                future.result()
+            finally:
+                self._pending = None
+
+    def pending(self) -> Optional[int]:
+        """The step whose snapshot is being written (None: none)."""
+        if self._future is not None and self._future.done():
+            self.wait()
+        return self._pending
+
+    def take_kept(self) -> tuple[list[int], list[float]]:
+        """Steps kept and seconds spent since the last call."""
+        with self._lock:
+            kept, self._kept = self._kept, []
+            seconds, self.seconds = self.seconds, []
+        return kept, seconds
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
