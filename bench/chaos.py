@@ -172,8 +172,8 @@ def run_phase(cluster, *, steps: int, faults: int, every_s: float, kinds, hosts:
         # max_failures: the bench injects faults far faster than a cluster meets them (a fault can
         # be two or three failures); max_failures_in_a_row still stops a run that makes no progress.
         return ElasticConfig(num_slices=n, global_batch_size=GBS, slice=cluster.slice_spec, steps_per_chunk=10,
-                             seed=SEED, hang_timeout_min_s=3.0, replacement_timeout_s=120.0,
-                             max_failures=max(30, 4 * faults, int(steps)), **kw)
+                             seed=SEED, hang_timeout_min_s=3.0, replacement_timeout_s=120.0, snapshot_every=1,
+                             max_failures=max(30, 4 * faults, int(steps)), **kw)  # every step: 0 rewinds is a goal
 
     t0 = time.time()
     full = ElasticTrainer(DigitsMLPTask(), cfg(num_slices), progress=False).fit(steps).losses

@@ -61,12 +61,13 @@ def bare_worker(process_id: int, coordinator: str, steps: int, out: str, model: 
             json.dump({"step_s": statistics.mean(times), "state_bytes": state_bytes}, f)
 
 
-def run_bare(steps: int, model: str, in_flight: int) -> dict:
+def run_bare(steps: int, model: str, in_flight: int, **env_vars: str) -> dict:
     from ray_elastic.sim import free_port
 
     out = f"/tmp/ray-elastic-bare-{os.getpid()}.json"
     coord = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}",
+           **env_vars}
     procs = [subprocess.Popen([sys.executable, __file__, "--bare-worker", str(i), coord, str(steps), out, model,
                                str(in_flight)], env=env)
              for i in range(NUM_SLICES)]
@@ -109,11 +110,14 @@ def main() -> None:
     runs = {  # name -> (model, what runs it)
         "bare": ("small", lambda c, n: run_bare(n, "small", 1)),
         "bare_blocking": ("small", lambda c, n: run_bare(n, "small", 0)),
+        # What Ray sets inside a num_cpus=0 actor: does XLA's CPU runtime care?
+        "bare_omp_1": ("small", lambda c, n: run_bare(n, "small", 1, OMP_NUM_THREADS="1")),
         "default": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", **snap)),
         "no_snapshots": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", snapshot_every=0)),
         "every_step": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", snapshot_every=1)),
         "every_step_2_replicas": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", snapshot_every=1,
                                                                   snapshot_replicas=2)),
+        "default_nice_0": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", worker_niceness=0, **snap)),
         "bare_large": ("large", lambda c, n: run_bare(n, "large", 1)),
         "default_large": ("large", lambda c, n: run_ray(n, c.slice_spec, "large", **snap)),
     }
@@ -132,6 +136,8 @@ def main() -> None:
         "overhead_ratio_every_step": ratio("every_step", "bare"),
         "overhead_ratio_every_step_2_replicas": ratio("every_step_2_replicas", "bare"),
         "blocking_loop_ratio": ratio("bare_blocking", "bare"),
+        "overhead_ratio_nice_0": ratio("default_nice_0", "bare"),
+        "bare_omp_1_ratio": ratio("bare_omp_1", "bare"),
         "snapshot_every_chosen": got["default"][-1]["snapshot_every"],
         "snapshot_every_chosen_large": got["default_large"][-1]["snapshot_every"],
         "state_bytes_per_process": got["bare"][-1]["state_bytes"],

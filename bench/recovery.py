@@ -121,7 +121,7 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
             box["quiet_until"] = max(box["quiet_until"], time.time() + gap_s)
 
     cfg = ElasticConfig(num_slices=3, global_batch_size=48, slice=cluster.slice_spec, steps_per_chunk=10, mode=mode,
-                        min_slices=1)
+                        min_slices=1, snapshot_every=1)  # a snapshot after every step: any rewind is a bug here
     trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=on_step, on_event=on_event)
     box["t"] = trainer
     try:

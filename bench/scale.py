@@ -115,6 +115,7 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
     class Script:
         """Plays slice processes: what ``SliceWorker.run_chunk`` yields, without JAX."""
 
+        @ray.method(num_returns="streaming")
         async def run_chunk(self, pid, start, n, final, every, holder, step_s):
             loop = asyncio.get_running_loop()
             t_start = loop.time()
@@ -140,8 +141,8 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
             return plan.slice_names[p]
 
         def run_chunk(self, start, n, final, every):
-            return [scripts[p % actors].run_chunk.options(num_returns="streaming").remote(
-                p, start, n, final, every, plan.takes_snapshots(p), step_s) for p in range(processes)]
+            return [scripts[p % actors].run_chunk.remote(p, start, n, final, every, plan.takes_snapshots(p), step_s)
+                    for p in range(processes)]
 
     cfg = ElasticConfig(num_slices=1, global_batch_size=1, slice=SliceSpec(devices_per_host=1),
                         steps_per_chunk=ElasticConfig.steps_per_chunk, hang_timeout_min_s=600)

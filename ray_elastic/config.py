@@ -187,7 +187,7 @@ class ElasticConfig:
     compilation_cache_dir: Optional[str] = "/tmp/ray-elastic-jax-cache"
     slice_timeout_s: float = 300.0
     jax_init_timeout_s: float = 120.0
-    snapshot_every: Union[int, str] = 1
+    snapshot_every: Union[int, str] = "auto"
     snapshot_budget: float = 0.02
     snapshot_replicas: int = 3
     allow_restart_from_scratch: bool = False

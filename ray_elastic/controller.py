@@ -227,7 +227,7 @@ class ElasticTrainer:
         self.ledger.start_world(world.plan.generation, streams.take_snapshot_steps)
         t0 = time.perf_counter()
         outcome = streams.run(start, num_steps, self.gens.capacity_returned)
-        if outcome.kind is OutcomeKind.FAILURE:  # what survivors already streamed (their last snapshots)
+        if outcome.kind in (OutcomeKind.FAILURE, OutcomeKind.HANG):  # what survivors streamed, and their keepers hold
             streams.drain(DRAIN_S, outcome.errors)
         self.ledger.flush()
         self.events.emit("chunk_run", generation=world.plan.generation, first_step=start,

@@ -202,6 +202,9 @@ class Generations:
         """The newest state among ``members``' snapshots and the committed checkpoints (``resume``: the
         checkpoint the run starts from, the first world only)."""
         names = [r.slice_name for r in members if r.slice_name]
+        entries = self.store.entries(names)
+        for i in self.backend.missing_snapshots([ref for *_, ref in entries]):  # a keeper let go of it
+            self.store.drop(*entries[i][:3])
         directory, step = (self.resume_dir, resume.restore_step) if resume is not None else self._checkpoint()
         plan = choose_restore(self.store.latest_complete(names), step)
         if plan.source is RestoreSource.CHECKPOINT and directory != self.config.checkpoint_dir:

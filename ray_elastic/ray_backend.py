@@ -63,6 +63,22 @@ class RayBackend:
     def replenish(self, members: list) -> None:
         self.pool.replenish(members)
 
+    def missing_snapshots(self, refs: list, timeout_s: float = 1.0) -> set[int]:
+        """Indices of ``refs`` (:class:`SnapshotRef`) whose keeper answers but no longer holds them."""
+        keepers = {}
+        for r in refs:
+            keepers.setdefault(r.keeper._actor_id, r.keeper)
+        asks = {k.held.remote(): aid for aid, k in keepers.items()}
+        ready, _ = ray.wait(list(asks), num_returns=len(asks), timeout=timeout_s)
+        held = {}
+        for ref in ready:
+            try:
+                held[asks[ref]] = set(ray.get(ref))
+            except Exception:  # noqa: BLE001 - gone with its node: the slice's loss is decided elsewhere
+                continue
+        return {i for i, r in enumerate(refs)
+                if r.keeper._actor_id in held and (r.generation, r.step) not in held[r.keeper._actor_id]}
+
     def warm(self, reservations: list) -> bool:
         return self.pool.warm(reservations)
 

@@ -29,7 +29,8 @@ import numpy as np
 import ray
 
 logger = logging.getLogger(__name__)
-KEEP_STEPS = 2  # per host: the newest two, so the hosts of one slice always share one step
+KEEP_STEPS = 3  # per host: the newest three, so the hosts of one slice (in lockstep, but handing over
+                # in the background) always share one step
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)

@@ -46,6 +46,31 @@ class SnapshotStore:
                 out[name] = max(done)
         return out
 
+    def hold_only(self, slice_name: str, host: int, held: dict[int, Any]) -> None:
+        """What one host's keeper really holds (step -> ref), replacing what the reports said: the
+        reports of a slice's hosts arrive at their own pace, and a keeper may have let go of a step
+        that one of them still names."""
+        steps = self._refs.setdefault(slice_name, {})
+        for s in list(steps):
+            if s not in held:
+                steps[s].pop(host, None)
+                if not steps[s]:
+                    del steps[s]
+        for s, ref in held.items():
+            steps.setdefault(s, {})[host] = ref
+
+    def entries(self, slices) -> list[tuple[str, int, int, Any]]:
+        """(slice, host, step, ref) of every part held for these slices."""
+        return [(name, h, s, ref) for name in slices for s, hosts in self._refs.get(name, {}).items()
+                for h, ref in hosts.items()]
+
+    def drop(self, slice_name: str, host: int, step: int) -> None:
+        """Forget one host's part of a step (its keeper let go of it)."""
+        hosts = self._refs.get(slice_name, {}).get(step, {})
+        hosts.pop(host, None)
+        if not hosts:
+            self._refs.get(slice_name, {}).pop(step, None)
+
     def complete(self, slice_name: str, step: int) -> bool:
         """Every host of the slice has its part of the snapshot of ``step``."""
         return len(self._refs.get(slice_name, {}).get(step, {})) == self.hosts_per_slice

@@ -29,6 +29,7 @@ from ray_elastic.world import World
 CHUNKS_IN_FLIGHT = 2
 POLL_S = 0.25
 KEEPER_POLL_S = 0.05
+KEEPER_ANSWER_S = 0.3  # a live keeper answers in milliseconds; one on a lost node may never
 
 
 @dataclasses.dataclass
@@ -105,6 +106,8 @@ class StepStreams:
             heads = {q[0].gen: p for p, q in enumerate(self.queues) if q}
             if not heads:
                 kind = OutcomeKind.GROW if draining and submitted < end_step else OutcomeKind.DONE
+                if kind is OutcomeKind.GROW:
+                    self.sync_with_keepers()  # the bigger world restores from what they hold
                 return RunOutcome(kind, {}, last_progress_wall)
             limit = watchdog_timeout(self.step_times, self.config.hang_timeout_factor, self.config.hang_timeout_min_s)
             ready, _ = ray.wait(list(heads), num_returns=1, timeout=POLL_S)
@@ -188,12 +191,13 @@ class StepStreams:
                     self._consume(p)
                 except Exception as e:  # noqa: BLE001
                     errors[p] = e
-        holders = [p for p in range(len(self.queues)) if self.streaming[p] and p not in errors]
+        # Every holder's keeper, a failed process's too: its host may live, and its keeper with it.
+        holders = [p for p in range(len(self.queues)) if self.streaming[p]]
         newest = newest_snapshot_step(self._reported, self.interval_at(self._reported))
         deadline = time.monotonic() + newest_s
-        while holders and newest >= 0 and not self._holds(holders, newest):
-            self._ask_keepers(holders)
-            if self._holds(holders, newest) or time.monotonic() >= deadline:
+        while holders:
+            self.sync_with_keepers(holders, timeout_s=KEEPER_ANSWER_S)
+            if newest < 0 or self._holds(holders, newest) or time.monotonic() >= deadline:
                 return
             time.sleep(KEEPER_POLL_S)
 
@@ -201,18 +205,22 @@ class StepStreams:
         """Some slice of ``processes`` has every host's part of the snapshot of ``step``."""
         return any(self.store.complete(self.world.slice_of(p), step) for p in processes)
 
-    def _ask_keepers(self, processes: list[int]) -> None:
-        """Add to the store what these processes' keepers hold of this world, up to the newest reported step."""
+    def sync_with_keepers(self, processes: Optional[list[int]] = None, timeout_s: float = 1.0) -> None:
+        """Make the store say what these processes' keepers really hold (all snapshot holders by
+        default), up to the newest reported step (later ones have no metrics in the run: they are
+        run again). A keeper that does not answer (its node is gone) is left as the store has it:
+        the slice's loss is decided elsewhere."""
         plan = self.world.plan
-        asks = {self.world.keepers[p].held.remote(): p for p in processes}
-        ready, _ = ray.wait(list(asks), num_returns=len(asks), timeout=1.0)
+        processes = [p for p in range(len(self.queues)) if self.streaming[p]] if processes is None else processes
+        asks = {self.world.keepers[p].held.remote(): p for p in processes if self.world.keepers[p] is not None}
+        ready, _ = ray.wait(list(asks), num_returns=len(asks), timeout=timeout_s)
         for ref in ready:
             p = asks[ref]
             try:
                 held = ray.get(ref)
             except Exception:  # noqa: BLE001 - the keeper's node is gone: so are its snapshots
                 continue
-            for generation, step in held:
-                if generation == plan.generation and step <= self._reported:
-                    self.store.add(self.world.slice_of(p), p % plan.hosts_per_slice, step,
-                                   SnapshotRef(self.world.keepers[p], generation, step))
+            keeper = self.world.keepers[p]
+            self.store.hold_only(self.world.slice_of(p), p % plan.hosts_per_slice,
+                                 {step: SnapshotRef(keeper, generation, step) for generation, step in held
+                                  if step <= self._reported})

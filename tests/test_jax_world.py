@@ -81,6 +81,24 @@ def _snapshot_process(process_id: int, coordinator: str) -> None:
         out["swapped"] = "placed"
     except ValueError as e:
         out["swapped"] = str(e)
+    # A snapshot copied on the device after step 0 is still step 0's state once step 1, dispatched
+    # before the copy was read out, has donated (reused) the state's buffers.
+    fresh = lambda: jax_world.TrainLoop(task, plan, process_id, 0, mesh, 1024, batches)  # noqa: E731
+    live = fresh()
+    live.compile(0, snapshots=True)
+    live.dispatch(0)
+    copy = live.snapshot_copy()
+    live.dispatch(1)
+    live.finish(), live.finish()
+    after_0 = fresh()
+    after_0.run(0, 1, in_flight=0)
+    want, got = after_0.snapshot(), jax_world.host_blocks(copy)
+    out["copy_ok"] = got["ranges"] == want["ranges"] and all(
+        np.array_equal(a, b) for a, b in zip(got["leaves"], want["leaves"]))
+    out["copy_differs_from_live"] = not all(np.array_equal(a, b) for a, b in zip(got["leaves"], live.snapshot()["leaves"]))
+    # One step in flight computes what the blocking loop computes, bit for bit.
+    out["pipelined"] = [m["loss"] for m in fresh().run(0, 4, in_flight=1)]
+    out["blocking"] = [m["loss"] for m in fresh().run(0, 4, in_flight=0)]
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -109,6 +127,8 @@ def test_a_snapshot_block_is_placed_by_its_index_not_its_position():
     for r in _run_world(["snapshot"]):
         assert r["sharded"] > 0 and r["same_ok"]
         assert "refusing to place it by position" in r["swapped"], r["swapped"]
+        assert r["copy_ok"] and r["copy_differs_from_live"]
+        assert r["pipelined"] == r["blocking"] and r["blocking"][-1] < r["blocking"][0]
 
 
 if __name__ == "__main__":

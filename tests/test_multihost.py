@@ -39,7 +39,8 @@ def test_two_slices_of_two_hosts(sim_cluster):
 def _two_host_run(sim_cluster, faults: dict, max_rewound: int = 0, cfg_kw=None, **trainer_kw):
     ensure_slices(sim_cluster, 2)
     cfg = ElasticConfig(num_slices=2, global_batch_size=32, slice=sim_cluster.slice_spec, steps_per_chunk=10, seed=1,
-                        standby_workers=1, hang_timeout_min_s=3.0, replacement_timeout_s=60.0, **(cfg_kw or {}))
+                        standby_workers=1, hang_timeout_min_s=3.0, replacement_timeout_s=60.0, snapshot_every=1,
+                        **(cfg_kw or {}))
     plan = FaultPlan(faults)
     trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=plan.on_step, **trainer_kw)
     plan.trainer = trainer

@@ -193,3 +193,22 @@ def test_snapshot_interval_keeps_the_cost_under_the_budget():
     assert snapshot_interval([5.0], [0.01], 0.02, max_every=50) == 50
     # Medians: one slow snapshot (a keeper starting) does not set the interval.
     assert snapshot_interval([0.001, 0.001, 2.0], [0.1] * 3, 0.02) == 1
+
+
+def test_the_snapshot_store_follows_what_the_keepers_hold():
+    """The hosts of a slice report their kept steps at their own pace; a keeper keeps only its
+    newest few. Before a restore the store is made to say what the keepers really hold."""
+    from ray_elastic.snapshots import SnapshotStore
+
+    store = SnapshotStore(hosts_per_slice=2, keep_steps=5)
+    store.add("a", 0, 13, "a0-13")
+    store.add("a", 1, 13, "a1-13")
+    store.add("a", 0, 15, "a0-15")
+    assert store.latest_complete(["a"]) == {"a": 13}
+    assert sorted(e[:3] for e in store.entries(["a"])) == [("a", 0, 13), ("a", 0, 15), ("a", 1, 13)]
+    store.drop("a", 0, 13)  # host 0's keeper let go of 13
+    assert store.latest_complete(["a"]) == {}
+    store.hold_only("a", 1, {14: "a1-14", 15: "a1-15"})
+    store.hold_only("a", 0, {14: "a0-14", 15: "a0-15"})
+    assert store.latest_complete(["a"]) == {"a": 15} and store.refs("a", 15) == ["a0-15", "a1-15"]
+    assert store.complete("a", 14) and not store.complete("a", 13)

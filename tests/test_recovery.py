@@ -31,7 +31,8 @@ def config(cluster, **kw) -> ElasticConfig:
     """One warm standby per host (the default is 2): a recovery here still takes warm processes,
     and each test starts three fewer processes on the machine's two cores."""
     base = dict(num_slices=3, global_batch_size=48, slice=cluster.slice_spec, steps_per_chunk=10, seed=0,
-                hang_timeout_min_s=3.0, slice_timeout_s=60.0, replacement_timeout_s=90.0, standby_workers=1)
+                hang_timeout_min_s=3.0, slice_timeout_s=60.0, replacement_timeout_s=90.0, standby_workers=1,
+                snapshot_every=1)  # a snapshot after every step: zero rewind is what these tests check
     return ElasticConfig(**{**base, **kw})
 
 
@@ -436,3 +437,21 @@ def test_scale_batch_policy_with_linear_lr_rule(cluster, baseline):
     # After it, a smaller batch and smaller updates: a different (still finite, still learning) curve.
     assert max_rel_err(result.losses[30:], baseline[30:]) > 1e-3
     assert result.losses[-1] < result.losses[0]
+
+
+def test_auto_snapshot_interval_bounds_the_rewind(cluster, baseline):
+    """snapshot_every="auto" with a budget no snapshot can meet: the interval grows past one step,
+    is reported (event and summary), and a lost slice rewinds at most interval - 1 steps."""
+    plan = FaultPlan({30: lambda t: in_thread(cluster.kill_slice, slice_name(t, 2))})
+    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster, snapshot_every="auto", snapshot_budget=1e-4),
+                             progress=False, on_step=plan.on_step)
+    plan.trainer = trainer
+    result = trainer.fit(STEPS)
+    assert not plan.faults and result.steps == list(range(STEPS))
+    chosen = [e for e in result.events if e["kind"] == "snapshot_interval"]
+    assert chosen[0]["every"] == 1 and max(e["every"] for e in chosen) > 1, chosen  # measured, then widened
+    bound = result.summary["max_rewind_steps"]
+    assert bound == max(e["every"] for e in chosen) - 1
+    (rec,) = result.recoveries
+    assert rec.restore_source == "snapshot" and rec.steps_rewound <= bound, (rec, bound)
+    assert max_rel_err(result.losses, baseline) <= RESIZED
