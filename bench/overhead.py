@@ -36,21 +36,22 @@ def task(model: str):
     return CharTransformerTask(max_chars=100_000, **MODELS[model])
 
 
-def bare_worker(process_id: int, coordinator: str, steps: int, out: str, model: str, in_flight: int) -> None:
+def bare_worker(process_id: int, coordinator: str, steps: int, out: str, model: str, in_flight: int,
+                processes: int, devices: int, batch: int) -> None:
     """One process of the bare JAX program (no Ray anywhere)."""
     from ray_elastic import jax_world
     from ray_elastic.data import StepBatches
     from ray_elastic.plan import plan_world
 
-    plan = plan_world(0, [f"s{i}" for i in range(NUM_SLICES)], 1, DEVICES, BATCH)
+    plan = plan_world(0, [f"s{i}" for i in range(processes)], 1, devices, batch)
     jax_world.enable_compilation_cache("/tmp/ray-elastic-jax-cache")
     jax_world.initialize(coordinator, plan, process_id, 120)
     from ray_elastic import ElasticConfig, SliceSpec
 
-    fsdp_min_size = ElasticConfig(num_slices=1, global_batch_size=BATCH, slice=SliceSpec()).fsdp_min_size  # the default
+    fsdp_min_size = ElasticConfig(num_slices=1, global_batch_size=batch, slice=SliceSpec()).fsdp_min_size  # the default
     t = task(model)
     loop = jax_world.TrainLoop(t, plan, process_id, 0, jax_world.build_mesh(plan), fsdp_min_size,
-                               StepBatches(t.dataset(), BATCH, 0))
+                               StepBatches(t.dataset(), batch, 0))
     loop.compile(0)
     half = steps // 2
     loop.run(0, half, in_flight)  # warm-up: measured like the controller side, over the second half
@@ -61,16 +62,17 @@ def bare_worker(process_id: int, coordinator: str, steps: int, out: str, model: 
             json.dump({"step_s": statistics.mean(times), "state_bytes": state_bytes}, f)
 
 
-def run_bare(steps: int, model: str, in_flight: int, **env_vars: str) -> dict:
+def run_bare(steps: int, model: str, in_flight: int, processes: int = NUM_SLICES, devices: int = DEVICES,
+             batch: int = BATCH, **env_vars: str) -> dict:
     from ray_elastic.sim import free_port
 
     out = f"/tmp/ray-elastic-bare-{os.getpid()}.json"
     coord = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}",
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
            **env_vars}
     procs = [subprocess.Popen([sys.executable, __file__, "--bare-worker", str(i), coord, str(steps), out, model,
-                               str(in_flight)], env=env)
-             for i in range(NUM_SLICES)]
+                               str(in_flight), str(processes), str(devices), str(batch)], env=env)
+             for i in range(processes)]
     for p in procs:
         if p.wait(timeout=900) != 0:
             raise RuntimeError("bare worker failed")
@@ -94,7 +96,8 @@ def run_ray(steps: int, spec, model: str, **overrides) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--bare-worker":
-        bare_worker(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6], int(sys.argv[7]))
+        bare_worker(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6],
+                    *map(int, sys.argv[7:11]))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200, help="steps per run, small model")

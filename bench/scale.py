@@ -32,7 +32,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-BATCH = 48
+BATCH = 840  # splits evenly over any world of 1 to 8 processes
+
+
+class _Done(Exception):
+    """Both faults fired and the world trained on: stop the run."""
 
 
 # ----------------------------------------------------------------------------- part 1: clusters
@@ -40,11 +44,11 @@ def cluster_point(num_slices: int, hosts: int, steps: int) -> dict:
     """Overhead ratio and recovery figures of one world size on its own simulated cluster."""
     import overhead
     from ray_elastic import ElasticConfig, ElasticTrainer
+    from ray_elastic.errors import ElasticRuntimeError
     from ray_elastic.examples.char_transformer import CharTransformerTask
     from ray_elastic.sim import SimulatedTPUCluster
 
-    overhead.NUM_SLICES, overhead.DEVICES = num_slices * hosts, 1
-    bare = overhead.run_bare(steps, "small", 1)["step_s"]
+    bare = overhead.run_bare(steps, "small", 1, processes=num_slices * hosts, devices=1, batch=BATCH)["step_s"]
     with SimulatedTPUCluster(num_slices=num_slices, devices_per_host=1, hosts_per_slice=hosts,
                              log_to_driver=False) as cluster:
         cfg = dict(num_slices=num_slices, global_batch_size=BATCH, slice=cluster.slice_spec, steps_per_chunk=20,
@@ -60,6 +64,8 @@ def cluster_point(num_slices: int, hosts: int, steps: int) -> dict:
         def on_step(m: dict) -> None:
             done_at.append(m["finished_at"])
             t = box["t"]
+            if not kills and m["step"] >= box["next"]:
+                raise _Done()
             if kills and m["step"] >= box["next"] and t.world.plan.num_slices == num_slices and t.backend.warm(t.gens.members):
                 kind, pos = kills.pop(0)
                 fired.append({"kind": kind, "at": time.time()})
@@ -75,12 +81,17 @@ def cluster_point(num_slices: int, hosts: int, steps: int) -> dict:
         t = box["t"] = ElasticTrainer(task, ElasticConfig(**cfg), progress=False, on_step=on_step)
         regrow = threading.Thread(target=_regrow, args=(cluster, num_slices, box), daemon=True)
         regrow.start()
-        result = t.fit(80)
-        box["stop"] = True
+        try:
+            t.fit(100_000)
+        except ElasticRuntimeError as e:
+            if not isinstance(e.__cause__, _Done):
+                raise
+        finally:
+            box["stop"] = True
         rows = []
         for f in fired:
-            recs = [r for r in result.recoveries if r.ready_at > f["at"]]
-            fails = [e for e in result.events if e["kind"] == "failure" and e["ts"] > f["at"]]
+            recs = [r for r in t.recoveries if r.ready_at > f["at"]]
+            fails = [e for e in t.events.events if e["kind"] == "failure" and e["ts"] > f["at"]]
             if recs and fails:
                 first = min(a for a in done_at if a > recs[0].ready_at)
                 rows.append({"kind": f["kind"], "detection_s": round(fails[0]["ts"] - fails[0]["classify_s"] - f["at"], 3),
