@@ -91,7 +91,7 @@ def run_ray(steps: int, spec, model: str, **overrides) -> dict:
     # Steady state: the second half of the run (the first also pays one-time work: standby
     # processes for the next generation start after the first step). Each step's time is the
     # interval between finished steps, as the bare loop measures it.
-    return {"step_s": statistics.mean(result.step_times[steps // 2:]), "snapshot_every": result.summary["snapshot_every"]}
+    return {"step_s": statistics.mean(result.step_times_s[steps // 2:]), "snapshot_every": result.summary["snapshot_every"]}
 
 
 def main() -> None:
