@@ -55,7 +55,7 @@ def cluster_point(num_slices: int, hosts: int, steps: int) -> dict:
                    snapshot_replicas=num_slices, standby_workers=1, min_slices=1)
         task = CharTransformerTask(max_chars=100_000, **overhead.MODELS["small"])
         steady = ElasticTrainer(task, ElasticConfig(**cfg), progress=False).fit(steps)
-        ray_step = statistics.mean(steady.step_times[steps // 2:])
+        ray_step = statistics.mean(steady.step_times_s[steps // 2:])
 
         kills = [("process", 0), ("node", num_slices - 1)]  # the coordinator's process; the last slice's host
         fired: list[dict] = []

@@ -19,11 +19,10 @@ finished on every process: a held step is a finished step.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import time
 from typing import Callable, Optional
-
-import logging
 
 import numpy as np
 import ray
@@ -50,15 +49,17 @@ class SnapshotKeeper:
         for key in [k for k in self._entries if k[1] >= start_step]:
             del self._entries[key]
 
-    def keep(self, generation: int, step: int, snapshot: dict) -> bool:
-        """Hold ``snapshot`` (blocks and ranges, copied out of the call's arguments); False when refused."""
+    def keep(self, generation: int, step: int, snapshot: dict) -> Optional[float]:
+        """Hold ``snapshot`` (blocks and ranges, copied out of the call's arguments); the CPU seconds
+        that took, or None when refused (a late write of an earlier world)."""
         if generation < self._generation:
-            return False
+            return None
+        t0 = time.thread_time()
         self._entries[(generation, step)] = {"leaves": [np.array(b, copy=True) for b in snapshot["leaves"]],
                                              "ranges": snapshot["ranges"], "step": step}
         for key in sorted(self._entries)[:-self.keep_steps]:
             del self._entries[key]
-        return True
+        return time.thread_time() - t0
 
     def held(self) -> list[tuple[int, int]]:
         """(generation, step) of every snapshot held."""
@@ -75,8 +76,10 @@ class SnapshotWriter:
     ``submit`` takes a callable that produces the host copy (it waits for the device copy
     the step loop dispatched) and returns at once, unless the previous snapshot is still
     being written: then it waits for it, so a snapshot is never skipped (skipping would
-    leave a reported step without its snapshot) and the cost shows in the step time,
-    where ``snapshot_every="auto"`` sees it.
+    leave a reported step without its snapshot). What a snapshot costs (``seconds``) is the CPU
+    time of the host copy and the hand-over, here and in the keeper, plus any wait in ``submit``:
+    the work it adds, not the time it spends queued behind other work (wall time would count the
+    keeper's and the network's latency, which overlap the steps).
     """
 
     def __init__(self, keeper, generation: int):
@@ -87,7 +90,7 @@ class SnapshotWriter:
         self._lock = threading.Lock()
         self._kept: list[int] = []
         self._pending: Optional[int] = None
-        self.seconds: list[float] = []  # per snapshot: host copy + hand-over, and the wait in ``submit``
+        self.seconds: list[float] = []  # per snapshot: CPU of host copy + hand-over, and the wait in ``submit``
 
     def submit(self, step: int, host_copy: Callable[[], dict]) -> None:
         t0 = time.perf_counter()
@@ -97,16 +100,19 @@ class SnapshotWriter:
         self._future = self._pool.submit(self._write, step, host_copy, waited)
 
     def _write(self, step: int, host_copy: Callable[[], dict], waited: float) -> None:
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         try:
-            ok = ray.get(self.keeper.keep.remote(self.generation, step, host_copy()))
+            ref = self.keeper.keep.remote(self.generation, step, host_copy())
+            cpu = time.thread_time() - t0
+            keeper_cpu = ray.get(ref)
         except Exception as e:  # noqa: BLE001 - the step goes on without this snapshot; recovery may rewind
             logger.warning("snapshot of step %d not kept: %r", step, e)
-            ok = False
+            keeper_cpu = None
+            cpu = time.thread_time() - t0
         with self._lock:
-            if ok:
+            if keeper_cpu is not None:
                 self._kept.append(step)
-            self.seconds.append(time.perf_counter() - t0 + waited)
+            self.seconds.append(cpu + (keeper_cpu or 0.0) + waited)
 
     def wait(self) -> None:
         """Until the snapshot in flight is kept; raises what writing it raised."""

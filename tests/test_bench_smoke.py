@@ -22,8 +22,22 @@ def _last_json(args, timeout=600):
 
 @pytest.mark.bench
 def test_overhead_bench_prints_ratio():
-    out = _last_json(["bench/overhead.py", "--steps", "40", "--reps", "1"])
-    assert out["overhead_ratio"] > 0 and out["bare_step_s"] > 0
+    out = _last_json(["bench/overhead.py", "--steps", "40", "--large-steps", "8", "--reps", "1"], timeout=900)
+    assert out["overhead_ratio"] > 0 and out["overhead_ratio_large"] > 0 and out["overhead_ratio_no_snapshots"] > 0
+    assert out["snapshot_every_chosen"] >= 1
+    assert out["state_bytes_per_process_large"] >= 50 * out["state_bytes_per_process"]
+
+
+@pytest.mark.bench
+def test_scale_bench_prints_the_curve(tmp_path):
+    png = tmp_path / "scale.png"
+    out = _last_json(["bench/scale.py", "--slices", "2", "--multihost", "0", "--steps", "30",
+                      "--processes", "16", "--model-steps", "20", "--plot", str(png)], timeout=900)
+    (point,) = out["clusters"]
+    assert point["processes"] == 2 and point["overhead_ratio"] > 0
+    assert {r["kind"] for r in point["recoveries"]} == {"process", "node"}
+    assert out["driver"][0]["processes"] == 16 and out["driver"][0]["driver_cpu_ms_per_step"] > 0
+    assert png.stat().st_size > 10_000
 
 
 @pytest.mark.bench
