@@ -114,6 +114,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300, help="steps per run, small model")
     ap.add_argument("--large-steps", type=int, default=120, help="steps per run, large model")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--environment", action="store_true",
+                    help="also the bare loop with OMP_NUM_THREADS=1 and ray-elastic at niceness 0")
     ap.add_argument("--snapshot-every", default=None, help="override ElasticConfig.snapshot_every (default: its default)")
     args = ap.parse_args()
 
@@ -124,20 +126,23 @@ def main() -> None:
     runs = {  # name -> (model, what runs it)
         "bare": ("small", lambda c, n: run_bare(n, "small", 1)),
         "bare_blocking": ("small", lambda c, n: run_bare(n, "small", 0)),
-        # What Ray sets inside a num_cpus=0 actor: does XLA's CPU runtime care?
-        "bare_omp_1": ("small", lambda c, n: run_bare(n, "small", 1, OMP_NUM_THREADS="1")),
+
         "default": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", **snap)),
         "no_snapshots": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", snapshot_every=0)),
         "every_step": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", snapshot_every=1)),
         "every_step_2_replicas": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", snapshot_every=1,
                                                                   snapshot_replicas=2)),
-        "default_nice_0": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", worker_niceness=0, **snap)),
         "bare_large": ("large", lambda c, n: run_bare(n, "large", 1)),
         "default_large": ("large", lambda c, n: run_ray(n, c.slice_spec, "large", **snap)),
         "no_snapshots_large": ("large", lambda c, n: run_ray(n, c.slice_spec, "large", snapshot_every=0)),
         "no_snapshots_no_standbys_large": ("large", lambda c, n: run_ray(n, c.slice_spec, "large", snapshot_every=0,
                                                                          standby_workers=0)),
     }
+    if args.environment:
+        runs |= {  # what Ray sets inside a num_cpus=0 actor: does it matter here?
+            "bare_omp_1": ("small", lambda c, n: run_bare(n, "small", 1, OMP_NUM_THREADS="1")),
+            "default_nice_0": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", worker_niceness=0, **snap)),
+        }
     got: dict[str, list[dict]] = {k: [] for k in runs}
     with SimulatedTPUCluster(num_slices=NUM_SLICES, devices_per_host=DEVICES, log_to_driver=False) as cluster:
         for rep in range(args.reps):
@@ -155,8 +160,8 @@ def main() -> None:
         "overhead_ratio_every_step": ratio("every_step", "bare"),
         "overhead_ratio_every_step_2_replicas": ratio("every_step_2_replicas", "bare"),
         "blocking_loop_ratio": ratio("bare_blocking", "bare"),
-        "overhead_ratio_nice_0": ratio("default_nice_0", "bare"),
-        "bare_omp_1_ratio": ratio("bare_omp_1", "bare"),
+        **({"overhead_ratio_nice_0": ratio("default_nice_0", "bare"), "bare_omp_1_ratio": ratio("bare_omp_1", "bare")}
+           if args.environment else {}),
         "snapshot_every_chosen": got["default"][-1]["snapshot_every"],
         "snapshot_every_chosen_large": got["default_large"][-1]["snapshot_every"],
         "state_bytes_per_process": got["bare"][-1]["state_bytes"],

@@ -158,8 +158,8 @@ def snapshot_interval(snapshot_s: list[float], step_s: list[float], budget: floa
                       max_every: int = 1000) -> int:
     """``snapshot_every="auto"``: the smallest interval at which snapshots cost at most ``budget`` of
     the run's time. A snapshot costing ``c`` seconds every ``k`` steps of ``t`` seconds costs
-    ``c / (k t)``; ``c`` is the work it added (CPU time of the host copy and the hand-over to the
-    keeper, and any wait of the step loop for the previous one: see ``SnapshotWriter``). Medians
+    ``c / (k t)``; ``c`` is what it cost its process (see ``SnapshotWriter``: host copy and hand-over
+    to the keeper, wall time from the device copy's readiness, and any wait of the step loop). Medians
     of the recent measurements; ``current`` until both exist. The rewind this allows is at most
     ``k - 1`` steps."""
     if not snapshot_s or not step_s:

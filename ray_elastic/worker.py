@@ -47,6 +47,12 @@ def set_niceness(niceness: Optional[int]) -> None:
             return
 
 
+def _block_until_ready(leaves) -> None:
+    import jax
+
+    jax.block_until_ready(leaves)
+
+
 def jax_world_host_blocks(leaves) -> dict:
     """The host copy of a snapshot (JAX side; imported here only when a snapshot is written)."""
     from ray_elastic.jax_world import host_blocks
@@ -274,7 +280,9 @@ class SliceWorker:
                         blocking = self.loop.save_checkpoint(step + 1, self._metadata(step + 1))
                     self._extra[step] = {"checkpoint_step": step + 1, "checkpoint_blocking_s": blocking}
                 if self.writer is not None and is_snapshot_step(step, every):
-                    self.writer.submit(step, functools.partial(jax_world_host_blocks, self.loop.snapshot_copy()))
+                    copy = self.loop.snapshot_copy()
+                    self.writer.submit(step, functools.partial(jax_world_host_blocks, copy),
+                                       functools.partial(_block_until_ready, copy))
                 while self.loop.in_flight() > IN_FLIGHT:
                     self._finish_one()
             if streams and time.monotonic() >= flush_at:
