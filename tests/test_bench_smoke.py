@@ -32,7 +32,7 @@ def test_overhead_bench_prints_ratio():
 def test_scale_bench_prints_the_curve(tmp_path):
     png = tmp_path / "scale.png"
     out = _last_json(["bench/scale.py", "--slices", "2", "--multihost", "0", "--steps", "30",
-                      "--processes", "16", "--model-steps", "20", "--plot", str(png)], timeout=900)
+                      "--processes", "16", "--model-steps", "20", "--model-chunks", "10", "--plot", str(png)], timeout=900)
     (point,) = out["clusters"]
     assert point["processes"] == 2 and point["overhead_ratio"] > 0
     assert {r["kind"] for r in point["recoveries"]} == {"process", "node"}
