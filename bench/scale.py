@@ -227,9 +227,14 @@ def main() -> None:
                     help="steps_per_chunk values (10 is ElasticConfig's default)")
     ap.add_argument("--model-step-ms", type=float, default=100.0)
     ap.add_argument("--plot", default=None, help="write the curve to this PNG")
+    ap.add_argument("--clusters-from", default=None,
+                    help="take the cluster points from an earlier run's output (its last line) instead of measuring")
     args = ap.parse_args()
 
     out: dict = {"clusters": [], "driver": []}
+    if args.clusters_from:
+        with open(args.clusters_from) as f:
+            out["clusters"] = json.loads([ln for ln in f if ln.startswith('{"clusters"')][-1])["clusters"]
     for n in args.slices:
         out["clusters"].append(cluster_point(n, 1, args.steps))
         print(json.dumps(out["clusters"][-1]), flush=True)

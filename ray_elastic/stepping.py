@@ -110,7 +110,11 @@ class StepStreams:
                     self.sync_with_keepers()  # the bigger world restores from what they hold
                 return RunOutcome(kind, {}, last_progress_wall)
             limit = watchdog_timeout(self.step_times, self.config.hang_timeout_factor, self.config.hang_timeout_min_s)
-            ready, _ = ray.wait(list(heads), num_returns=1, timeout=POLL_S)
+            # Everything ready at once, then (if nothing was) wait for one: a wait per item over
+            # every stream made the driver's work per chunk grow with the square of the processes.
+            ready, _ = ray.wait(list(heads), num_returns=len(heads), timeout=0)
+            if not ready:
+                ready, _ = ray.wait(list(heads), num_returns=1, timeout=POLL_S)
             for gen in ready:
                 p = heads[gen]
                 try:

@@ -52,7 +52,11 @@ class RayStartCluster:
 
     def __init__(self):
         self.temp_dir = tempfile.mkdtemp(prefix="rel-job-", dir="/tmp")
-        self.env = {**os.environ, "PATH": BIN_DIR + os.pathsep + os.environ.get("PATH", ""), "RAY_TMPDIR": self.temp_dir}
+        # RAY_AUTH_MODE=disabled: the cluster listens on 127.0.0.1 only, and without it a token file
+        # another Ray run left in ~/.ray/auth_token switches `ray start` to token auth, which the
+        # test's job client does not carry (seen: "Missing authentication token").
+        self.env = {**os.environ, "PATH": BIN_DIR + os.pathsep + os.environ.get("PATH", ""), "RAY_TMPDIR": self.temp_dir,
+                    "RAY_AUTH_MODE": "disabled"}
         self.env.pop("RAY_ADDRESS", None)
         self.gcs_port, self.dashboard_port = free_port(), free_port()
         self.logs = open(os.path.join(self.temp_dir, "ray-start.log"), "ab")
