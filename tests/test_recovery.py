@@ -316,7 +316,10 @@ def test_a_process_hanging_in_jax_distributed_initialize_is_a_fault_not_a_bug(cl
     # (With a 5 s timeout the first world may also time out while its processes start: retried too.)
     kill = causes.index("failure")
     assert causes[kill + 1:kill + 2] == ["forming_failed"], causes
-    assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
+    # The world after the timeout may form without the stopped host's slice and grow back later.
+    same_shape = all(len(w.slices) == 3 for w in trainer.worlds)
+    assert max_rel_err(result.losses, baseline) <= (SAME_SHAPE if same_shape else RESIZED), \
+        [len(w.slices) for w in trainer.worlds]
 
 
 @ray.remote(num_cpus=0)
