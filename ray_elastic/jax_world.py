@@ -308,8 +308,7 @@ class TrainLoop:
         (:meth:`snapshot_copy`), so the first snapshot does not hold up a step.
         """
         if snapshots:
-            self._copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t),
-                                 out_shardings=self.state_shardings).lower(self.state).compile()
+            self._copy = self._copy_program().lower(self.state).compile()
         t0 = time.perf_counter()
         if traced is not None:
             lowered = traced.lower(lowering_platforms=(self.mesh.devices.flat[0].platform,))
@@ -372,12 +371,16 @@ class TrainLoop:
         leaf the block (``leaves``) and its global index range (``ranges``). Waits for the state."""
         return host_blocks(jax.tree.leaves(self.state))
 
+    def _copy_program(self):
+        """A jitted copy of the state onto new buffers with the state's shardings."""
+        return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self.state_shardings)
+
     def snapshot_copy(self) -> list[jax.Array]:
         """A device-side copy of the state after the last dispatched step, already on its way to
         the host: the next step may donate the state's buffers while the copy is read out in the
         background (:func:`host_blocks`). Costs one more copy of the state in device memory."""
         if self._copy is None:
-            self._copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self.state_shardings)
+            self._copy = self._copy_program()
         leaves = jax.tree.leaves(self._copy(self.state))
         for x in leaves:
             x.copy_to_host_async()

@@ -19,6 +19,7 @@ from ray_elastic import checkpoints, health
 from ray_elastic.config import ElasticConfig
 from ray_elastic.placement import ReplacementRequest, SliceReservation, reserve_slices
 from ray_elastic.plan import ErrorKind
+from ray_elastic.snapshot_keeper import ask_keepers
 from ray_elastic.snapshots import SnapshotStore
 from ray_elastic.stepping import StepStreams
 from ray_elastic.task import TrainTask
@@ -65,17 +66,9 @@ class RayBackend:
 
     def missing_snapshots(self, refs: list, timeout_s: float = 1.0) -> set[int]:
         """Indices of ``refs`` (:class:`SnapshotRef`) whose keeper answers but no longer holds them."""
-        keepers = {}
-        for r in refs:
-            keepers.setdefault(r.keeper._actor_id, r.keeper)
-        asks = {k.held.remote(): aid for aid, k in keepers.items()}
-        ready, _ = ray.wait(list(asks), num_returns=len(asks), timeout=timeout_s)
-        held = {}
-        for ref in ready:
-            try:
-                held[asks[ref]] = set(ray.get(ref))
-            except Exception:  # noqa: BLE001 - gone with its node: the slice's loss is decided elsewhere
-                continue
+        keepers = list({r.keeper._actor_id: r.keeper for r in refs}.values())
+        answers = ask_keepers(keepers, timeout_s)  # one that does not answer: its slice's loss is decided elsewhere
+        held = {keepers[i]._actor_id: set(h) for i, h in answers.items()}
         return {i for i, r in enumerate(refs)
                 if r.keeper._actor_id in held and (r.generation, r.step) not in held[r.keeper._actor_id]}
 

@@ -49,17 +49,16 @@ class SnapshotKeeper:
         for key in [k for k in self._entries if k[1] >= start_step]:
             del self._entries[key]
 
-    def keep(self, generation: int, step: int, snapshot: dict) -> Optional[float]:
-        """Hold ``snapshot`` (blocks and ranges, copied out of the call's arguments); the CPU seconds
-        that took, or None when refused (a late write of an earlier world)."""
+    def keep(self, generation: int, step: int, snapshot: dict) -> bool:
+        """Hold ``snapshot`` (blocks and ranges, copied out of the call's arguments); False when
+        refused (a late write of an earlier world)."""
         if generation < self._generation:
-            return None
-        t0 = time.thread_time()
+            return False
         self._entries[(generation, step)] = {"leaves": [np.array(b, copy=True) for b in snapshot["leaves"]],
                                              "ranges": snapshot["ranges"], "step": step}
         for key in sorted(self._entries)[:-self.keep_steps]:
             del self._entries[key]
-        return time.thread_time() - t0
+        return True
 
     def held(self) -> list[tuple[int, int]]:
         """(generation, step) of every snapshot held."""
@@ -90,7 +89,7 @@ class SnapshotWriter:
         self._lock = threading.Lock()
         self._kept: list[int] = []
         self._pending: Optional[int] = None
-        self.seconds: list[float] = []  # per snapshot: CPU of host copy + hand-over, and the wait in ``submit``
+        self.seconds: list[float] = []  # per snapshot: host copy + hand-over, and the wait in ``submit``
 
     def submit(self, step: int, host_copy: Callable[[], dict], ready: Callable[[], None] = lambda: None) -> None:
         t0 = time.perf_counter()
@@ -104,7 +103,7 @@ class SnapshotWriter:
         try:
             ready()
             t0 = time.perf_counter()
-            kept = ray.get(self.keeper.keep.remote(self.generation, step, host_copy())) is not None
+            kept = ray.get(self.keeper.keep.remote(self.generation, step, host_copy()))
         except Exception as e:  # noqa: BLE001 - the step goes on without this snapshot; recovery may rewind
             logger.warning("snapshot of step %d not kept: %r", step, e)
             t0 = time.perf_counter()
@@ -135,5 +134,16 @@ class SnapshotWriter:
             seconds, self.seconds = self.seconds, []
         return kept, seconds
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+
+def ask_keepers(keepers: list, timeout_s: float) -> dict[int, list[tuple[int, int]]]:
+    """Index -> (generation, step) held, for each of ``keepers`` (None skipped) that answers within
+    ``timeout_s``; one on a lost node never does, and its snapshots are gone with it."""
+    asks = {k.held.remote(): i for i, k in enumerate(keepers) if k is not None}
+    ready, _ = ray.wait(list(asks), num_returns=len(asks), timeout=timeout_s)
+    out = {}
+    for ref in ready:
+        try:
+            out[asks[ref]] = ray.get(ref)
+        except Exception:  # noqa: BLE001 - its actor is dead
+            continue
+    return out

@@ -13,7 +13,6 @@ boundary to grow.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from typing import Callable, Optional
 
@@ -22,6 +21,7 @@ import ray
 from ray_elastic import health
 from ray_elastic.config import ElasticConfig
 from ray_elastic.plan import newest_snapshot_step, snapshot_interval, watchdog_timeout
+from ray_elastic.snapshot_keeper import ask_keepers
 from ray_elastic.snapshots import SnapshotRef, SnapshotStore
 from ray_elastic.states import OutcomeKind, RunOutcome
 from ray_elastic.world import World
@@ -30,12 +30,6 @@ CHUNKS_IN_FLIGHT = 2
 POLL_S = 0.25
 KEEPER_POLL_S = 0.05
 KEEPER_ANSWER_S = 0.3  # a live keeper answers in milliseconds; one on a lost node may never
-
-
-@dataclasses.dataclass
-class _Stream:
-    gen: object
-    first_step: int
 
 
 class StepStreams:
@@ -103,7 +97,7 @@ class StepStreams:
             if draining and not stopped:
                 self._submit(submitted, 0, end_step - 1)  # no steps: the processes finish the one in flight
                 stopped = True
-            heads = {q[0].gen: p for p, q in enumerate(self.queues) if q}
+            heads = {q[0]: p for p, q in enumerate(self.queues) if q}
             if not heads:
                 kind = OutcomeKind.GROW if draining and submitted < end_step else OutcomeKind.DONE
                 if kind is OutcomeKind.GROW:
@@ -134,7 +128,7 @@ class StepStreams:
     def _submit(self, first: int, n: int, final_step: int) -> None:
         every = self._next_interval(first)
         for p, gen in enumerate(self.world.run_chunk(first, n, final_step, every)):
-            self.queues[p].append(_Stream(gen, first))
+            self.queues[p].append(gen)
 
     def _consume(self, p: int) -> bool:
         """Read one item of process ``p``'s current stream; True when a step finished for the first time.
@@ -146,7 +140,7 @@ class StepStreams:
         """
         s = self.queues[p][0]
         try:
-            ref = next(s.gen)
+            ref = next(s)
         except StopIteration:
             self.queues[p].popleft()
             return False
@@ -182,7 +176,7 @@ class StepStreams:
         """
         start = time.monotonic()
         while True:
-            heads = {q[0].gen: p for p, q in enumerate(self.queues) if q and p not in errors}
+            heads = {q[0]: p for p, q in enumerate(self.queues) if q and p not in errors}
             left = start + timeout_s - time.monotonic()
             if not heads or left <= 0:
                 break
@@ -216,14 +210,9 @@ class StepStreams:
         the slice's loss is decided elsewhere."""
         plan = self.world.plan
         processes = [p for p in range(len(self.queues)) if self.streaming[p]] if processes is None else processes
-        asks = {self.world.keepers[p].held.remote(): p for p in processes if self.world.keepers[p] is not None}
-        ready, _ = ray.wait(list(asks), num_returns=len(asks), timeout=timeout_s)
-        for ref in ready:
-            p = asks[ref]
-            try:
-                held = ray.get(ref)
-            except Exception:  # noqa: BLE001 - the keeper's node is gone: so are its snapshots
-                continue
+        answers = ask_keepers([self.world.keepers[p] for p in processes], timeout_s)
+        for i, held in answers.items():
+            p = processes[i]
             keeper = self.world.keepers[p]
             self.store.hold_only(self.world.slice_of(p), p % plan.hosts_per_slice,
                                  {step: SnapshotRef(keeper, generation, step) for generation, step in held

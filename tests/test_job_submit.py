@@ -66,7 +66,11 @@ class RayStartCluster:
                                  *_ports("ray-client-server-port")], self.env)
         self.slices: dict[str, subprocess.Popen] = {}
         self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
-        wait_for_job_server(self.dashboard)
+        try:
+            wait_for_job_server(self.dashboard)
+        except BaseException:  # the fixture never gets the cluster to stop: stop the head here
+            self.shutdown()
+            raise
 
     def _start(self, args, env) -> subprocess.Popen:
         cmd = [RAY, "start", "--block", "--temp-dir", os.path.join(self.temp_dir, "ray"),
