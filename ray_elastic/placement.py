@@ -94,13 +94,25 @@ def _live_hosts(slice_name: str) -> list[dict]:
     return [n for n in ray.nodes() if n["Alive"] and (n.get("Labels") or {}).get(SLICE_NAME_LABEL) == slice_name]
 
 
-def _whole_and_idle(slice_name: str, spec: SliceSpec) -> bool:
-    """Every host of the slice is alive and none of its TPUs is held (by another reservation)."""
-    from ray._private.state import available_resources_per_node  # what ray.util.tpu itself reads
+def _whole_and_idle(slice_name: str, spec: SliceSpec, claim: PlacementGroup) -> bool:
+    """Every host of the slice is alive and none of its TPUs is held by another reservation.
+
+    Two readings, because either alone lags: the nodes' available resources (what
+    ``ray.util.tpu`` itself reads) trail a placement by a resource report, and the placement-group
+    table names the groups placed on the hosts (ours, the claim, aside)."""
+    from ray._private.state import available_resources_per_node
 
     hosts = _live_hosts(slice_name)
     if len(hosts) != spec.num_hosts:
         return False
+    nodes = {n["NodeID"] for n in hosts}
+    for pg_id, info in ray.util.placement_group_table().items():
+        if pg_id == claim.id.hex() or info.get("state") == "REMOVED":
+            continue
+        bundles = info.get("bundles") or {}
+        if any(node in nodes and (bundles.get(i) or {}).get("TPU", 0) > 0
+               for i, node in (info.get("bundles_to_node_id") or {}).items()):
+            return False
     free = available_resources_per_node()
     return all(free.get(n["NodeID"], n["Resources"]).get("TPU", 0) >= n["Resources"].get("TPU", 0) for n in hosts)
 
@@ -122,7 +134,7 @@ def _claim_whole_slice(spec: SliceSpec, timeout_s: Optional[float]) -> tuple[str
     try:
         while True:
             for name in list(held):
-                if _whole_and_idle(name, spec):
+                if _whole_and_idle(name, spec, held[name]):
                     return name, held.pop(name)
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
