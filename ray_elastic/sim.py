@@ -5,9 +5,10 @@ labels, resources and environment a GKE / GCE TPU host carries, so the controlle
 runs exactly the code paths it would run on real slices. JAX runs on CPU inside
 those nodes, with ``--xla_force_host_platform_device_count`` devices per host.
 
-It also offers the faults the tests and the demo need (kill a slice, hang a slice)
-and a :class:`Provisioner` that stands in for the Ray autoscaler: Ray's own fake
-autoscaler does not replace dead nodes.
+It also offers the faults the tests and the demo need (kill a slice, hang a slice). Slices are
+launched and replaced either by Ray's own autoscaler (``autoscaler=True``: the v2 autoscaler with
+the node provider of :mod:`ray_elastic.sim_provider`) or by this process, with a
+:class:`Provisioner` thread standing in for the autoscaler.
 """
 
 from __future__ import annotations
@@ -138,19 +139,53 @@ def tpu_host(spec, slice_name: str, worker_id: int, devices_per_host: int) -> TP
 
 
 @dataclasses.dataclass
+class SimulatedHost:
+    """One slice host: its Ray node id and the processes that make it (raylet, agents, ...).
+
+    A host the cluster started itself has its ``ray._private.node.Node``; one the autoscaler
+    launched lives under the monitor process, and is known by the process ids and start times its
+    provider recorded (a start time guards against a reused pid)."""
+
+    node_id: str
+    node: object = None  # ray._private.node.Node, for hosts started by this process
+    pids: tuple = ()  # ((pid, create_time), ...) for autoscaled hosts
+    instance_id: Optional[str] = None  # the autoscaler's cloud instance id
+    worker_id: int = 0
+
+    def processes(self) -> list[psutil.Process]:
+        """The host's own processes and everything they started (Ray workers: slice actors)."""
+        roots = []
+        if self.node is not None:
+            roots = [info.process.pid for infos in self.node.all_processes.values() for info in infos]
+        procs = []
+        for pid in roots or [p for p, _ in self.pids]:
+            try:
+                p = psutil.Process(pid)
+                if not roots and abs(p.create_time() - dict(self.pids)[pid]) > 0.01:
+                    continue  # the pid was reused: not ours
+                procs.append(p)
+                procs.extend(p.children(recursive=True))
+            except psutil.NoSuchProcess:
+                pass
+        return procs
+
+
+@dataclasses.dataclass
 class SimulatedSlice:
-    """One slice: its name and the Ray nodes of its hosts (worker 0 first)."""
+    """One slice: its name and its hosts (worker 0 first)."""
 
     name: str
-    nodes: list  # ray._private.node.Node, one per host
+    hosts: list  # SimulatedHost, one per host
     alive: bool = True
 
     @property
     def node_ids(self) -> list[str]:
-        return [n.node_id for n in self.nodes]
+        return [h.node_id for h in self.hosts]
 
 
 LOOPBACK = "127.0.0.1"
+SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
+HEAD_INSTANCE_ID = "sim-head-00000"  # the head's cloud instance id, as the autoscaler knows it
 # Every simulated node's address is LOOPBACK: nothing of a local run listens on or sends to the
 # machine's network address. Ray turns a loopback address given to ray.init (or a job driver's
 # RAY_ADDRESS) into the machine's "reachable" address unless it is told the cluster is one machine,
@@ -172,6 +207,12 @@ class SimulatedTPUCluster:
 
     Use as a context manager; :meth:`shutdown` stops only the processes it started.
 
+    Slices come from one of two places. With ``autoscaler=True`` the head runs Ray's own autoscaler
+    (v2) with :class:`~ray_elastic.sim_provider.TPUSliceProvider`: the initial slices, every
+    :meth:`add_slice` and every replacement are launched by the autoscaler for pending demand (a slice
+    placement group), and it retires dead hosts. Without it, this process starts the nodes itself and
+    :meth:`provisioner` stands in for the autoscaler.
+
     Args:
         num_slices: slices to start with.
         hosts_per_slice: Ray nodes per slice (v4: 1 host = 2x2x1, 2 hosts = 2x2x2, ...).
@@ -180,6 +221,13 @@ class SimulatedTPUCluster:
         fast_health_checks: use :data:`FAST_HEALTH_CHECKS` (sub-second node-death detection).
         object_store_mb: object store size per node.
         dashboard: start Ray's dashboard on ``dashboard_port`` (needed for ``ray job submit``).
+        autoscaler: launch and replace slices with Ray's autoscaler.
+        launch_delay_s: (autoscaler) how long provisioning a slice takes, scaled down.
+        max_slices: (autoscaler) capacity: slices that may be alive at once (``None``: no limit);
+            a launch beyond it fails like a stock-out, see :meth:`set_capacity`.
+        idle_timeout_s: (autoscaler) an idle slice is terminated after this long.
+        pool_slices: (autoscaler, multi-host) how many pre-named slices the pool has
+            (default ``num_slices + 2``): a replacement takes a free name of the pool, often the lost one's.
     """
 
     def __init__(
@@ -193,9 +241,15 @@ class SimulatedTPUCluster:
         connect: bool = True,
         log_to_driver: bool = True,
         dashboard: bool = False,
+        autoscaler: bool = False,
+        launch_delay_s: float = 0.0,
+        max_slices: Optional[int] = None,
+        idle_timeout_s: float = 3600.0,
+        pool_slices: Optional[int] = None,
     ):
         self.slice_spec = SliceSpec.for_hosts(accelerator, hosts_per_slice, devices_per_host)
         self.devices_per_host = devices_per_host
+        self.autoscaler = autoscaler
         self._object_store_bytes = object_store_mb * 1024 * 1024
         self._connect = connect
         self._log_to_driver = log_to_driver
@@ -204,6 +258,9 @@ class SimulatedTPUCluster:
         self.slices: list[SimulatedSlice] = []
         self._provisioners: list[Provisioner] = []
         self._starter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sim-node-starter")
+        self._events_seen = 0
+        self.state_dir: Optional[str] = None  # the autoscaler provider's records
+        self.autoscaling_config_path: Optional[str] = None
 
         import ray  # noqa: F401  (import here so the module can be inspected without Ray)
         from ray.cluster_utils import Cluster
@@ -214,15 +271,33 @@ class SimulatedTPUCluster:
         self.temp_dir = tempfile.mkdtemp(prefix="rel-", dir="/tmp")
         os.makedirs(os.path.join(self.temp_dir, "ray"), exist_ok=True)
         # Ray reads these from the environment of every process it starts (raylets, workers, job
-        # drivers), so they are set here and given back at shutdown.
-        self._old_env = {k: os.environ.get(k) for k in ("RAY_TMPDIR", ONE_MACHINE_FLAG)}
-        os.environ.update({"RAY_TMPDIR": self.temp_dir, ONE_MACHINE_FLAG: "0"})
+        # drivers, the autoscaler's monitor), so they are set here and given back at shutdown.
+        env = {"RAY_TMPDIR": self.temp_dir, ONE_MACHINE_FLAG: "0"}
+        gcs_port = free_port()
+        head_env = {}
+        if autoscaler:
+            self.state_dir = os.path.join(self.temp_dir, "autoscaler")
+            os.makedirs(self.state_dir)
+            self.autoscaling_config_path = os.path.join(self.state_dir, "autoscaling.json")
+            self._write_autoscaling_config(f"{LOOPBACK}:{gcs_port}", num_slices, launch_delay_s,
+                                           idle_timeout_s, pool_slices)
+            from ray_elastic.sim_provider import write_capacity
+
+            write_capacity(self.state_dir, max_slices)
+            env.update({
+                "RAY_enable_autoscaler_v2": "1",  # GCS stores it; the head then starts the v2 monitor
+                "AUTOSCALER_UPDATE_INTERVAL_S": "1",  # one reconcile round a second (the floor)
+                "AUTOSCALER_METRIC_PORT": str(free_port()),  # the default port is one per machine
+            })
+            head_env = {"RAY_CLOUD_INSTANCE_ID": HEAD_INSTANCE_ID, "RAY_NODE_TYPE_NAME": "ray.head.default"}
+        self._old_env = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         self._was_one_machine = _one_machine(True)
         self.dashboard_port = free_port()
         head_args = dict(
             num_cpus=1,
             node_ip_address=LOOPBACK,
-            gcs_server_port=free_port(),
+            gcs_server_port=gcs_port,
             temp_dir=os.path.join(self.temp_dir, "ray"),
             include_dashboard=dashboard,
             dashboard_host="127.0.0.1",
@@ -232,12 +307,17 @@ class SimulatedTPUCluster:
             object_store_memory=self._object_store_bytes,
             _system_config=dict(FAST_HEALTH_CHECKS) if fast_health_checks else {},
         )
+        if autoscaler:
+            head_args.update(autoscaling_config=self.autoscaling_config_path, env_vars=head_env)
         t0 = time.monotonic()
         self._cluster = Cluster(initialize_head=True, head_node_args=head_args, shutdown_at_exit=True)
         logger.info("simulated head up in %.1fs at %s", time.monotonic() - t0, self.address)
         try:
-            for _ in range(num_slices):
-                self.add_slice()
+            if autoscaler:
+                self._launch_slices(num_slices, timeout_s=120 + num_slices * launch_delay_s)
+            else:
+                for _ in range(num_slices):
+                    self.add_slice()
             if connect:
                 self._init_driver()
         except BaseException:
@@ -261,22 +341,165 @@ class SimulatedTPUCluster:
         self.shutdown()
 
     def alive_slices(self) -> list[SimulatedSlice]:
-        return [s for s in self.slices if s.alive]
+        self._sync()
+        return [s for s in self.slices if s.alive and len(s.hosts) == self.slice_spec.num_hosts]
 
     def slice_by_name(self, name: str) -> SimulatedSlice:
-        for s in self.slices:
-            if s.name == name:
-                return s
-        raise KeyError(f"no simulated slice named {name!r}; have {[s.name for s in self.slices]}")
+        """The slice of that name; the live one where a replacement reuses a lost slice's name."""
+        self._sync()
+        named = [s for s in self.slices if s.name == name]
+        if not named:
+            raise KeyError(f"no simulated slice named {name!r}; have {[s.name for s in self.slices]}")
+        return next((s for s in reversed(named) if s.alive), named[-1])
+
+    # ------------------------------------------------------------- autoscaler
+    def _write_autoscaling_config(self, gcs_address: str, num_slices: int, launch_delay_s: float,
+                                  idle_timeout_s: float, pool_slices: Optional[int]) -> None:
+        """Ray's cluster config for the autoscaler: the head, and the TPU slice node types."""
+        import json
+
+        from ray_elastic.sim_provider import pool_node_type
+
+        spec = self.slice_spec
+
+        def node_type(host: TPUHost, max_workers: int, static_name: bool) -> dict:
+            labels = dict(host.labels)
+            if not static_name:
+                labels.pop(SLICE_NAME_LABEL)  # the provider names each single-host slice it launches
+            return {"resources": {"CPU": 2, **{k: int(v) for k, v in host.resources.items()}},
+                    "labels": labels, "node_config": {}, "min_workers": 0, "max_workers": max_workers}
+
+        types = {"ray.head.default": {"resources": {"CPU": 1}, "node_config": {}, "min_workers": 0, "max_workers": 0}}
+        prefix = f"sim-{spec.pod_type}"
+        if spec.num_hosts == 1:
+            types["tpu-slice"] = node_type(tpu_host(spec, prefix, 0, self.devices_per_host), 1000, False)
+        else:
+            # Ray's slice reservation pins hosts to the head host's slice name, and the autoscaler
+            # matches names only against static labels: a pool of pre-named slices.
+            for i in range(pool_slices or num_slices + 2):
+                for w in range(spec.num_hosts):
+                    types[pool_node_type(i, w)] = node_type(tpu_host(spec, f"{prefix}-{i}", w, self.devices_per_host),
+                                                            1, True)
+        config = {
+            "cluster_name": os.path.basename(self.temp_dir),
+            "max_workers": 1000,
+            "upscaling_speed": 1000.0,  # every slice lost at once is replaced in the same round
+            "idle_timeout_minutes": idle_timeout_s / 60.0,
+            "provider": {
+                "type": "external",
+                "module": "ray_elastic.sim_provider.TPUSliceProvider",
+                "gcs_address": gcs_address,
+                "head_node_id": HEAD_INSTANCE_ID,
+                "state_dir": self.state_dir,
+                "node_ip_address": LOOPBACK,
+                "accelerator": spec.accelerator,
+                "hosts_per_slice": spec.num_hosts,
+                "devices_per_host": self.devices_per_host,
+                "object_store_bytes": self._object_store_bytes,
+                "slice_prefix": prefix,
+                "launch_delay_s": launch_delay_s,
+                "launch_multiple": True,
+                "disable_node_updaters": True,  # the provider starts Ray itself
+                "disable_launch_config_check": True,
+            },
+            "auth": {}, "head_node_type": "ray.head.default", "available_node_types": types, "docker": {},
+            "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
+            "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
+            "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False,
+            "rsync_exclude": [], "rsync_filter": [],
+        }
+        with open(self.autoscaling_config_path, "w") as f:
+            json.dump(config, f, indent=1)
+
+    def set_capacity(self, max_slices: Optional[int]) -> None:
+        """(autoscaler) Slices that may be alive at once; ``None``: no limit. Below the live count it
+        is a stock-out: nothing running is taken away, and every launch fails until capacity returns
+        (the autoscaler retries each round; its demand stays visible in the cluster status)."""
+        from ray_elastic.sim_provider import write_capacity
+
+        self._require_autoscaler("set_capacity")
+        write_capacity(self.state_dir, max_slices)
+
+    def autoscaler_events(self) -> list[dict]:
+        """(autoscaler) What the provider did: ``launch``, ``create`` (per host, with process ids),
+        ``terminate`` and ``stock_out`` records, each with its wall-clock time ``t``."""
+        from ray_elastic.sim_provider import read_events
+
+        self._require_autoscaler("autoscaler_events")
+        return read_events(self.state_dir)
+
+    def _require_autoscaler(self, what: str) -> None:
+        if not self.autoscaler:
+            raise RuntimeError(f"{what} needs SimulatedTPUCluster(autoscaler=True)")
+
+    def _sync(self) -> None:
+        """Learn the slices the autoscaler launched or terminated since the last look."""
+        if not self.autoscaler:
+            return
+        from ray_elastic.sim_provider import read_events
+
+        with self._lock:
+            events = read_events(self.state_dir)[self._events_seen:]
+            self._events_seen += len(events)
+            for e in events:
+                if e["event"] == "create":
+                    host = SimulatedHost(node_id=e["node_id"], pids=tuple(tuple(p) for p in e["pids"]),
+                                         instance_id=e["instance"], worker_id=e["worker"])
+                    sl = next((s for s in reversed(self.slices) if s.name == e["slice"]), None)
+                    if sl is None or not sl.alive or any(h.worker_id == host.worker_id for h in sl.hosts):
+                        sl = SimulatedSlice(name=e["slice"], hosts=[])
+                        self.slices.append(sl)
+                    sl.hosts = sorted(sl.hosts + [host], key=lambda h: h.worker_id)
+                elif e["event"] == "terminate":
+                    for sl in self.slices:
+                        if any(h.instance_id == e["instance"] for h in sl.hosts):
+                            sl.alive = False
+
+    def _launch_slices(self, count: int, timeout_s: float = 120.0) -> list[SimulatedSlice]:
+        """Have the autoscaler launch ``count`` more slices: a standing request for as many slice
+        heads as are alive plus ``count`` (a request, unlike a placement group, cannot be met by an
+        idle slice), withdrawn once they are up."""
+        from ray.autoscaler.v2.sdk import request_cluster_resources
+
+        before = {id(s) for s in self.alive_slices()}
+        head = {"resources": {f"TPU-{self.slice_spec.pod_type}-head": 1}, "label_selector": {}}
+        request_cluster_resources(self.address, [head] * (len(before) + count))
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                new = [s for s in self.alive_slices() if id(s) not in before]
+                if len(new) >= count and self._registered(new):
+                    return new
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the autoscaler launched {len(new)} of {count} slice(s) in {timeout_s:.0f}s "
+                                       f"(see {self.state_dir} and the monitor log under {self.temp_dir}/ray)")
+                time.sleep(0.2)
+        finally:
+            request_cluster_resources(self.address, [])
+
+    def _registered(self, slices: list[SimulatedSlice]) -> bool:
+        from ray._private.state import GlobalState
+        from ray._raylet import GcsClientOptions
+
+        state = GlobalState()
+        state._initialize_global_state(GcsClientOptions.create(self.address, None, allow_cluster_id_nil=True,
+                                                               fetch_cluster_id_if_nil=False))
+        try:
+            alive = {n["NodeID"] for n in state.node_table() if n["Alive"]}
+        finally:
+            state.disconnect()
+        return all(nid in alive for s in slices for nid in s.node_ids)
 
     # -------------------------------------------------------------- operations
     def add_slice(self) -> SimulatedSlice:
-        """Start the Ray nodes of one more slice; returns when they are registered.
+        """One more slice; returns when its nodes are registered.
 
-        Nodes are always started from one long-lived thread: Ray starts node processes
-        with a parent-death signal, which Linux ties to the *thread* that started them,
+        Without the autoscaler, nodes are always started from one long-lived thread: Ray starts node
+        processes with a parent-death signal, which Linux ties to the *thread* that started them,
         so a node started from a short-lived thread (a provisioner's) would die with it.
         """
+        if self.autoscaler:
+            return self._launch_slices(1)[0]
         return self._starter.submit(self._add_slice).result()
 
     def _add_slice(self) -> SimulatedSlice:
@@ -284,68 +507,56 @@ class SimulatedTPUCluster:
         with self._lock:
             name = f"sim-{spec.pod_type}-{self._next_slice}"
             self._next_slice += 1
-        nodes = []
+        hosts = []
         for worker_id in range(spec.num_hosts):
             host = tpu_host(spec, name, worker_id, self.devices_per_host)
-            nodes.append(
-                self._cluster.add_node(
-                    num_cpus=2,
-                    node_ip_address=LOOPBACK,
-                    resources=host.resources,
-                    labels=host.labels,
-                    env_vars=host.env,
-                    dashboard_agent_listen_port=free_port(),
-                    object_store_memory=self._object_store_bytes,
-                )
+            node = self._cluster.add_node(
+                num_cpus=2,
+                node_ip_address=LOOPBACK,
+                resources=host.resources,
+                labels=host.labels,
+                env_vars=host.env,
+                dashboard_agent_listen_port=free_port(),
+                object_store_memory=self._object_store_bytes,
             )
-        sl = SimulatedSlice(name=name, nodes=nodes)
+            hosts.append(SimulatedHost(node_id=node.node_id, node=node, worker_id=worker_id))
+        sl = SimulatedSlice(name=name, hosts=hosts)
         with self._lock:
             self.slices.append(sl)
-        logger.info("simulated slice %s added (%d host(s))", name, len(nodes))
+        logger.info("simulated slice %s added (%d host(s))", name, len(hosts))
         return sl
 
     def processes(self) -> list[psutil.Process]:
         """Every live process of the cluster: the head's and each live slice host's, with children."""
-        nodes = [self._cluster.head_node] + [n for sl in self.alive_slices() for n in sl.nodes]
-        return [p for node in nodes for p in self._node_processes(node)]
-
-    def _node_processes(self, node) -> list[psutil.Process]:
-        """The raylet of a node and everything it started (workers, agents)."""
-        procs = []
-        for ptype, infos in node.all_processes.items():
-            for info in infos:
-                try:
-                    p = psutil.Process(info.process.pid)
-                    procs.append(p)
-                    procs.extend(p.children(recursive=True))
-                except psutil.NoSuchProcess:
-                    pass
-        return procs
+        head = SimulatedHost(node_id=self._cluster.head_node.node_id, node=self._cluster.head_node)
+        return [p for h in [head] + [h for sl in self.alive_slices() for h in sl.hosts] for p in h.processes()]
 
     def kill_slice(self, name: str) -> None:
-        """A lost slice: SIGKILL every process of its hosts, then remove its nodes."""
+        """A lost slice: SIGKILL every process of its hosts (and remove the nodes this process started)."""
         sl = self.slice_by_name(name)
-        for node in sl.nodes:
-            self._kill_node(node, name)
+        for host in sl.hosts:
+            self._kill_host(host, name)
         sl.alive = False
         logger.info("simulated slice %s killed", name)
 
     def kill_host(self, name: str, worker_id: int) -> None:
         """One host of a multi-host slice lost (the slice is unusable; ``reap_dead_slices`` clears the rest)."""
-        self._kill_node(self.slice_by_name(name).nodes[worker_id], name)
+        self._kill_host(self.slice_by_name(name).hosts[worker_id], name)
         logger.info("simulated host %d of slice %s killed", worker_id, name)
 
-    def _kill_node(self, node, name: str) -> None:
-        for p in self._node_processes(node):
+    def _kill_host(self, host: SimulatedHost, name: str) -> None:
+        for p in host.processes():
             try:
                 p.send_signal(signal.SIGKILL)
             except psutil.NoSuchProcess:
                 pass
+        if host.node is None:
+            return  # an autoscaled host: the autoscaler retires its instance
         try:
-            self._cluster.remove_node(node, allow_graceful=False)
+            self._cluster.remove_node(host.node, allow_graceful=False)
         except Exception as e:  # already dead processes make remove_node's checks noisy
             logger.debug("remove_node(%s): %s", name, e)
-            self._cluster.worker_nodes.discard(node)
+            self._cluster.worker_nodes.discard(host.node)
 
     def reap_dead_slices(self) -> list[str]:
         """Kill and remove slices that Ray has declared dead (for example hung ones); returns their names."""
@@ -359,15 +570,16 @@ class SimulatedTPUCluster:
 
     def hang_slice(self, name: str) -> None:
         """A hung slice: SIGSTOP its hosts' processes (raylet and workers)."""
-        self._signal_slice(name, signal.SIGSTOP)
+        self._signal_slice(self.slice_by_name(name), signal.SIGSTOP)
 
     def resume_slice(self, name: str) -> None:
         """Undo :meth:`hang_slice`."""
-        self._signal_slice(name, signal.SIGCONT)
+        self._signal_slice(self.slice_by_name(name), signal.SIGCONT)
 
-    def _signal_slice(self, name: str, sig: int) -> None:
-        for node in self.slice_by_name(name).nodes:
-            for p in self._node_processes(node):
+    @staticmethod
+    def _signal_slice(sl: SimulatedSlice, sig: int) -> None:
+        for host in sl.hosts:
+            for p in host.processes():
                 try:
                     p.send_signal(sig)
                 except psutil.NoSuchProcess:
@@ -376,8 +588,8 @@ class SimulatedTPUCluster:
     def worker_pids(self, name: str) -> list[int]:
         """PIDs of the Ray worker processes (actors) running on a slice's hosts."""
         pids = []
-        for node in self.slice_by_name(name).nodes:
-            for p in self._node_processes(node):
+        for host in self.slice_by_name(name).hosts:
+            for p in host.processes():
                 try:
                     if p.name().startswith("ray::") or "default_worker.py" in " ".join(p.cmdline()):
                         pids.append(p.pid)
@@ -387,13 +599,19 @@ class SimulatedTPUCluster:
 
     def provisioner(self, delay_s: float = 0.0, poll_s: float = 0.2, max_slices: Optional[int] = None) -> "Provisioner":
         """Start a :class:`Provisioner` bound to this cluster (stopped by :meth:`shutdown`)."""
+        if self.autoscaler:
+            raise RuntimeError("this cluster's slices come from Ray's autoscaler: use launch_delay_s, "
+                               "max_slices and set_capacity() instead of a provisioner")
         p = Provisioner(self, delay_s=delay_s, poll_s=poll_s, max_slices=max_slices)
         self._provisioners.append(p)
         p.start()
         return p
 
     def shutdown(self) -> None:
-        """Stop the provisioners, disconnect, stop every node this cluster started."""
+        """Stop the provisioners, disconnect, stop every node this cluster started.
+
+        With the autoscaler: its monitor first (no more launches), then every host it launched (by
+        the process ids its provider recorded), then the head."""
         for p in self._provisioners:
             p.stop()
         self._provisioners.clear()
@@ -401,14 +619,27 @@ class SimulatedTPUCluster:
 
         if self._connect and ray.is_initialized():
             ray.shutdown()
+        cluster = getattr(self, "_cluster", None)
+        if self.autoscaler and cluster is not None:
+            try:
+                cluster.head_node.kill_monitor(check_alive=False)
+            except Exception as e:  # noqa: BLE001 - it may be gone already
+                logger.debug("kill monitor: %s", e)
+            self._sync()
+            for sl in self.slices:
+                for host in sl.hosts:
+                    for p in host.processes():
+                        try:
+                            p.send_signal(signal.SIGKILL)
+                        except psutil.NoSuchProcess:
+                            pass
         # SIGCONT anything we stopped so it can be killed cleanly.
         for sl in self.slices:
             if sl.alive:
                 try:
-                    self._signal_slice(sl.name, signal.SIGCONT)
+                    self._signal_slice(sl, signal.SIGCONT)
                 except Exception:
                     pass
-        cluster = getattr(self, "_cluster", None)
         if cluster is not None:
             try:
                 cluster.shutdown()
