@@ -147,9 +147,10 @@ def cmd_demo(args) -> int:
         devices_per_host=args.devices_per_host,
         accelerator=args.accelerator,
         log_to_driver=False,
+        **_slice_source(args),
     ) as cluster:
-        # Stands in for the autoscaler: a replacement slice arrives this long after it is asked for.
-        cluster.provisioner(delay_s=args.arrival_delay)
+        if not cluster.autoscaler:  # a thread stands in for the autoscaler
+            cluster.provisioner(delay_s=args.arrival_delay)
         killed = {}
         trainer_box = {}
 
@@ -187,9 +188,9 @@ def cmd_sim(args) -> int:
     spec = SliceSpec.for_hosts(args.accelerator, args.hosts_per_slice, args.devices_per_host)
     with SimulatedTPUCluster(num_slices=args.num_slices, hosts_per_slice=args.hosts_per_slice,
                              devices_per_host=args.devices_per_host, accelerator=args.accelerator,
-                             log_to_driver=False, dashboard=True) as cluster:
-        if args.provision_delay >= 0:
-            cluster.provisioner(delay_s=args.provision_delay)
+                             log_to_driver=False, dashboard=True, **_slice_source(args)) as cluster:
+        if not cluster.autoscaler and args.arrival_delay >= 0:
+            cluster.provisioner(delay_s=args.arrival_delay)
         url = f"http://127.0.0.1:{cluster.dashboard_port}"
         wait_for_job_server(url)
         print(f"simulated cluster up: {args.num_slices} x {spec.pod_type} slice(s) ({spec.topology}), "
@@ -198,9 +199,12 @@ def cmd_sim(args) -> int:
         print("submit a job from another terminal:")
         print(f"  ray job submit --address {url} -- ray-elastic train --example mlp --num-slices {args.num_slices} "
               f"--topology {spec.topology} --devices-per-host {spec.host_devices} --global-batch "
-              f"{4 * math.lcm(*range(1, args.num_slices + 1)) * spec.devices_per_slice} --steps 300 "
+              f"{4 * math.lcm(*range(1, args.num_slices + 1)) * spec.devices_per_slice} --steps 800 "
               "--run-dir /tmp/ray-elastic/job")
-        print("commands: list | kill [SLICE] (default: the newest) | add | quit", flush=True)
+        if cluster.autoscaler:
+            print(f"slices come from Ray's autoscaler: a lost slice is replaced {args.arrival_delay:.0f}s after it is "
+                  f"asked for, up to {args.max_slices or args.num_slices} slices ('capacity N' changes that)")
+        print(f"commands: {SIM_COMMANDS}", flush=True)
         for line in sys.stdin:
             cmd, *rest = line.split() or [""]
             alive = [s.name for s in cluster.alive_slices()]
@@ -214,12 +218,38 @@ def cmd_sim(args) -> int:
                 cluster.kill_slice(name)
                 print(f"killed {name}", flush=True)
             elif cmd == "add":
+                if cluster.autoscaler:  # one more slice of capacity, launched by the autoscaler
+                    cluster.set_capacity(len(alive) + 1)
                 print(f"added {cluster.add_slice().name}", flush=True)
+            elif cmd == "capacity" and cluster.autoscaler and rest and rest[0].isdigit():
+                cluster.set_capacity(int(rest[0]))
+                print(f"capacity: {rest[0]} slice(s)", flush=True)
             elif cmd in ("quit", "exit"):
                 break
             elif cmd:
-                print("commands: list | kill [SLICE] | add | quit", flush=True)
+                print(f"commands: {SIM_COMMANDS}", flush=True)
     return 0
+
+
+SIM_COMMANDS = "list | kill [SLICE] (default: the newest) | add | capacity N (autoscaler) | quit"
+
+
+def _add_slice_source_args(p: argparse.ArgumentParser, arrival_delay: float) -> None:
+    p.add_argument("--no-autoscaler", action="store_true",
+                   help="add replacement slices from a thread of this process instead of Ray's autoscaler")
+    p.add_argument("--arrival-delay", type=float, default=arrival_delay,
+                   help="seconds a replacement slice takes to be provisioned (simulated)")
+    p.add_argument("--max-slices", type=int, default=None,
+                   help="TPU capacity: slices that may be alive at once (default: --num-slices); beyond it "
+                        "launches fail like a stock-out")
+
+
+def _slice_source(args) -> dict:
+    """Where the simulated cluster's slices come from: Ray's autoscaler (v2), unless --no-autoscaler."""
+    if args.no_autoscaler:
+        return {}
+    return {"autoscaler": True, "launch_delay_s": max(0.0, args.arrival_delay),
+            "max_slices": args.max_slices or args.num_slices}
 
 
 def cmd_report(args) -> int:
@@ -252,8 +282,7 @@ def main(argv=None) -> int:
     demo.add_argument("--devices-per-host", type=int, default=2, help="JAX CPU devices per simulated host")
     demo.add_argument("--kill-at", type=int, default=None,
                       help="kill a slice (node and processes) after this step (default: half way; -1: never)")
-    demo.add_argument("--arrival-delay", type=float, default=2.0,
-                      help="seconds until a replacement slice arrives (the simulated autoscaler)")
+    _add_slice_source_args(demo, arrival_delay=2.0)
     demo.set_defaults(func=cmd_demo)
 
     train = sub.add_parser("train", help="train on an existing Ray cluster (RAY_ADDRESS or --address)")
@@ -271,8 +300,7 @@ def main(argv=None) -> int:
     sim.add_argument("--accelerator", default="v4", help="TPU generation the simulated hosts pretend to be")
     sim.add_argument("--hosts-per-slice", type=int, default=1)
     sim.add_argument("--devices-per-host", type=int, default=2, help="JAX CPU devices per simulated host")
-    sim.add_argument("--provision-delay", type=float, default=-1,
-                     help="add a slice this many seconds after one is asked for, like the autoscaler (-1: never)")
+    _add_slice_source_args(sim, arrival_delay=2.0)
     sim.set_defaults(func=cmd_sim)
 
     rep = sub.add_parser("report", help="draw a run's timeline and goodput (PNG) from its run directory")

@@ -108,6 +108,19 @@ class ElasticTrainer:
         old, self.state = self.state, new
         self.events.state(old, new)
 
+    def _waiting_for_slices(self, ready: int, asked: int) -> None:
+        waited = time.perf_counter() - self._scheduling_since
+        self._report_waiting(f"reserving slices: {ready}/{asked} ready after {waited:.0f}s of slice_timeout_s="
+                             f"{self.config.slice_timeout_s:.0f}", ready=ready, asked=asked, waited_s=waited)
+
+    def _report_waiting(self, what: str, *, ready: int, asked: int, waited_s: float) -> None:
+        """Say what the run waits for and what is missing: a job waiting minutes for TPU capacity must
+        not look hung. A ``waiting`` event (the progress line shows it) and a log line."""
+        demand = self.backend.pending_demand()
+        self.events.emit("waiting", state=self.state.value, ready=ready, asked=asked, waited_s=round(waited_s, 1),
+                         demand=demand)
+        logger.warning("%s; pending slice demand (what the autoscaler sees): %s", what, demand)
+
     # --------------------------------------------------------------------- fit
     def fit(self, num_steps: int, *, resume_from: Optional[str] = None) -> FitResult:
         """Train steps ``0 .. num_steps-1``; returns per-step losses, recoveries and a summary.
@@ -133,7 +146,8 @@ class ElasticTrainer:
             self.backend.connect()
             self._add_observers(num_steps)
             self._enter(S.SCHEDULING)
-            first = self.gens.reserve()
+            self._scheduling_since = time.perf_counter()
+            first = self.gens.reserve(on_wait=self._waiting_for_slices)
             change = WorldChange(OutcomeKind.DONE, first, "first world", time.time(), time.time())
             outcome = self._next_world(change, resume) or self._run(num_steps)
             startup_s = time.perf_counter() - t_start
@@ -321,9 +335,14 @@ class ElasticTrainer:
         ready replacements, form. Returns None when formed, else the forming failure as an outcome."""
         cfg = self.config
 
-        def on_wait(reason: str) -> None:
-            self._enter(S.WAITING_FOR_CAPACITY)
-            self.events.emit("waiting_for_capacity", reason=reason)
+        def on_wait(reason: str, waited_s: float) -> None:
+            if not waited_s:
+                self._enter(S.WAITING_FOR_CAPACITY)
+                self.events.emit("waiting_for_capacity", reason=reason)
+                return
+            self._report_waiting(f"{reason}; waited {waited_s:.0f}s of replacement_timeout_s="
+                                 f"{cfg.replacement_timeout_s:.0f}", ready=len(change.survivors),
+                                 asked=cfg.num_slices, waited_s=waited_s)
 
         decision, wait_s = self.gens.await_capacity(change.survivors, grow=change.cause is OutcomeKind.GROW,
                                                     on_wait=on_wait)

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 from ray_elastic import checkpoints
 from ray_elastic.config import ElasticConfig
 from ray_elastic.errors import unreadable_checkpoint
+from ray_elastic.placement import REPORT_EVERY_S
 from ray_elastic.plan import (Action, ErrorKind, NextWorld, RestorePlan, RestoreSource, choose_restore,
                               decide_next_world, should_grow)
 from ray_elastic.results import WorldRecord
@@ -62,9 +63,10 @@ class Generations:
         self.world = None  # the current World
 
     # ------------------------------------------------------------ capacity
-    def reserve(self) -> list:
-        """The first world's slices; their standby processes start while the world forms."""
-        self.members = self.backend.reserve(self.config.num_slices)
+    def reserve(self, on_wait: Optional[Callable[[int, int], None]] = None) -> list:
+        """The first world's slices; their standby processes start while the world forms.
+        ``on_wait(ready, asked)`` every few seconds while slices are missing."""
+        self.members = self.backend.reserve(self.config.num_slices, on_wait=on_wait)
         self.backend.replenish(self.members)
         return list(self.members)
 
@@ -93,21 +95,23 @@ class Generations:
                                  min_slices=cfg.min_slices, timed_out=timed_out,
                                  fallback_to_resize=cfg.fallback_to_resize)
 
-    def await_capacity(self, survivors: list, *, grow: bool, on_wait: Callable[[str], None]) -> tuple[NextWorld, float]:
+    def await_capacity(self, survivors: list, *, grow: bool,
+                       on_wait: Callable[[str, float], None]) -> tuple[NextWorld, float]:
         """Poll until the next world may form or the mode gives up; returns the decision and seconds waited.
 
-        ``on_wait(reason)`` is called once when waiting starts. Growing never waits: the running
-        world's size was already allowed.
+        ``on_wait(reason, waited_s)`` is called when waiting starts (``waited_s`` 0) and every
+        ``REPORT_EVERY_S`` after. Growing never waits: the running world's size was already allowed.
         """
-        t0, waited = time.perf_counter(), False
+        t0, reported = time.perf_counter(), None
         while True:
-            timed_out = grow or time.perf_counter() - t0 > self.config.replacement_timeout_s
+            waited = time.perf_counter() - t0
+            timed_out = grow or waited > self.config.replacement_timeout_s
             decision = self.decide(survivors, timed_out=timed_out)
             if decision.action is not Action.WAIT:
-                return decision, (time.perf_counter() - t0 if waited else 0.0)
-            if not waited:
-                on_wait(decision.reason)
-                waited = True
+                return decision, (waited if reported is not None else 0.0)
+            if reported is None or waited - reported >= REPORT_EVERY_S:
+                on_wait(decision.reason, 0.0 if reported is None else waited)
+                reported = waited
             time.sleep(WAIT_POLL_S)
 
     def take(self, survivors: list, decision: NextWorld) -> tuple[list, list]:

@@ -28,6 +28,7 @@ class ProgressBar(EventListener):
         self.slices: Optional[int] = None
         self.state = None
         self.loss: Optional[float] = None
+        self.waiting: Optional[str] = None  # what a wait for slices still misses
         self.bar = tqdm(total=total, initial=initial, desc="ray-elastic", unit="step", dynamic_ncols=True)
 
     def postfix(self) -> str:
@@ -36,6 +37,8 @@ class ProgressBar(EventListener):
             parts.append(f"slices={self.slices}/{self.num_slices}")
         if self.state is not None:
             parts.append(f"state={self.state.value}")
+        if self.waiting is not None:
+            parts.append(self.waiting)
         return ", ".join(parts)
 
     def on_step(self, metrics: dict) -> None:
@@ -49,7 +52,10 @@ class ProgressBar(EventListener):
 
     def on_event(self, event: dict) -> None:
         if event["kind"] == "world_formed":
-            self.slices = len(event["slices"])
+            self.slices, self.waiting = len(event["slices"]), None
+        elif event["kind"] == "waiting":
+            self.waiting = f"slices ready {event['ready']}/{event['asked']} ({event['waited_s']:.0f}s)"
+            self.bar.set_postfix_str(self.postfix(), refresh=True)
         elif event["kind"] in ("recovered", "scale_up") and event["steps_rewound"]:
             self.bar.update(-event["steps_rewound"])
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -20,6 +20,7 @@ from ray.util.tpu import SlicePlacementGroup
 from ray_elastic.config import SliceSpec
 
 logger = logging.getLogger(__name__)
+REPORT_EVERY_S = 5.0  # how often a wait for slices says what it still waits for
 UNPLACED = "<unplaced>"  # no node: never among the live ones
 SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
 
@@ -27,10 +28,12 @@ SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
 class SliceReservation:
     """A placement group holding every host of one TPU slice (one bundle per host)."""
 
-    def __init__(self, spec: SliceSpec, head_timeout_s: Optional[float] = None):
+    def __init__(self, spec: SliceSpec, head_timeout_s: Optional[float] = None,
+                 on_wait: Optional[Callable[[], None]] = None):
         self.spec = spec
         # Multi-host: claim the head host of a whole, idle slice first and pin every bundle to it.
-        self.pinned_slice, self._head_pg = _claim_whole_slice(spec, head_timeout_s) if spec.num_hosts > 1 else (None, None)
+        self.pinned_slice, self._head_pg = (_claim_whole_slice(spec, head_timeout_s, on_wait) if spec.num_hosts > 1
+                                            else (None, None))
         try:
             self._handle = SlicePlacementGroup(
                 topology=spec.topology,
@@ -117,7 +120,8 @@ def _whole_and_idle(slice_name: str, spec: SliceSpec, claim: PlacementGroup) -> 
     return all(free.get(n["NodeID"], n["Resources"]).get("TPU", 0) >= n["Resources"].get("TPU", 0) for n in hosts)
 
 
-def _claim_whole_slice(spec: SliceSpec, timeout_s: Optional[float]) -> tuple[str, PlacementGroup]:
+def _claim_whole_slice(spec: SliceSpec, timeout_s: Optional[float],
+                       on_wait: Optional[Callable[[], None]] = None) -> tuple[str, PlacementGroup]:
     """The name of a whole, idle multi-host slice and the placement group holding its head host.
 
     Ray's two-step reservation claims any free head host, and a slice's head is free when the
@@ -129,6 +133,7 @@ def _claim_whole_slice(spec: SliceSpec, timeout_s: Optional[float]) -> tuple[str
     a good one is found. The pending claim is the demand the autoscaler adds a slice for.
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    reported = time.monotonic()
     held: dict[str, PlacementGroup] = {}
     claim, claimed = None, None
     try:
@@ -140,6 +145,9 @@ def _claim_whole_slice(spec: SliceSpec, timeout_s: Optional[float]) -> tuple[str
             if left is not None and left <= 0:
                 raise TimeoutError(f"no whole, idle {spec.pod_type} slice could be reserved within {timeout_s:.0f}s "
                                    f"(claimed and unusable: {sorted(held) or 'none'})")
+            if on_wait is not None and time.monotonic() - reported >= REPORT_EVERY_S:
+                reported = time.monotonic()
+                on_wait()
             if claim is None:
                 claim = placement_group([{f"TPU-{spec.pod_type}-head": 1}], bundle_label_selector=[
                     {"ray.io/tpu-worker-id": "0", "ray.io/tpu-pod-type": spec.pod_type}])
@@ -163,17 +171,30 @@ def _remove(pg: PlacementGroup) -> None:
         logger.debug("could not remove placement group %s: %s", pg.id, e)
 
 
-def reserve_slices(spec: SliceSpec, count: int, timeout_s: float) -> list[SliceReservation]:
-    """Reserve ``count`` slices; release all of them and raise if they are not ready in time."""
+def reserve_slices(spec: SliceSpec, count: int, timeout_s: float,
+                   on_wait: Optional[Callable[[int, int], None]] = None) -> list[SliceReservation]:
+    """Reserve ``count`` slices; release all of them and raise if they are not ready in time.
+
+    ``on_wait(ready, count)`` is called every :data:`REPORT_EVERY_S` while some are not ready: a job
+    waiting minutes for TPU capacity says so instead of printing nothing."""
     reservations: list[SliceReservation] = []
+    deadline = time.monotonic() + timeout_s
     try:
         # Multi-host slices block here until their head host is claimed (Ray's two-step reservation).
         for _ in range(count):
-            reservations.append(SliceReservation(spec, head_timeout_s=timeout_s))
+            reservations.append(SliceReservation(
+                spec, head_timeout_s=max(0.0, deadline - time.monotonic()),
+                on_wait=None if on_wait is None else lambda: on_wait(len(reservations), count)))
         pending = [r.ready() for r in reservations]
-        _, not_ready = ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
-        if not_ready:
-            raise TimeoutError(f"{len(not_ready)} reservation(s) still pending")
+        while True:
+            ready, not_ready = ray.wait(pending, num_returns=len(pending),
+                                        timeout=max(0.0, min(REPORT_EVERY_S, deadline - time.monotonic())))
+            if not not_ready:
+                break
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{len(not_ready)} reservation(s) still pending")
+            if on_wait is not None:
+                on_wait(len(ready), count)
     except (TimeoutError, RuntimeError) as e:
         for r in reservations:
             r.release()
@@ -185,6 +206,22 @@ def reserve_slices(spec: SliceSpec, count: int, timeout_s: float) -> list[SliceR
     for r in reservations:
         r.wait(0)
     return reservations
+
+
+def pending_slice_demand() -> str:
+    """The pending TPU placement groups, the demand an autoscaler sees: what the run still waits for."""
+    import collections
+    import json
+
+    demand = collections.Counter()
+    for info in ray.util.placement_group_table().values():
+        if info.get("state") not in ("PENDING", "RESCHEDULING"):
+            continue
+        bundles = list((info.get("bundles") or {}).values())
+        if any(k == "TPU" or (k.startswith("TPU-") and k.endswith("-head")) for b in bundles for k in b):
+            each = {k: (int(v) if float(v).is_integer() else v) for k, v in sorted(bundles[0].items())}
+            demand[f"{len(bundles)} x {json.dumps(each)}"] += 1
+    return "; ".join(f"{n} group(s) of {shape}" for shape, n in demand.items()) or "none pending"
 
 
 class ReplacementRequest:

@@ -17,7 +17,7 @@ import ray
 
 from ray_elastic import checkpoints, health
 from ray_elastic.config import ElasticConfig
-from ray_elastic.placement import ReplacementRequest, SliceReservation, reserve_slices
+from ray_elastic.placement import ReplacementRequest, SliceReservation, pending_slice_demand, reserve_slices
 from ray_elastic.plan import ErrorKind
 from ray_elastic.snapshot_keeper import ask_keepers
 from ray_elastic.snapshots import SnapshotStore
@@ -54,8 +54,11 @@ class RayBackend:
             return None
 
     # -------------------------------------------------------------- slices
-    def reserve(self, count: int) -> list[SliceReservation]:
-        return reserve_slices(self.config.slice, count, self.config.slice_timeout_s)
+    def reserve(self, count: int, on_wait: Optional[Callable[[int, int], None]] = None) -> list[SliceReservation]:
+        return reserve_slices(self.config.slice, count, self.config.slice_timeout_s, on_wait=on_wait)
+
+    def pending_demand(self) -> str:
+        return pending_slice_demand()
 
     def request_replacement(self) -> ReplacementRequest:
         """A pending slice placement group: the demand the autoscaler provisions a slice for."""

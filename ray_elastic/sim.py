@@ -222,7 +222,8 @@ class SimulatedTPUCluster:
         object_store_mb: object store size per node.
         dashboard: start Ray's dashboard on ``dashboard_port`` (needed for ``ray job submit``).
         autoscaler: launch and replace slices with Ray's autoscaler.
-        launch_delay_s: (autoscaler) how long provisioning a slice takes, scaled down.
+        launch_delay_s: (autoscaler) how long provisioning a slice takes, scaled down (the first
+            ``num_slices`` are launched without it).
         max_slices: (autoscaler) capacity: slices that may be alive at once (``None``: no limit);
             a launch beyond it fails like a stock-out, see :meth:`set_capacity`.
         idle_timeout_s: (autoscaler) an idle slice is terminated after this long.
@@ -279,11 +280,10 @@ class SimulatedTPUCluster:
             self.state_dir = os.path.join(self.temp_dir, "autoscaler")
             os.makedirs(self.state_dir)
             self.autoscaling_config_path = os.path.join(self.state_dir, "autoscaling.json")
-            self._write_autoscaling_config(f"{LOOPBACK}:{gcs_port}", num_slices, launch_delay_s,
-                                           idle_timeout_s, pool_slices)
-            from ray_elastic.sim_provider import write_capacity
+            self._write_autoscaling_config(f"{LOOPBACK}:{gcs_port}", num_slices, idle_timeout_s, pool_slices)
+            from ray_elastic.sim_provider import write_knobs
 
-            write_capacity(self.state_dir, max_slices)
+            write_knobs(self.state_dir, max_slices=max_slices, launch_delay_s=0.0)  # the first slices: no delay
             env.update({
                 "RAY_enable_autoscaler_v2": "1",  # GCS stores it; the head then starts the v2 monitor
                 "AUTOSCALER_UPDATE_INTERVAL_S": "1",  # one reconcile round a second (the floor)
@@ -314,7 +314,8 @@ class SimulatedTPUCluster:
         logger.info("simulated head up in %.1fs at %s", time.monotonic() - t0, self.address)
         try:
             if autoscaler:
-                self._launch_slices(num_slices, timeout_s=120 + num_slices * launch_delay_s)
+                self._launch_slices(num_slices)
+                self.set_launch_delay(launch_delay_s)
             else:
                 for _ in range(num_slices):
                     self.add_slice()
@@ -353,8 +354,8 @@ class SimulatedTPUCluster:
         return next((s for s in reversed(named) if s.alive), named[-1])
 
     # ------------------------------------------------------------- autoscaler
-    def _write_autoscaling_config(self, gcs_address: str, num_slices: int, launch_delay_s: float,
-                                  idle_timeout_s: float, pool_slices: Optional[int]) -> None:
+    def _write_autoscaling_config(self, gcs_address: str, num_slices: int, idle_timeout_s: float,
+                                  pool_slices: Optional[int]) -> None:
         """Ray's cluster config for the autoscaler: the head, and the TPU slice node types."""
         import json
 
@@ -397,7 +398,6 @@ class SimulatedTPUCluster:
                 "devices_per_host": self.devices_per_host,
                 "object_store_bytes": self._object_store_bytes,
                 "slice_prefix": prefix,
-                "launch_delay_s": launch_delay_s,
                 "launch_multiple": True,
                 "disable_node_updaters": True,  # the provider starts Ray itself
                 "disable_launch_config_check": True,
@@ -415,10 +415,17 @@ class SimulatedTPUCluster:
         """(autoscaler) Slices that may be alive at once; ``None``: no limit. Below the live count it
         is a stock-out: nothing running is taken away, and every launch fails until capacity returns
         (the autoscaler retries each round; its demand stays visible in the cluster status)."""
-        from ray_elastic.sim_provider import write_capacity
+        from ray_elastic.sim_provider import write_knobs
 
         self._require_autoscaler("set_capacity")
-        write_capacity(self.state_dir, max_slices)
+        write_knobs(self.state_dir, max_slices=max_slices)
+
+    def set_launch_delay(self, seconds: float) -> None:
+        """(autoscaler) How long provisioning each slice takes from now on."""
+        from ray_elastic.sim_provider import write_knobs
+
+        self._require_autoscaler("set_launch_delay")
+        write_knobs(self.state_dir, launch_delay_s=float(seconds))
 
     def autoscaler_events(self) -> list[dict]:
         """(autoscaler) What the provider did: ``launch``, ``create`` (per host, with process ids),

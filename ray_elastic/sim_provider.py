@@ -20,8 +20,9 @@ What it adds:
   autoscaler as unrequested instances); told to terminate one host of a slice, it terminates the
   slice, as a TPU slice is provisioned and lost as a whole.
 - **Provisioning time and stock-out.** Each slice launch waits ``launch_delay_s`` (a real slice takes
-  minutes); a launch beyond the capacity in ``<state_dir>/capacity.json`` fails the way a zone
-  without TPUs fails it, and the autoscaler retries it every round, its demand pending.
+  minutes); a launch beyond the capacity ``max_slices`` fails the way a zone without TPUs fails it,
+  and the autoscaler retries it every round, its demand pending. Both are knobs in
+  ``<state_dir>/knobs.json``, read at every launch, so a test can change them while it runs.
   (Lowering ``max_workers`` below the live count is not a stock-out: the v2 scheduler terminates
   running nodes to meet it.)
 - **A record of its nodes.** Every create and terminate is a line of ``<state_dir>/events.jsonl``
@@ -51,7 +52,7 @@ from ray.autoscaler.tags import (  # noqa: E402
 
 HEAD_NODE_TYPE = "ray.head.default"  # the name FakeMultiNodeProvider gives the head
 EVENTS_FILE = "events.jsonl"
-CAPACITY_FILE = "capacity.json"
+KNOBS_FILE = "knobs.json"
 _START_LOCK = threading.Lock()
 
 
@@ -77,19 +78,22 @@ def read_events(state_dir: str) -> list[dict]:
         return []
 
 
-def write_capacity(state_dir: str, max_slices) -> None:
-    tmp = os.path.join(state_dir, CAPACITY_FILE + ".tmp")
+def write_knobs(state_dir: str, **knobs) -> None:
+    """Change the simulated cloud while it runs: ``max_slices`` (capacity; ``None``: no limit) and
+    ``launch_delay_s`` (provisioning time). Read at every launch."""
+    merged = {**read_knobs(state_dir), **knobs}
+    tmp = os.path.join(state_dir, KNOBS_FILE + ".tmp")
     with open(tmp, "w") as f:
-        json.dump({"max_slices": max_slices}, f)
-    os.replace(tmp, os.path.join(state_dir, CAPACITY_FILE))
+        json.dump(merged, f)
+    os.replace(tmp, os.path.join(state_dir, KNOBS_FILE))
 
 
-def read_capacity(state_dir: str):
+def read_knobs(state_dir: str) -> dict:
     try:
-        with open(os.path.join(state_dir, CAPACITY_FILE)) as f:
-            return json.load(f).get("max_slices")
+        with open(os.path.join(state_dir, KNOBS_FILE)) as f:
+            return json.load(f)
     except (FileNotFoundError, ValueError):
-        return None
+        return {}
 
 
 class TPUSliceProvider(FakeMultiNodeProvider):
@@ -105,7 +109,6 @@ class TPUSliceProvider(FakeMultiNodeProvider):
         self._devices_per_host = int(c["devices_per_host"])
         self._ip = c["node_ip_address"]
         self._object_store_bytes = int(c["object_store_bytes"])
-        self._launch_delay_s = float(c.get("launch_delay_s", 0.0))
         self._prefix = c["slice_prefix"]
         self._next_slice = int(c.get("first_slice_index", 0))
         self._slice_of: dict[str, tuple[str, int]] = {}  # instance id -> (slice name, worker id)
@@ -113,16 +116,16 @@ class TPUSliceProvider(FakeMultiNodeProvider):
     # ------------------------------------------------------------ launching
     def _create_node_with_resources_and_labels(self, node_config, tags, count, resources, labels):
         node_type = tags[TAG_RAY_USER_NODE_TYPE]
-        with self.lock:
-            live = {s for s, _ in self._slice_of.values()}
-        capacity = read_capacity(self._state_dir)
+        live = self._live_slices()
+        knobs = read_knobs(self._state_dir)
+        capacity = knobs.get("max_slices")
         if capacity is not None and len(live) >= capacity:
             record_event(self._state_dir, event="stock_out", node_type=node_type, live_slices=len(live))
             raise StockOutError(f"no TPU capacity for another {self._spec.pod_type} slice "
                                 f"({len(live)} alive, capacity {capacity})")
         record_event(self._state_dir, event="launch", node_type=node_type)
-        if self._launch_delay_s:
-            time.sleep(self._launch_delay_s)  # provisioning a slice
+        if knobs.get("launch_delay_s"):
+            time.sleep(knobs["launch_delay_s"])  # provisioning a slice
         if self._spec.num_hosts == 1:
             with self.lock:
                 name = f"{self._prefix}-{self._next_slice}"
@@ -138,6 +141,13 @@ class TPUSliceProvider(FakeMultiNodeProvider):
             if w not in have:
                 t = pool_node_type(index, w)
                 self._start_host(t, {**tags, TAG_RAY_USER_NODE_TYPE: t}, name, w)
+
+    def _live_slices(self) -> set[str]:
+        """Slices with a host still running (or starting): a killed one counts no more, even before
+        the autoscaler has terminated its instance."""
+        with self.lock:
+            hosts = [(name, self._nodes.get(cid, {}).get("node")) for cid, (name, _) in self._slice_of.items()]
+        return {name for name, node in hosts if node is None or node.live_processes()}
 
     def _start_host(self, node_type: str, tags: dict, slice_name: str, worker_id: int) -> None:
         import ray

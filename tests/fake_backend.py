@@ -173,7 +173,10 @@ class FakeBackend:
     def run_metrics(self, name: str):
         return None
 
-    def reserve(self, count: int) -> list[FakeReservation]:
+    def pending_demand(self) -> str:
+        return f"{len(self.requests)} replacement request(s)"
+
+    def reserve(self, count: int, on_wait=None) -> list[FakeReservation]:
         free = self.free_slices()
         if len(free) < count:
             raise TimeoutError(f"could not reserve {count} slices: {len(free)} free")

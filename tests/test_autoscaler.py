@@ -157,3 +157,24 @@ def _wait_for_stock_out(cluster, seen, timeout_s: float = 60.0) -> None:
         if any(e["event"] == "stock_out" and e["t"] >= seen["t"] for e in cluster.autoscaler_events()):
             return
         time.sleep(0.2)
+
+
+def test_waiting_for_slices_says_what_is_missing(sim_cluster, capsys, caplog):
+    """A run asking for more slices than there are says so every few seconds, in the progress line and
+    the log, with the pending demand the autoscaler sees; it trains once capacity arrives."""
+    import logging
+
+    ensure_slices(sim_cluster, 2)
+    sim_cluster.set_capacity(2)
+    threading.Timer(7.0, sim_cluster.set_capacity, args=(CAPACITY,)).start()
+    caplog.set_level(logging.WARNING, logger="ray_elastic")
+    try:
+        result = ElasticTrainer(DigitsMLPTask(), config(sim_cluster, standby_workers=0), progress=True).fit(10)
+    finally:
+        sim_cluster.set_capacity(CAPACITY)
+    assert result.steps == list(range(10))
+    waits = [e for e in result.events if e["kind"] == "waiting"]
+    assert waits and waits[0]["ready"] == 2 and waits[0]["asked"] == 3 and waits[0]["state"] == "scheduling"
+    assert "TPU" in waits[0]["demand"], waits[0]
+    assert "reserving slices: 2/3 ready" in caplog.text and "pending slice demand" in caplog.text
+    assert "slices ready 2/3" in capsys.readouterr().err

@@ -58,7 +58,8 @@ def test_train_reports_missing_capacity_clearly(sim_cluster):
 
 
 def test_sim_command_serves_ray_job_submit_and_kills_a_slice_on_request(tmp_path):
-    """``ray-elastic sim`` in the foreground; a job submitted to it survives ``kill`` typed on stdin."""
+    """``ray-elastic sim`` in the foreground; a job submitted to it survives ``kill`` typed on stdin, and
+    grows back onto the slice Ray's autoscaler launches for the replacement it asks for."""
     import queue
     import threading
     import time
@@ -90,7 +91,7 @@ def test_sim_command_serves_ray_job_submit_and_kills_a_slice_on_request(tmp_path
         address = submit_cmd[submit_cmd.index("--address") + 1]
         run_dir = str(tmp_path / "job")
         train = submit_cmd[submit_cmd.index("--") + 1:]
-        train[train.index("--steps") + 1] = "60"
+        train[train.index("--steps") + 1] = "300"
         train[train.index("--run-dir") + 1] = run_dir
         job_id = f"sim-{int(time.time())}"
         proc = subprocess.run([os.path.join(os.path.dirname(BIN), "ray"), "job", "submit", "--address", address,
@@ -115,7 +116,8 @@ def test_sim_command_serves_ray_job_submit_and_kills_a_slice_on_request(tmp_path
         logs = client.get_job_logs(job_id)
         assert client.get_job_status(job_id) == JobStatus.SUCCEEDED, logs[-3000:]
         summary = json.loads([ln for ln in logs.splitlines() if ln.startswith("{")][-1])
-        assert summary["steps"] == 60 and summary["recoveries"] == 1 and summary["slices"] == 2, \
+        assert summary["steps"] == 300 and summary["recoveries"] == 1, summary
+        assert summary["slices"] == 3 and summary["scale_ups"] == 1, \
             (summary, [ln for ln in open(events) if '"failure"' in ln or '"recovered"' in ln])
         assert killed in open(events).read()
         sim.stdin.write("list\n")
