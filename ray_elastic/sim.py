@@ -604,6 +604,32 @@ class SimulatedTPUCluster:
                     pass
         return pids
 
+    def _stop_autoscaled_nodes(self, cluster) -> None:
+        """No new launches (capacity 0), wait for the ones in flight (a node half-started when the
+        monitor dies would be orphaned), stop the monitor, then SIGKILL every node it launched by the
+        recorded PIDs, and last anything still running from this cluster's private temp dir."""
+        from ray_elastic.sim_provider import launches_in_flight, read_events, write_knobs
+
+        write_knobs(self.state_dir, max_slices=0)
+        deadline = time.monotonic() + 60
+        while launches_in_flight(read_events(self.state_dir)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        try:
+            cluster.head_node.kill_monitor(check_alive=False)
+        except Exception as e:  # noqa: BLE001 - it may be gone already
+            logger.debug("kill monitor: %s", e)
+        self._sync()
+        procs = [p for sl in self.slices for host in sl.hosts for p in host.processes()]
+        head = {p.pid for p in SimulatedHost(node_id="", node=cluster.head_node).processes()}
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            if p.pid not in head and self.temp_dir in " ".join(p.info["cmdline"] or []):
+                procs.append(p)  # ours (its command line names our private temp dir), missed by the records
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+
     def provisioner(self, delay_s: float = 0.0, poll_s: float = 0.2, max_slices: Optional[int] = None) -> "Provisioner":
         """Start a :class:`Provisioner` bound to this cluster (stopped by :meth:`shutdown`)."""
         if self.autoscaler:
@@ -628,18 +654,7 @@ class SimulatedTPUCluster:
             ray.shutdown()
         cluster = getattr(self, "_cluster", None)
         if self.autoscaler and cluster is not None:
-            try:
-                cluster.head_node.kill_monitor(check_alive=False)
-            except Exception as e:  # noqa: BLE001 - it may be gone already
-                logger.debug("kill monitor: %s", e)
-            self._sync()
-            for sl in self.slices:
-                for host in sl.hosts:
-                    for p in host.processes():
-                        try:
-                            p.send_signal(signal.SIGKILL)
-                        except psutil.NoSuchProcess:
-                            pass
+            self._stop_autoscaled_nodes(cluster)
         # SIGCONT anything we stopped so it can be killed cleanly.
         for sl in self.slices:
             if sl.alive:

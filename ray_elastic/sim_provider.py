@@ -88,6 +88,12 @@ def write_knobs(state_dir: str, **knobs) -> None:
     os.replace(tmp, os.path.join(state_dir, KNOBS_FILE))
 
 
+def launches_in_flight(events: list[dict]) -> set[str]:
+    """Launches begun and not finished: their nodes may be starting under the monitor."""
+    return ({e["launch"] for e in events if e["event"] == "launch"}
+            - {e["launch"] for e in events if e["event"] == "launch_done"})
+
+
 def read_knobs(state_dir: str) -> dict:
     try:
         with open(os.path.join(state_dir, KNOBS_FILE)) as f:
@@ -123,7 +129,14 @@ class TPUSliceProvider(FakeMultiNodeProvider):
             record_event(self._state_dir, event="stock_out", node_type=node_type, live_slices=len(live))
             raise StockOutError(f"no TPU capacity for another {self._spec.pod_type} slice "
                                 f"({len(live)} alive, capacity {capacity})")
-        record_event(self._state_dir, event="launch", node_type=node_type)
+        launch = f"{node_type}@{time.time():.6f}"
+        record_event(self._state_dir, event="launch", launch=launch, node_type=node_type)
+        try:
+            self._launch(knobs, node_type, tags, labels)
+        finally:  # the simulated cluster waits for launches in flight before it stops the monitor
+            record_event(self._state_dir, event="launch_done", launch=launch)
+
+    def _launch(self, knobs: dict, node_type: str, tags: dict, labels: dict) -> None:
         if knobs.get("launch_delay_s"):
             time.sleep(knobs["launch_delay_s"])  # provisioning a slice
         if self._spec.num_hosts == 1:
