@@ -50,6 +50,14 @@ def test_recovery_bench_prints_recovery_times():
 
 
 @pytest.mark.bench
+def test_autoscaler_bench_prints_supply_times():
+    out = _last_json(["bench/autoscaler.py", "--repeats", "1", "--multihost", "0"])
+    for source in ("autoscaler", "thread"):
+        assert 0 < out[f"{source}_demand_median_s"] <= out[f"{source}_demand_worst_s"] < 60
+        assert 0 < out[f"{source}_replace_median_s"] < 60
+
+
+@pytest.mark.bench
 def test_checkpoint_bench_prints_save_and_restore_times():
     out = _last_json(["bench/checkpoint.py", "--steps", "20", "--every", "10", "--example", "mlp"])
     assert 0 < out["save_blocking_fraction"] < 1

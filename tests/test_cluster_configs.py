@@ -42,6 +42,11 @@ def test_gce_launcher_yaml_passes_rays_own_validation():
     head_cmd = " ".join(config["head_start_ray_commands"])
     sysconf = _system_config(head_cmd[head_cmd.index("ray start"):])
     assert set(sysconf) == HEALTH_KEYS and sysconf["health_check_period_ms"] <= 500
+    # Autoscaler v2 retires a dead host at once (v1: a 30 s heartbeat timeout), and one round may
+    # launch max(1, upscaling_speed x running) nodes of a type: all but one of 4 slices lost at once
+    # are asked for in one round.
+    assert "RAY_enable_autoscaler_v2=1 ray start --head" in head_cmd
+    assert config["upscaling_speed"] * 1 >= 3
 
 
 def test_gce_launcher_validation_catches_a_broken_config():
@@ -63,10 +68,17 @@ def test_kuberay_manifest_has_tpu_worker_groups_and_autoscaling():
     assert head["template"]["spec"]["containers"][0]["image"].startswith("rayproject/ray:")
     assert set(json.loads(head["rayStartParams"]["system-config"])) == HEALTH_KEYS
 
+    # What the autoscaler tests showed matters: v2 (a dead host retired at once), not rate-limited,
+    # room for replacements, pods replaced rather than restarted in place.
+    assert spec["autoscalerOptions"]["version"] == "v2"
+    assert spec["autoscalerOptions"]["upscalingMode"] in ("Default", "Aggressive")
+    head_env = {e["name"]: e["value"] for e in head["template"]["spec"]["containers"][0]["env"]}
+    assert head_env["RAY_enable_autoscaler_v2"] == "1"
     (group,) = spec["workerGroupSpecs"]
     assert group["groupName"]
-    assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    assert group["minReplicas"] <= group["replicas"] < group["maxReplicas"]
     pod = group["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
     selector = pod["nodeSelector"]
     topology = selector["cloud.google.com/gke-tpu-topology"]
     assert selector["cloud.google.com/gke-tpu-accelerator"] == "tpu-v4-podslice"
