@@ -8,7 +8,9 @@ cluster's provisioner) reacts to.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
 import time
 from typing import Callable, Optional
 
@@ -21,6 +23,8 @@ from ray_elastic.config import SliceSpec
 
 logger = logging.getLogger(__name__)
 REPORT_EVERY_S = 5.0  # how often a wait for slices says what it still waits for
+JOINING_WAIT_S = 30.0  # a claimed slice whose hosts are still registering is waited for this long
+WATCH_JOINING_S = 0.2
 UNPLACED = "<unplaced>"  # no node: never among the live ones
 SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
 
@@ -29,11 +33,11 @@ class SliceReservation:
     """A placement group holding every host of one TPU slice (one bundle per host)."""
 
     def __init__(self, spec: SliceSpec, head_timeout_s: Optional[float] = None,
-                 on_wait: Optional[Callable[[], None]] = None):
+                 on_wait: Optional[Callable[[], None]] = None, cancelled: Optional[threading.Event] = None):
         self.spec = spec
         # Multi-host: claim the head host of a whole, idle slice first and pin every bundle to it.
-        self.pinned_slice, self._head_pg = (_claim_whole_slice(spec, head_timeout_s, on_wait) if spec.num_hosts > 1
-                                            else (None, None))
+        self.pinned_slice, self._head_pg = (_claim_whole_slice(spec, head_timeout_s, on_wait, cancelled)
+                                            if spec.num_hosts > 1 else (None, None))
         try:
             self._handle = SlicePlacementGroup(
                 topology=spec.topology,
@@ -97,6 +101,14 @@ def _live_hosts(slice_name: str) -> list[dict]:
     return [n for n in ray.nodes() if n["Alive"] and (n.get("Labels") or {}).get(SLICE_NAME_LABEL) == slice_name]
 
 
+def _joining(slice_name: str, spec: SliceSpec) -> bool:
+    """Some of the slice's hosts have not registered yet and none of them died: it is coming up
+    (hosts start one after the other), not broken."""
+    hosts = [n for n in ray.nodes() if (n.get("Labels") or {}).get(SLICE_NAME_LABEL) == slice_name]
+    alive = [n for n in hosts if n["Alive"]]
+    return len(alive) == len(hosts) < spec.num_hosts
+
+
 def _whole_and_idle(slice_name: str, spec: SliceSpec, claim: PlacementGroup) -> bool:
     """Every host of the slice is alive and none of its TPUs is held by another reservation.
 
@@ -120,8 +132,8 @@ def _whole_and_idle(slice_name: str, spec: SliceSpec, claim: PlacementGroup) -> 
     return all(free.get(n["NodeID"], n["Resources"]).get("TPU", 0) >= n["Resources"].get("TPU", 0) for n in hosts)
 
 
-def _claim_whole_slice(spec: SliceSpec, timeout_s: Optional[float],
-                       on_wait: Optional[Callable[[], None]] = None) -> tuple[str, PlacementGroup]:
+def _claim_whole_slice(spec: SliceSpec, timeout_s: Optional[float], on_wait: Optional[Callable[[], None]] = None,
+                       cancelled: Optional[threading.Event] = None) -> tuple[str, PlacementGroup]:
     """The name of a whole, idle multi-host slice and the placement group holding its head host.
 
     Ray's two-step reservation claims any free head host, and a slice's head is free when the
@@ -130,17 +142,24 @@ def _claim_whole_slice(spec: SliceSpec, timeout_s: Optional[float],
     Pinned to such a slice, a reservation waits forever, or until that slice frees up, while a
     good slice may sit idle. So a claimed head is checked; one that is not usable yet is held (so
     the next claim lands elsewhere) and checked again every second; the rest are given back once
-    a good one is found. The pending claim is the demand the autoscaler adds a slice for.
+    a good one is found. The pending claim is the demand the autoscaler adds a slice for; no new
+    claim is made while a held slice is still joining (up to ``JOINING_WAIT_S``), or the autoscaler
+    would add a second slice for the one that is arriving. ``cancelled`` set: give up at once.
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     reported = time.monotonic()
     held: dict[str, PlacementGroup] = {}
+    held_at: dict[str, float] = {}
     claim, claimed = None, None
     try:
         while True:
+            if cancelled is not None and cancelled.is_set():
+                raise concurrent.futures.CancelledError("the slice is no longer needed")
             for name in list(held):
                 if _whole_and_idle(name, spec, held[name]):
                     return name, held.pop(name)
+            arriving = any(_joining(name, spec) and time.monotonic() - held_at[name] < JOINING_WAIT_S
+                           for name in held)
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise TimeoutError(f"no whole, idle {spec.pod_type} slice could be reserved within {timeout_s:.0f}s "
@@ -148,6 +167,9 @@ def _claim_whole_slice(spec: SliceSpec, timeout_s: Optional[float],
             if on_wait is not None and time.monotonic() - reported >= REPORT_EVERY_S:
                 reported = time.monotonic()
                 on_wait()
+            if claim is None and arriving:
+                time.sleep(min(WATCH_JOINING_S, left) if left is not None else WATCH_JOINING_S)
+                continue
             if claim is None:
                 claim = placement_group([{f"TPU-{spec.pod_type}-head": 1}], bundle_label_selector=[
                     {"ray.io/tpu-worker-id": "0", "ray.io/tpu-pod-type": spec.pod_type}])
@@ -156,7 +178,8 @@ def _claim_whole_slice(spec: SliceSpec, timeout_s: Optional[float],
             if ready:
                 node = ray.util.placement_group_table(claim)["bundles_to_node_id"][0]
                 labels = next((n.get("Labels") or {} for n in ray.nodes() if n["NodeID"] == node), {})
-                held[labels.get(SLICE_NAME_LABEL, node)], claim = claim, None  # checked at the top of the loop
+                name = labels.get(SLICE_NAME_LABEL, node)
+                held[name], held_at[name], claim = claim, time.monotonic(), None  # checked at the top of the loop
     finally:
         for pg in held.values():
             _remove(pg)
@@ -236,9 +259,6 @@ class ReplacementRequest:
     _executor = None
 
     def __init__(self, spec: SliceSpec, head_timeout_s: float):
-        import concurrent.futures
-        import time
-
         if ReplacementRequest._executor is None:
             ReplacementRequest._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=8, thread_name_prefix="ray-elastic-replacement"
@@ -246,10 +266,12 @@ class ReplacementRequest:
         self.spec = spec
         self.head_timeout_s = head_timeout_s
         self.requested_at = time.monotonic()
+        self._cancelled = threading.Event()
         self._future = self._submit()
 
     def _submit(self):
-        return ReplacementRequest._executor.submit(SliceReservation, self.spec, self.head_timeout_s)
+        return ReplacementRequest._executor.submit(SliceReservation, self.spec, self.head_timeout_s,
+                                                   cancelled=self._cancelled)
 
     def poll(self) -> Optional[SliceReservation]:
         """The reservation if its slice is ready now (never blocks); asks again if the head reservation failed."""
@@ -270,5 +292,7 @@ class ReplacementRequest:
         return None
 
     def cancel(self) -> None:
-        """No longer needed: give the reservation back (now, or when it is made)."""
+        """No longer needed: stop claiming (a multi-host claim gives back what it holds at once) and
+        give the reservation back (now, or when it is made)."""
+        self._cancelled.set()
         self._future.add_done_callback(lambda f: f.exception() is None and f.result().release())

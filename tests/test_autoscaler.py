@@ -178,3 +178,37 @@ def test_waiting_for_slices_says_what_is_missing(sim_cluster, capsys, caplog):
     assert "TPU" in waits[0]["demand"], waits[0]
     assert "reserving slices: 2/3 ready" in caplog.text and "pending slice demand" in caplog.text
     assert "slices ready 2/3" in capsys.readouterr().err
+
+
+def test_a_hung_slice_is_declared_dead_and_its_instance_retired(sim_cluster):
+    """SIGSTOP reaches an autoscaled host by the PIDs its provider recorded; GCS then declares the
+    node dead and the autoscaler terminates the instance (its processes are gone)."""
+    import psutil
+
+    ensure_slices(sim_cluster, 3)
+    victim = sim_cluster.alive_slices()[-1]
+    raylet = next(p for p in victim.hosts[0].processes() if p.name() == "raylet")  # a recorded process
+    sim_cluster.hang_slice(victim.name)
+    deadline = time.monotonic() + 5
+    while raylet.status() != psutil.STATUS_STOPPED:  # a group stop waits for every thread
+        assert time.monotonic() < deadline, raylet.status()
+        time.sleep(0.05)
+    deadline = time.monotonic() + 60
+    instance = victim.hosts[0].instance_id
+    while not any(e["event"] == "terminate" and e["instance"] == instance for e in sim_cluster.autoscaler_events()):
+        assert time.monotonic() < deadline, "the hung slice's instance was never terminated"
+        time.sleep(0.2)
+    while any(_status(p) not in (psutil.STATUS_ZOMBIE, None) for h in victim.hosts for p in h.processes()):
+        assert time.monotonic() < deadline, [_status(p) for h in victim.hosts for p in h.processes()]
+        time.sleep(0.2)
+    assert victim.name not in {s.name for s in sim_cluster.alive_slices()}
+
+
+def _status(p):
+    """A process's status; None once it is gone."""
+    import psutil
+
+    try:
+        return p.status()
+    except psutil.NoSuchProcess:
+        return None

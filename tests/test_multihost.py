@@ -126,8 +126,10 @@ def test_a_reservation_claims_only_a_whole_idle_slice(sim_cluster):
         deadline = time.monotonic() + 60
         while broken.node_ids[1] in {n["NodeID"] for n in ray.nodes() if n["Alive"]} and time.monotonic() < deadline:
             time.sleep(0.2)
-        threading.Timer(3.0, lambda: new.update(name=sim_cluster.add_slice().name)).start()
+        adder = threading.Timer(3.0, lambda: new.update(name=sim_cluster.add_slice().name))
+        adder.start()
         res = SliceReservation(spec, head_timeout_s=120)  # blocks until a whole, idle slice's head is claimed
+        adder.join(60)  # (the claim may win the slice before add_slice has returned its name)
         assert res.pinned_slice == new["name"], (res.pinned_slice, new, broken.name, busy.pinned_slice)
         assert res.wait(60)
     finally:
