@@ -136,6 +136,11 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
                 async for item in self._chunk(start, n, holder, step_s):
                     yield item
 
+        async def run_chunk_quiet(self, pid, start, n, final, every, holder, step_s):
+            async with self.turns.setdefault(pid, asyncio.Lock()):
+                async for _ in self._chunk(start, n, holder, step_s):
+                    pass
+
         async def _chunk(self, start, n, holder, step_s):
             loop = asyncio.get_running_loop()
             t_start = loop.time()
@@ -162,8 +167,9 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
             return plan.slice_names[p]
 
         def run_chunk(self, start, n, final, every):
-            return [scripts[p % actors].run_chunk.remote(p, start, n, final, every, plan.takes_snapshots(p), step_s)
-                    for p in range(processes)]
+            # Like World.run_chunk: a stream per snapshot holder, a plain task for the others.
+            return [(scripts[p % actors].run_chunk if plan.takes_snapshots(p) else scripts[p % actors].run_chunk_quiet
+                     ).remote(p, start, n, final, every, plan.takes_snapshots(p), step_s) for p in range(processes)]
 
     cfg = ElasticConfig(num_slices=1, global_batch_size=1, slice=SliceSpec(devices_per_host=1),
                         steps_per_chunk=steps_per_chunk, hang_timeout_min_s=600)
@@ -176,6 +182,7 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
         ray.kill(s)
     assert [m["step"] for m in ledger] == list(range(steps)), "the driver lost steps"
     return {"processes": processes, "holders": holders, "steps": steps, "steps_per_chunk": cfg.steps_per_chunk,
+            "chunk_steps_run": streams.steps_per_chunk,
             "driver_cpu_ms_per_step": round(cpu / steps * 1e3, 3), "wall_ms_per_step": round(wall / steps * 1e3, 2),
             "scripted_step_ms": step_s * 1e3}
 
@@ -215,6 +222,12 @@ def plot(out: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def chunk_steps(steps_per_chunk: int, processes: int) -> int:
+    from ray_elastic.stepping import chunk_steps as steps
+
+    return steps(steps_per_chunk, processes)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slices", type=int, nargs="*", default=[2, 4, 8])
@@ -249,7 +262,8 @@ def main() -> None:
         with SimulatedTPUCluster(num_slices=1, devices_per_host=1, log_to_driver=False):
             for chunk in args.model_chunks:
                 for n in args.processes:
-                    out["driver"].append(driver_point(n, max(args.model_steps, 2 * chunk), args.model_step_ms / 1e3,
+                    steps = max(args.model_steps, 2 * chunk_steps(chunk, n))  # at least two chunks as run
+                    out["driver"].append(driver_point(n, steps, args.model_step_ms / 1e3,
                                                       holders=3, actors=8, steps_per_chunk=chunk))
                     print(json.dumps(out["driver"][-1]), flush=True)
     if args.plot:

@@ -1,10 +1,12 @@
 """Driving one world: chunks of steps in flight, finished steps streamed back.
 
-Each process runs chunks as Ray streaming generators. Snapshot-keeping processes
-stream their finished steps a few times a second, naming the steps whose snapshots
-their host's keeper now holds; the others return their chunk's steps at its end.
-The driver reads every item of every stream (an error is an item: reading them all
-is how a death is seen at once), but no snapshot passes through it. Two chunks are
+Snapshot-keeping processes run chunks as Ray streaming generators and stream their
+finished steps a few times a second, naming the steps whose snapshots their host's
+keeper now holds; the others run chunks as plain tasks whose one small result (or
+error) comes at the chunk's end, read in one batch with the others that are ready:
+at a thousand processes the driver's work per chunk is what limits a world's size.
+The driver reads every item of every stream and every result (an error is an item:
+reading them all is how a death is seen at once), but no snapshot passes through it. Two chunks are
 kept queued, so workers never wait on the driver. The loop ends when the steps are
 done, a process fails, the watchdog sees no progress, or (on request) at a step
 boundary to grow.
@@ -28,8 +30,23 @@ from ray_elastic.world import World
 
 CHUNKS_IN_FLIGHT = 2
 POLL_S = 0.25
+# A wait over every process's stream costs the driver ~1.4 us per process (measured with 1024):
+# after something arrives, the rest of its batch (processes end a chunk together) is gathered for
+# up to GATHER_S, and rounds are at least WAIT_S_PER_PROCESS x processes apart, so the wait's cost
+# per second stays flat as the world grows (a death is still seen in the round it happens in).
+GATHER_S = 0.005
+WAIT_S_PER_PROCESS = 20e-6
+# Each process costs one task submission per chunk (~0.2 ms of driver CPU in Ray 2.60): chunks are
+# at least processes / PROCESSES_PER_CHUNK_STEP steps long, so that cost per step stays flat too.
+PROCESSES_PER_CHUNK_STEP = 10
 KEEPER_POLL_S = 0.05
 KEEPER_ANSWER_S = 0.3  # a live keeper answers in milliseconds; one on a lost node may never
+
+
+def chunk_steps(steps_per_chunk: int, processes: int) -> int:
+    """Steps per chunk: the configured number, longer for a world of many processes (see
+    ``PROCESSES_PER_CHUNK_STEP``)."""
+    return max(steps_per_chunk, -(-processes // PROCESSES_PER_CHUNK_STEP))
 
 
 class StepStreams:
@@ -48,12 +65,15 @@ class StepStreams:
         self.on_interval = on_interval
         self.step_times = step_times
         n = len(world.workers)
+        self.steps_per_chunk = chunk_steps(config.steps_per_chunk, n)
+        self.min_round_s = WAIT_S_PER_PROCESS * n
         self.queues: list[collections.deque] = [collections.deque() for _ in range(n)]
         self.streaming = [world.plan.takes_snapshots(p) for p in range(n)]
         self._snapshot_steps: list[int] = []  # steps newly kept by some holder, not yet reported
         self.snapshot_seconds: list[float] = []  # what each snapshot cost its process (host copy + hand-over)
         self._intervals: list[tuple[int, int]] = []  # (first step, snapshot interval) per change
         self._reported = self._snapshot_reported = -1
+        self._round_at = 0.0
 
     def take_snapshot_steps(self) -> list[int]:
         """Steps snapshotted since the last call (for the event log)."""
@@ -91,7 +111,7 @@ class StepStreams:
             if not draining and grow_requested():
                 draining = True  # finish what is queued, then stop at that step boundary
             while not draining and submitted < end_step and max(map(len, self.queues)) < CHUNKS_IN_FLIGHT:
-                n = min(self.config.steps_per_chunk, end_step - submitted)
+                n = min(self.steps_per_chunk, end_step - submitted)
                 self._submit(submitted, n, end_step - 1)
                 submitted += n
             if draining and not stopped:
@@ -106,11 +126,14 @@ class StepStreams:
             limit = watchdog_timeout(self.step_times, self.config.hang_timeout_factor, self.config.hang_timeout_min_s)
             # Everything ready at once, then (if nothing was) wait for one: a wait per item over
             # every stream made the driver's work per chunk grow with the square of the processes.
-            ready, _ = ray.wait(list(heads), num_returns=len(heads), timeout=0)
-            if not ready:
-                ready, _ = ray.wait(list(heads), num_returns=1, timeout=POLL_S)
+            ready = self._wait(list(heads))
+            failed = self._consume_results([heads[r] for r in ready if not self.streaming[heads[r]]])
+            if failed:
+                return RunOutcome(OutcomeKind.FAILURE, failed, last_progress_wall)
             for gen in ready:
                 p = heads[gen]
+                if not self.streaming[p]:
+                    continue
                 try:
                     progressed = self._consume(p)
                 except Exception as e:  # noqa: BLE001 - any error of a slice process is an event
@@ -129,6 +152,38 @@ class StepStreams:
         every = self._next_interval(first)
         for p, gen in enumerate(self.world.run_chunk(first, n, final_step, every)):
             self.queues[p].append(gen)
+
+    def _wait(self, heads: list) -> list:
+        """The streams and results that are ready: everything ready now, else the first to arrive and
+        what arrives with it within ``GATHER_S``, in rounds at least ``min_round_s`` apart."""
+        since = time.monotonic() - self._round_at
+        if since < self.min_round_s:
+            time.sleep(self.min_round_s - since)
+        ready, pending = ray.wait(heads, num_returns=len(heads), timeout=0)
+        if not ready:
+            first, _ = ray.wait(heads, num_returns=1, timeout=POLL_S)
+            if first:
+                ready, _ = ray.wait(heads, num_returns=len(heads), timeout=GATHER_S)
+        self._round_at = time.monotonic()
+        return ready
+
+    def _consume_results(self, processes: list[int]) -> dict[int, BaseException]:
+        """Take the finished chunks of non-streaming processes (ready ones): one ``ray.get`` for all,
+        and only if that raises, one per process to name whose error it was."""
+        if not processes:
+            return {}
+        refs = [self.queues[p].popleft() for p in processes]
+        try:
+            ray.get(refs)
+            return {}
+        except Exception:  # noqa: BLE001 - which one(s)?
+            failed = {}
+            for p, ref in zip(processes, refs):
+                try:
+                    ray.get(ref, timeout=0)
+                except Exception as e:  # noqa: BLE001 - any error of a slice process is an event
+                    failed[p] = e
+            return failed
 
     def _consume(self, p: int) -> bool:
         """Read one item of process ``p``'s current stream; True when a step finished for the first time.
@@ -183,8 +238,11 @@ class StepStreams:
             ready, _ = ray.wait(list(heads), num_returns=len(heads), timeout=min(0.05, left))
             if not ready:
                 break
+            errors.update(self._consume_results([heads[r] for r in ready if not self.streaming[heads[r]]]))
             for gen in ready:
                 p = heads[gen]
+                if not self.streaming[p]:
+                    continue
                 try:
                     self._consume(p)
                 except Exception as e:  # noqa: BLE001

@@ -298,6 +298,13 @@ class SliceWorker:
                     self.writer.wait()
         yield self._report()
 
+    def run_chunk_quiet(self, start_step: int, num_steps: int, final_step: int,
+                        snapshot_every: Optional[int] = None) -> None:
+        """:meth:`run_chunk` for a process that streams nothing (it keeps no snapshot): the driver
+        reads one result, or the error, per chunk, with the other processes' in one batch."""
+        for _ in self.run_chunk(start_step, num_steps, final_step, snapshot_every):
+            pass
+
     def _finish_one(self) -> None:
         metrics = self.loop.finish()
         metrics["finished_at"] = time.time()  # streamed later: benchmarks time steps by this, not by arrival

@@ -314,8 +314,10 @@ class World:
         return out
 
     def run_chunk(self, start_step: int, num_steps: int, final_step: int, snapshot_every: int) -> list:
-        """Start a chunk of steps on every process; one streaming generator per process."""
-        return [w.run_chunk.remote(start_step, num_steps, final_step, snapshot_every) for w in self.workers]
+        """Start a chunk of steps on every process: a streaming generator for each snapshot holder, a
+        plain task (one result at the chunk's end) for the others."""
+        return [(w.run_chunk if self.plan.takes_snapshots(p) else w.run_chunk_quiet).remote(
+                    start_step, num_steps, final_step, snapshot_every) for p, w in enumerate(self.workers)]
 
     def finish_checkpoints(self, timeout_s: float, save_step: Optional[int] = None) -> list:
         """Wait for every process's in-flight checkpoint save to commit (a planned stop, not a failure);

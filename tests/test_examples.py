@@ -5,9 +5,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.soak  # the same steps run in the default suite as the notebook, in a kernel (test_notebook.py)
 def test_quickstart_example_trains_and_learns():
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "quickstart.py")],
