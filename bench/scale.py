@@ -222,10 +222,10 @@ def plot(out: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def chunk_steps(steps_per_chunk: int, processes: int) -> int:
-    from ray_elastic.stepping import chunk_steps as steps
+def chunk_steps(steps_per_chunk: int, processes: int, step_s: float) -> int:
+    from ray_elastic.plan import chunk_steps as steps
 
-    return steps(steps_per_chunk, processes)
+    return steps(steps_per_chunk, processes, [step_s])
 
 
 def main() -> None:
@@ -262,7 +262,7 @@ def main() -> None:
         with SimulatedTPUCluster(num_slices=1, devices_per_host=1, log_to_driver=False):
             for chunk in args.model_chunks:
                 for n in args.processes:
-                    steps = max(args.model_steps, 2 * chunk_steps(chunk, n))  # at least two chunks as run
+                    steps = max(args.model_steps, 2 * chunk_steps(chunk, n, args.model_step_ms / 1e3))  # at least two chunks as run
                     out["driver"].append(driver_point(n, steps, args.model_step_ms / 1e3,
                                                       holders=3, actors=8, steps_per_chunk=chunk))
                     print(json.dumps(out["driver"][-1]), flush=True)

@@ -375,3 +375,22 @@ def choose_restore(snapshot_steps: dict[str, int], checkpoint_step: Optional[int
     if not snapshot_steps:
         return RestorePlan(-1, RestoreSource.FRESH)
     return RestorePlan(best, RestoreSource.SNAPSHOT, tuple(s for s, st in snapshot_steps.items() if st == best))
+
+
+# Each process costs the driver one task submission per chunk (~0.2 ms of CPU in Ray 2.60): a chunk
+# is at least processes / PROCESSES_PER_CHUNK_STEP steps, so that cost per step stays flat as the
+# world grows, but lasts at most MAX_CHUNK_S by the recent step time (a grow-back waits for the
+# chunks already queued, and with slow steps the submissions are cheap per step anyway).
+PROCESSES_PER_CHUNK_STEP = 10
+MAX_CHUNK_S = 10.0
+
+
+def chunk_steps(steps_per_chunk: int, processes: int, step_times: Sequence[float] = ()) -> int:
+    """Steps in the next chunk: the configured number, longer for a world of many processes while
+    a chunk stays within ``MAX_CHUNK_S`` (never shorter than configured)."""
+    n = max(steps_per_chunk, -(-processes // PROCESSES_PER_CHUNK_STEP))
+    if step_times:
+        step_s = statistics.median(step_times)
+        if step_s > 0:
+            n = min(n, max(steps_per_chunk, int(MAX_CHUNK_S / step_s)))
+    return n

@@ -22,7 +22,7 @@ import ray
 
 from ray_elastic import health
 from ray_elastic.config import ElasticConfig
-from ray_elastic.plan import newest_snapshot_step, snapshot_interval, watchdog_timeout
+from ray_elastic.plan import chunk_steps, newest_snapshot_step, snapshot_interval, watchdog_timeout
 from ray_elastic.snapshot_keeper import ask_keepers
 from ray_elastic.snapshots import SnapshotRef, SnapshotStore
 from ray_elastic.states import OutcomeKind, RunOutcome
@@ -36,17 +36,9 @@ POLL_S = 0.25
 # per second stays flat as the world grows (a death is still seen in the round it happens in).
 GATHER_S = 0.005
 WAIT_S_PER_PROCESS = 20e-6
-# Each process costs one task submission per chunk (~0.2 ms of driver CPU in Ray 2.60): chunks are
-# at least processes / PROCESSES_PER_CHUNK_STEP steps long, so that cost per step stays flat too.
-PROCESSES_PER_CHUNK_STEP = 10
+
 KEEPER_POLL_S = 0.05
 KEEPER_ANSWER_S = 0.3  # a live keeper answers in milliseconds; one on a lost node may never
-
-
-def chunk_steps(steps_per_chunk: int, processes: int) -> int:
-    """Steps per chunk: the configured number, longer for a world of many processes (see
-    ``PROCESSES_PER_CHUNK_STEP``)."""
-    return max(steps_per_chunk, -(-processes // PROCESSES_PER_CHUNK_STEP))
 
 
 class StepStreams:
@@ -65,7 +57,7 @@ class StepStreams:
         self.on_interval = on_interval
         self.step_times = step_times
         n = len(world.workers)
-        self.steps_per_chunk = chunk_steps(config.steps_per_chunk, n)
+        self.steps_per_chunk = config.steps_per_chunk  # the last chunk's length (chunk_steps)
         self.min_round_s = WAIT_S_PER_PROCESS * n
         self.queues: list[collections.deque] = [collections.deque() for _ in range(n)]
         self.streaming = [world.plan.takes_snapshots(p) for p in range(n)]
@@ -111,6 +103,8 @@ class StepStreams:
             if not draining and grow_requested():
                 draining = True  # finish what is queued, then stop at that step boundary
             while not draining and submitted < end_step and max(map(len, self.queues)) < CHUNKS_IN_FLIGHT:
+                self.steps_per_chunk = chunk_steps(self.config.steps_per_chunk, len(self.queues),
+                                                   self.step_times[-20:])
                 n = min(self.steps_per_chunk, end_step - submitted)
                 self._submit(submitted, n, end_step - 1)
                 submitted += n

@@ -212,3 +212,13 @@ def test_the_snapshot_store_follows_what_the_keepers_hold():
     store.hold_only("a", 0, {14: "a0-14", 15: "a0-15"})
     assert store.latest_complete(["a"]) == {"a": 15} and store.refs("a", 15) == ["a0-15", "a1-15"]
     assert store.complete("a", 14) and not store.complete("a", 13)
+
+
+def test_chunks_grow_with_the_world_but_last_at_most_ten_seconds():
+    from ray_elastic.plan import chunk_steps
+
+    assert chunk_steps(10, 6) == 10  # small worlds: as configured
+    assert chunk_steps(10, 1024) == 103  # one submission per process per chunk: flat per step
+    assert chunk_steps(10, 1024, [0.1] * 5) == 100  # 10 s of 100 ms steps
+    assert chunk_steps(10, 1024, [2.0] * 5) == 10  # slow steps: never below the configured chunk
+    assert chunk_steps(50, 64, [1.0]) == 50
