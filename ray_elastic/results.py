@@ -188,7 +188,7 @@ class StepLedger:
         if buf:
             self.events.emit("steps", generation=self._generation, steps=[m["step"] for m in buf],
                              losses=[m["loss"] for m in buf], step_time_s=[m["step_time_s"] for m in buf],
-                             snapshot_steps=self._snapshot_steps())
+                             finished_at=[m.get("finished_at") for m in buf], snapshot_steps=self._snapshot_steps())
 
     def saves_committed(self, finished: list) -> None:
         for step, total_s in finished:

@@ -96,6 +96,34 @@ def test_goodput_counts_rewound_steps_and_reads_the_last_run():
     assert gp.badput_s["startup"] == pytest.approx(0.5) and gp.badput_s["compilation"] == pytest.approx(0.5)
 
 
+def test_goodput_counts_each_second_once_when_reports_overlap():
+    """The first report of a step is kept, from whichever process sent it: intervals of two processes
+    overlap, and steps drained after a failure overlap its detection window. Every second is still
+    counted once (the parts add up to the run exactly)."""
+    def steps(ts, s, t, ends):
+        return {"ts": ts, "kind": "steps", "steps": s, "losses": [1.0] * len(s), "step_time_s": t,
+                "finished_at": ends}
+
+    events = [{"ts": 0.0, "kind": "run_started"},
+              {"ts": 10.0, "kind": "world_formed", "compile_s": 1.0, "total_s": 10.0, "slices": ["a", "b"]},
+              # step 1 reported by a process that finished step 0 later than the one that reported it
+              steps(12.0, [0, 1, 2], [1.0, 1.5, 0.5], [11.0, 11.6, 12.0]),
+              steps(14.0, [3], [1.0], [13.0]),  # drained after the failure: inside the detection window
+              {"ts": 14.0, "kind": "failure", "since_last_progress_s": 2.0, "classify_s": 0.0},
+              {"ts": 15.0, "kind": "world_formed", "compile_s": 0.5, "total_s": 0.8, "slices": ["a"]},
+              {"ts": 15.0, "kind": "recovered", "teardown_s": 0.2, "wait_for_capacity_s": 0.0},
+              steps(16.0, [3, 4], [0.5, 0.5], [15.5, 16.0]),
+              {"ts": 16.0, "kind": "run_finished"}]
+    gp = account(events)
+    assert gp.total_s == 16.0
+    assert gp.productive_s + sum(gp.badput_s.values()) == pytest.approx(16.0)
+    assert gp.productive_s == pytest.approx(3.0)  # steps 0-2 span 10.0-12.0, steps 3-4 15.0-16.0
+    assert gp.badput_s["rewound_work"] == pytest.approx(1.0)  # step 3's first run, 12.0-13.0
+    assert gp.badput_s["failure_detection"] == pytest.approx(1.0)  # 12.0-14.0 less step 3's run
+    assert gp.badput_s["startup"] == pytest.approx(9.0) and gp.badput_s["compilation"] == pytest.approx(1.5)
+    assert gp.badput_s["world_reformation"] == pytest.approx(0.3 + 0.2)
+
+
 def test_report_timeline_reflects_the_events(run):
     tl = timeline(load_events(run["run_dir"]))
     assert [n for _, n in tl.slices_alive] == [0, 3, 2, 0]
