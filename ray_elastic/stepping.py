@@ -3,8 +3,9 @@
 Snapshot-keeping processes run chunks as Ray streaming generators and stream their
 finished steps a few times a second, naming the steps whose snapshots their host's
 keeper now holds; the others run chunks as plain tasks whose one small result (or
-error) comes at the chunk's end, read in one batch with the others that are ready:
-at a thousand processes the driver's work per chunk is what limits a world's size.
+error) comes at the chunk's end, waited for by a thread of its own and read in one batch
+with the others that are ready: at a thousand processes the driver's work per round and
+per chunk is what limits a world's size.
 The driver reads every item of every stream and every result (an error is an item:
 reading them all is how a death is seen at once), but no snapshot passes through it. Two chunks are
 kept queued, so workers never wait on the driver. The loop ends when the steps are
@@ -15,6 +16,7 @@ boundary to grow.
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from typing import Callable, Optional
 
@@ -30,12 +32,10 @@ from ray_elastic.world import World
 
 CHUNKS_IN_FLIGHT = 2
 POLL_S = 0.25
-# A wait over every process's stream costs the driver ~1.4 us per process (measured with 1024):
-# after something arrives, the rest of its batch (processes end a chunk together) is gathered for
-# up to GATHER_S, and rounds are at least WAIT_S_PER_PROCESS x processes apart, so the wait's cost
-# per second stays flat as the world grows (a death is still seen in the round it happens in).
+# When one quiet chunk has ended, the rest of its batch (processes end a chunk together) is
+# gathered for up to GATHER_S and read in one ``ray.get``.
 GATHER_S = 0.005
-WAIT_S_PER_PROCESS = 20e-6
+WATCH_S = 1.0  # a FirstReady thread's longest single wait (it waits again on the same refs)
 
 KEEPER_POLL_S = 0.05
 KEEPER_ANSWER_S = 0.3  # a live keeper answers in milliseconds; one on a lost node may never
@@ -58,14 +58,12 @@ class StepStreams:
         self.step_times = step_times
         n = len(world.workers)
         self.steps_per_chunk = config.steps_per_chunk  # the last chunk's length (chunk_steps)
-        self.min_round_s = WAIT_S_PER_PROCESS * n
         self.queues: list[collections.deque] = [collections.deque() for _ in range(n)]
         self.streaming = [world.plan.takes_snapshots(p) for p in range(n)]
         self._snapshot_steps: list[int] = []  # steps newly kept by some holder, not yet reported
         self.snapshot_seconds: list[float] = []  # what each snapshot cost its process (host copy + hand-over)
         self._intervals: list[tuple[int, int]] = []  # (first step, snapshot interval) per change
         self._reported = self._snapshot_reported = -1
-        self._round_at = 0.0
 
     def take_snapshot_steps(self) -> list[int]:
         """Steps snapshotted since the last call (for the event log)."""
@@ -94,46 +92,69 @@ class StepStreams:
         return every
 
     def run(self, start_step: int, end_step: int, grow_requested: Callable[[], bool]) -> RunOutcome:
+        wake = threading.Event()
+        waiters = FirstReady(wake), FirstReady(wake)  # snapshot holders' streams, the others' results
+        try:
+            return self._run(start_step, end_step, grow_requested, wake, *waiters)
+        finally:
+            for w in waiters:
+                w.stop()
+
+    def _run(self, start_step: int, end_step: int, grow_requested: Callable[[], bool], wake: threading.Event,
+             stream_waiter: "FirstReady", quiet_waiter: "FirstReady") -> RunOutcome:
         submitted = start_step
         self._reported = self._snapshot_reported = start_step - 1
         draining = stopped = False
         last_progress = time.monotonic()
         last_progress_wall = time.time()
+        holders = [p for p in range(len(self.queues)) if self.streaming[p]]
+        quiet = [p for p in range(len(self.queues)) if not self.streaming[p]]
         while True:
             if not draining and grow_requested():
                 draining = True  # finish what is queued, then stop at that step boundary
+            heads_changed = False
             while not draining and submitted < end_step and max(map(len, self.queues)) < CHUNKS_IN_FLIGHT:
                 self.steps_per_chunk = chunk_steps(self.config.steps_per_chunk, len(self.queues),
                                                    self.step_times[-20:])
                 n = min(self.steps_per_chunk, end_step - submitted)
+                heads_changed |= not all(self.queues)
                 self._submit(submitted, n, end_step - 1)
                 submitted += n
             if draining and not stopped:
+                heads_changed |= not all(self.queues)
                 self._submit(submitted, 0, end_step - 1)  # no steps: the processes finish the one in flight
                 stopped = True
-            heads = {q[0]: p for p, q in enumerate(self.queues) if q}
-            if not heads:
+            if heads_changed:
+                stream_waiter.watch(self._heads(holders))
+                quiet_waiter.watch(self._heads(quiet))
+            if not any(self.queues):
                 kind = OutcomeKind.GROW if draining and submitted < end_step else OutcomeKind.DONE
                 if kind is OutcomeKind.GROW:
                     self.sync_with_keepers()  # the bigger world restores from what they hold
                 return RunOutcome(kind, {}, last_progress_wall)
             limit = watchdog_timeout(self.step_times, self.config.hang_timeout_factor, self.config.hang_timeout_min_s)
-            # Everything ready at once, then (if nothing was) wait for one: a wait per item over
-            # every stream made the driver's work per chunk grow with the square of the processes.
-            ready = self._wait(list(heads))
-            failed = self._consume_results([heads[r] for r in ready if not self.streaming[heads[r]]])
-            if failed:
-                return RunOutcome(OutcomeKind.FAILURE, failed, last_progress_wall)
-            for gen in ready:
-                p = heads[gen]
-                if not self.streaming[p]:
-                    continue
-                try:
-                    progressed = self._consume(p)
-                except Exception as e:  # noqa: BLE001 - any error of a slice process is an event
-                    return RunOutcome(OutcomeKind.FAILURE, {p: e}, last_progress_wall)
-                if progressed:
-                    last_progress, last_progress_wall = time.monotonic(), time.time()
+            wake.wait(POLL_S)
+            wake.clear()
+            if quiet_waiter.fired():
+                # Quiet chunks ended (or one failed): every one that has, in one batch.
+                heads = {self.queues[p][0]: p for p in quiet if self.queues[p]}
+                done, _ = ray.wait(list(heads), num_returns=len(heads), timeout=GATHER_S)
+                failed = self._consume_results([heads[r] for r in done])
+                quiet_waiter.watch(self._heads(quiet))
+                if failed:
+                    return RunOutcome(OutcomeKind.FAILURE, failed, last_progress_wall)
+            if stream_waiter.fired():
+                heads = {self.queues[p][0]: p for p in holders if self.queues[p]}
+                ready, _ = ray.wait(list(heads), num_returns=len(heads), timeout=0)
+                for gen in ready:
+                    p = heads[gen]
+                    try:
+                        progressed = self._consume(p)
+                    except Exception as e:  # noqa: BLE001 - any error of a slice process is an event
+                        return RunOutcome(OutcomeKind.FAILURE, {p: e}, last_progress_wall)
+                    if progressed:
+                        last_progress, last_progress_wall = time.monotonic(), time.time()
+                stream_waiter.watch(self._heads(holders))
             if time.monotonic() - last_progress > limit:
                 answers = health.probe(self.world.workers, self.config.probe_timeout_s)
                 if not health.busy(answers, self._reported):
@@ -142,24 +163,13 @@ class StepStreams:
                     return RunOutcome(OutcomeKind.HANG, silent, last_progress_wall)
                 last_progress = time.monotonic()  # slow, not hung: watch again from now
 
+    def _heads(self, processes: list[int]) -> list:
+        return [self.queues[p][0] for p in processes if self.queues[p]]
+
     def _submit(self, first: int, n: int, final_step: int) -> None:
         every = self._next_interval(first)
         for p, gen in enumerate(self.world.run_chunk(first, n, final_step, every)):
             self.queues[p].append(gen)
-
-    def _wait(self, heads: list) -> list:
-        """The streams and results that are ready: everything ready now, else the first to arrive and
-        what arrives with it within ``GATHER_S``, in rounds at least ``min_round_s`` apart."""
-        since = time.monotonic() - self._round_at
-        if since < self.min_round_s:
-            time.sleep(self.min_round_s - since)
-        ready, pending = ray.wait(heads, num_returns=len(heads), timeout=0)
-        if not ready:
-            first, _ = ray.wait(heads, num_returns=1, timeout=POLL_S)
-            if first:
-                ready, _ = ray.wait(heads, num_returns=len(heads), timeout=GATHER_S)
-        self._round_at = time.monotonic()
-        return ready
 
     def _consume_results(self, processes: list[int]) -> dict[int, BaseException]:
         """Take the finished chunks of non-streaming processes (ready ones): one ``ray.get`` for all,
@@ -269,3 +279,55 @@ class StepStreams:
             self.store.hold_only(self.world.slice_of(p), p % plan.hosts_per_slice,
                                  {step: SnapshotRef(keeper, generation, step) for generation, step in held
                                   if step <= self._reported})
+
+
+class FirstReady:
+    """Waits on a thread of its own for the first of some refs (or streams) to be ready, then sets
+    ``wake`` and stays idle until given the next refs to wait on.
+
+    The driver's round then waits on an event, and ``ray.wait`` over a world's refs runs once per
+    thing that happens instead of once per round: it costs ~1.4 us per ref, and over every
+    process in every round it made the driver's work per step grow with the world (~4.5 ms per
+    step at 1024 processes, most of the total). ``ray.wait`` lets go of the GIL while it blocks.
+    """
+
+    def __init__(self, wake: threading.Event):
+        self._wake = wake
+        self._cond = threading.Condition()
+        self._refs: list = []
+        self._fired = False
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="ray-elastic-first-ready", daemon=True)
+        self._thread.start()
+
+    def watch(self, refs: list) -> None:
+        """From now on wait for the first of ``refs`` (what the queues now start with)."""
+        with self._cond:
+            self._refs, self._fired = list(refs), False
+            self._cond.notify()
+
+    def fired(self) -> bool:
+        with self._cond:
+            return self._fired
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and (not self._refs or self._fired):
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                refs = self._refs
+            try:
+                done, _ = ray.wait(refs, num_returns=1, timeout=WATCH_S)
+            except Exception:  # noqa: BLE001 - shutting down, or a ref gone: the round finds out which
+                done = refs
+            with self._cond:
+                if done and self._refs is refs and not self._stopped:
+                    self._fired = True
+                    self._wake.set()
