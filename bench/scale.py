@@ -7,10 +7,12 @@ Two parts:
    against ray-elastic with default settings (the overhead ratio), then one process kill
    and one lost node (kill -> first step after recovery, and detection).
 2. **Driver model** at 64, 256 and 1024 processes: the controller's real per-step path
-   (``StepStreams``: chunks submitted as Ray streaming generators, every item read, the
-   snapshot holders' reports folded into the snapshot store and the step ledger) driving
-   scripted streams instead of JAX (a few async Ray actors play every process and yield
-   what a slice process yields, at a fixed step time). Reports driver CPU per step.
+   (``StepStreams``: chunks submitted as Ray streaming generators to the snapshot holders and
+   as plain tasks, or through relays (``ray_elastic.relay``) from 64 quiet processes up, to the
+   others; every item read, the holders' reports folded into the snapshot store and the step
+   ledger) driving scripted streams instead of JAX (a few async Ray actors play every process
+   and yield what a slice process yields, at a fixed step time). Reports driver CPU per step,
+   and the relays' CPU beside it (they run on the driver's node, in processes of their own).
 
 Last line, one JSON object: ``{"clusters": [{...}, ...], "driver": [{"processes": N,
 "driver_cpu_ms_per_step": ...}, ...]}``; ``--plot scale.png`` draws the curve.
@@ -118,6 +120,7 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
 
     from ray_elastic.config import ElasticConfig, SliceSpec
     from ray_elastic.plan import plan_world
+    from ray_elastic.relay import RelayPool, channels
     from ray_elastic.snapshots import SnapshotStore
     from ray_elastic.stepping import StepStreams
     from ray_elastic.worker import FLUSH_S
@@ -130,13 +133,13 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
             self.turns: dict[int, asyncio.Lock] = {}
 
         @ray.method(num_returns="streaming")
-        async def run_chunk(self, pid, start, n, final, every, holder, step_s):
+        async def run_chunk(self, pid, holder, step_s, start, n, final, every):
             # A slice process runs its chunks one after the other (the next waits in its queue).
             async with self.turns.setdefault(pid, asyncio.Lock()):
                 async for item in self._chunk(start, n, holder, step_s):
                     yield item
 
-        async def run_chunk_quiet(self, pid, start, n, final, every, holder, step_s):
+        async def run_chunk_quiet(self, pid, holder, step_s, start, n, final, every):
             async with self.turns.setdefault(pid, asyncio.Lock()):
                 async for _ in self._chunk(start, n, holder, step_s):
                     pass
@@ -158,32 +161,58 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
     ray.get([s.__ray_ready__.remote() for s in scripts])
     plan = plan_world(0, [f"s{i}" for i in range(processes)], 1, 1, processes, snapshot_slices=holders)
 
+    quiet = [p for p in range(processes) if not plan.takes_snapshots(p)]
+    chans = channels(range(processes), quiet)
+    groups = [procs for procs, relayed in chans if relayed]
+    relay_pool = RelayPool()
+    relays = iter(relay_pool.assign(0, [[(p, scripts[p % actors], "run_chunk_quiet", (p, False, step_s)) for p in g]
+                                        for g in groups]) if groups else [])
+
     class ScriptedWorld:
         def __init__(self):
             self.plan, self.keepers = plan, [None] * processes
             self.workers = [scripts[p % actors] for p in range(processes)]  # who plays each process
+            self.channels = [procs for procs, _ in chans]
+            self.relays = [next(relays) if relayed else None for _, relayed in chans]
+            self.sent = 0  # chunks sent: a relay submits them in this order
 
         def slice_of(self, p: int) -> str:
             return plan.slice_names[p]
 
         def run_chunk(self, start, n, final, every):
-            # Like World.run_chunk: a stream per snapshot holder, a plain task for the others.
-            return [(scripts[p % actors].run_chunk if plan.takes_snapshots(p) else scripts[p % actors].run_chunk_quiet
-                     ).remote(p, start, n, final, every, plan.takes_snapshots(p), step_s) for p in range(processes)]
+            # Like World.run_chunk: a stream per snapshot holder, a plain task or a relay's call for the others.
+            refs = []
+            for procs, relay in zip(self.channels, self.relays):
+                if relay is not None:
+                    refs.append(relay.run.remote(0, self.sent, start, n, final, every))
+                    continue
+                p, = procs
+                method = scripts[p % actors].run_chunk if plan.takes_snapshots(p) else scripts[p % actors].run_chunk_quiet
+                refs.append(method.remote(p, plan.takes_snapshots(p), step_s, start, n, final, every))
+            self.sent += 1
+            return refs
 
     cfg = ElasticConfig(num_slices=1, global_batch_size=1, slice=SliceSpec(devices_per_host=1),
                         steps_per_chunk=steps_per_chunk, hang_timeout_min_s=600)
     ledger: list[dict] = []
     streams = StepStreams(ScriptedWorld(), cfg, SnapshotStore(1), ledger.append, [])
+    import psutil
+
+    relay_procs = [psutil.Process(pid) for pid in ray.get([r.__ray_call__.remote(lambda self: os.getpid())
+                                                          for r in relay_pool.relays])]
+    relay_cpu0 = sum(sum(p.cpu_times()[:2]) for p in relay_procs)
     cpu0, wall0 = time.process_time(), time.perf_counter()
     streams.run(0, steps, lambda: False)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    relay_cpu = sum(sum(p.cpu_times()[:2]) for p in relay_procs) - relay_cpu0
     for s in scripts:
         ray.kill(s)
+    relay_pool.shutdown()
     assert [m["step"] for m in ledger] == list(range(steps)), "the driver lost steps"
     return {"processes": processes, "holders": holders, "steps": steps, "steps_per_chunk": cfg.steps_per_chunk,
-            "chunk_steps_run": streams.steps_per_chunk,
+            "chunk_steps_run": streams.steps_per_chunk, "relays": len(groups),
             "driver_cpu_ms_per_step": round(cpu / steps * 1e3, 3), "wall_ms_per_step": round(wall / steps * 1e3, 2),
+            "relay_cpu_ms_per_step": round(relay_cpu / steps * 1e3, 3),
             "scripted_step_ms": step_s * 1e3}
 
 

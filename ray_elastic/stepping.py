@@ -56,10 +56,11 @@ class StepStreams:
         self.on_metrics = on_metrics
         self.on_interval = on_interval
         self.step_times = step_times
-        n = len(world.workers)
         self.steps_per_chunk = config.steps_per_chunk  # the last chunk's length (chunk_steps)
-        self.queues: list[collections.deque] = [collections.deque() for _ in range(n)]
-        self.streaming = [world.plan.takes_snapshots(p) for p in range(n)]
+        # Per channel (World.channels: a process, or a relay's group of quiet ones): its chunks in flight.
+        self.channels = world.channels
+        self.queues: list[collections.deque] = [collections.deque() for _ in self.channels]
+        self.streaming = [len(ch) == 1 and world.plan.takes_snapshots(ch[0]) for ch in self.channels]
         self._snapshot_steps: list[int] = []  # steps newly kept by some holder, not yet reported
         self.snapshot_seconds: list[float] = []  # what each snapshot cost its process (host copy + hand-over)
         self._intervals: list[tuple[int, int]] = []  # (first step, snapshot interval) per change
@@ -107,14 +108,14 @@ class StepStreams:
         draining = stopped = False
         last_progress = time.monotonic()
         last_progress_wall = time.time()
-        holders = [p for p in range(len(self.queues)) if self.streaming[p]]
-        quiet = [p for p in range(len(self.queues)) if not self.streaming[p]]
+        holders = [c for c in range(len(self.queues)) if self.streaming[c]]
+        quiet = [c for c in range(len(self.queues)) if not self.streaming[c]]
         while True:
             if not draining and grow_requested():
                 draining = True  # finish what is queued, then stop at that step boundary
             heads_changed = False
             while not draining and submitted < end_step and max(map(len, self.queues)) < CHUNKS_IN_FLIGHT:
-                self.steps_per_chunk = chunk_steps(self.config.steps_per_chunk, len(self.queues),
+                self.steps_per_chunk = chunk_steps(self.config.steps_per_chunk, len(self.world.workers),
                                                    self.step_times[-20:])
                 n = min(self.steps_per_chunk, end_step - submitted)
                 heads_changed |= not all(self.queues)
@@ -137,21 +138,21 @@ class StepStreams:
             wake.clear()
             if quiet_waiter.fired():
                 # Quiet chunks ended (or one failed): every one that has, in one batch.
-                heads = {self.queues[p][0]: p for p in quiet if self.queues[p]}
+                heads = {self.queues[c][0]: c for c in quiet if self.queues[c]}
                 done, _ = ray.wait(list(heads), num_returns=len(heads), timeout=GATHER_S)
                 failed = self._consume_results([heads[r] for r in done])
                 quiet_waiter.watch(self._heads(quiet))
                 if failed:
                     return RunOutcome(OutcomeKind.FAILURE, failed, last_progress_wall)
             if stream_waiter.fired():
-                heads = {self.queues[p][0]: p for p in holders if self.queues[p]}
+                heads = {self.queues[c][0]: c for c in holders if self.queues[c]}
                 ready, _ = ray.wait(list(heads), num_returns=len(heads), timeout=0)
                 for gen in ready:
-                    p = heads[gen]
+                    c = heads[gen]
                     try:
-                        progressed = self._consume(p)
+                        progressed = self._consume(c)
                     except Exception as e:  # noqa: BLE001 - any error of a slice process is an event
-                        return RunOutcome(OutcomeKind.FAILURE, {p: e}, last_progress_wall)
+                        return RunOutcome(OutcomeKind.FAILURE, {self.channels[c][0]: e}, last_progress_wall)
                     if progressed:
                         last_progress, last_progress_wall = time.monotonic(), time.time()
                 stream_waiter.watch(self._heads(holders))
@@ -163,49 +164,53 @@ class StepStreams:
                     return RunOutcome(OutcomeKind.HANG, silent, last_progress_wall)
                 last_progress = time.monotonic()  # slow, not hung: watch again from now
 
-    def _heads(self, processes: list[int]) -> list:
-        return [self.queues[p][0] for p in processes if self.queues[p]]
+    def _heads(self, channels: list[int]) -> list:
+        return [self.queues[c][0] for c in channels if self.queues[c]]
 
     def _submit(self, first: int, n: int, final_step: int) -> None:
         every = self._next_interval(first)
-        for p, gen in enumerate(self.world.run_chunk(first, n, final_step, every)):
-            self.queues[p].append(gen)
+        for c, ref in enumerate(self.world.run_chunk(first, n, final_step, every)):
+            self.queues[c].append(ref)
 
-    def _consume_results(self, processes: list[int]) -> dict[int, BaseException]:
-        """Take the finished chunks of non-streaming processes (ready ones): one ``ray.get`` for all,
-        and only if that raises, one per process to name whose error it was."""
-        if not processes:
+    def _consume_results(self, channels: list[int]) -> dict[int, BaseException]:
+        """Take the finished chunks of non-streaming channels (ready ones): one ``ray.get`` for all,
+        and only if that raises, one per channel to name whose error it was. Returns the errors by
+        process (a relay answers with its group's)."""
+        if not channels:
             return {}
-        refs = [self.queues[p].popleft() for p in processes]
+        refs = [self.queues[c].popleft() for c in channels]
+        failed: dict[int, BaseException] = {}
         try:
-            ray.get(refs)
-            return {}
+            answers = ray.get(refs)
         except Exception:  # noqa: BLE001 - which one(s)?
-            failed = {}
-            for p, ref in zip(processes, refs):
+            answers = []
+            for c, ref in zip(channels, refs):
                 try:
-                    ray.get(ref, timeout=0)
+                    answers.append(ray.get(ref, timeout=0))
                 except Exception as e:  # noqa: BLE001 - any error of a slice process is an event
-                    failed[p] = e
-            return failed
+                    failed[self.channels[c][0]] = e  # a relay that died: the first of its group stands for it
+        for answer in answers:
+            failed.update(answer or {})
+        return failed
 
-    def _consume(self, p: int) -> bool:
-        """Read one item of process ``p``'s current stream; True when a step finished for the first time.
+    def _consume(self, c: int) -> bool:
+        """Read one item of holder channel ``c``'s current stream; True when a step finished for the first time.
 
         Every streaming process reports every step (the loss is replicated, so all report the
         same value); the first report of a step is the one kept. Relying on process 0 alone
         would lose the steps that only a surviving snapshot holder reported when process 0's
         slice died, though their state is what the next world restores.
         """
-        s = self.queues[p][0]
+        s = self.queues[c][0]
         try:
             ref = next(s)
         except StopIteration:
-            self.queues[p].popleft()
+            self.queues[c].popleft()
             return False
         item = ray.get(ref)  # the process's error, when it failed
-        if not self.streaming[p] or not item:
+        if not self.streaming[c] or not item:
             return False
+        (p,) = self.channels[c]
         plan = self.world.plan
         for step in item["kept"]:
             self.store.add(self.world.slice_of(p), p % plan.hosts_per_slice, step,
@@ -235,7 +240,8 @@ class StepStreams:
         """
         start = time.monotonic()
         while True:
-            heads = {q[0]: p for p, q in enumerate(self.queues) if q and p not in errors}
+            heads = {q[0]: c for c, q in enumerate(self.queues)
+                     if q and not any(p in errors for p in self.channels[c])}
             left = start + timeout_s - time.monotonic()
             if not heads or left <= 0:
                 break
@@ -244,15 +250,15 @@ class StepStreams:
                 break
             errors.update(self._consume_results([heads[r] for r in ready if not self.streaming[heads[r]]]))
             for gen in ready:
-                p = heads[gen]
-                if not self.streaming[p]:
+                c = heads[gen]
+                if not self.streaming[c]:
                     continue
                 try:
-                    self._consume(p)
+                    self._consume(c)
                 except Exception as e:  # noqa: BLE001
-                    errors[p] = e
+                    errors[self.channels[c][0]] = e
         # Every holder's keeper, a failed process's too: its host may live, and its keeper with it.
-        holders = [p for p in range(len(self.queues)) if self.streaming[p]]
+        holders = self._holder_processes()
         newest = newest_snapshot_step(self._reported, self.interval_at(self._reported))
         deadline = time.monotonic() + newest_s
         while holders:
@@ -260,6 +266,9 @@ class StepStreams:
             if newest < 0 or self._holds(holders, newest) or time.monotonic() >= deadline:
                 return
             time.sleep(KEEPER_POLL_S)
+
+    def _holder_processes(self) -> list[int]:
+        return [ch[0] for ch, streams in zip(self.channels, self.streaming) if streams]
 
     def _holds(self, processes: list[int], step: int) -> bool:
         """Some slice of ``processes`` has every host's part of the snapshot of ``step``."""
@@ -271,7 +280,7 @@ class StepStreams:
         run again). A keeper that does not answer (its node is gone) is left as the store has it:
         the slice's loss is decided elsewhere."""
         plan = self.world.plan
-        processes = [p for p in range(len(self.queues)) if self.streaming[p]] if processes is None else processes
+        processes = self._holder_processes() if processes is None else processes
         answers = ask_keepers([self.world.keepers[p] for p in processes], timeout_s)
         for i, held in answers.items():
             p = processes[i]

@@ -20,6 +20,7 @@ from ray_elastic.config import ElasticConfig
 from ray_elastic.errors import FormingError, HostLost, ProcessFailed
 from ray_elastic.placement import SLICE_NAME_LABEL, SliceReservation
 from ray_elastic.plan import WorldPlan
+from ray_elastic.relay import RelayPool, channels
 from ray_elastic.snapshot_keeper import SnapshotKeeper
 from ray_elastic.snapshots import SnapshotRef
 from ray_elastic.worker import SliceWorker
@@ -67,6 +68,7 @@ class WorkerPool:
         # (id(reservation), host) -> standbys, oldest first
         self._standby: dict[tuple[int, int], list[Standby]] = {}
         self._keepers: dict[tuple[int, int], ray.actor.ActorHandle] = {}  # (id(reservation), host) -> keeper
+        self.relays = RelayPool()  # fan chunks out to many quiet processes (large worlds)
 
     def keeper(self, res: SliceReservation, host: int) -> ray.actor.ActorHandle:
         """The host's snapshot keeper, started with the first process placed there: it lives in the
@@ -132,6 +134,7 @@ class WorkerPool:
         for keeper in self._keepers.values():
             _kill(keeper)
         self._keepers.clear()
+        self.relays.shutdown()
 
 
 def _host_labels(reservations: list[SliceReservation]) -> Optional[list[list[dict]]]:
@@ -197,6 +200,15 @@ def _placed(reservations: list[SliceReservation], names: list[str]) -> Callable[
     return check
 
 
+def _reach(generation: int, plan: WorldPlan, workers: list, relays: RelayPool) -> tuple[list[list[int]], list]:
+    """The world's channels (:func:`relay.channels`) and the relay serving each (None: the driver's own)."""
+    chans = channels(range(len(workers)), [p for p in range(len(workers)) if not plan.takes_snapshots(p)])
+    groups = [procs for procs, relayed in chans if relayed]
+    assigned = iter(relays.assign(generation, [[(p, workers[p], "run_chunk_quiet", ()) for p in g] for g in groups])
+                    if groups else [])
+    return [procs for procs, _ in chans], [next(assigned) if relayed else None for _, relayed in chans]
+
+
 def _kill(actor) -> None:
     try:
         ray.kill(actor, no_restart=True)
@@ -208,8 +220,14 @@ class World:
     """The actors of one generation, in process-id order, and their plan."""
 
     def __init__(self, plan: WorldPlan, workers: list, host_infos: list[dict], times: FormationTimes,
-                 join_infos: list[dict], reservations: list[SliceReservation], keepers: list):
+                 join_infos: list[dict], reservations: list[SliceReservation], keepers: list,
+                 channels: Optional[list[list[int]]] = None, relays: Optional[list] = None):
         self.plan = plan
+        # How the driver reaches the processes: one channel per process, or a relay per group of
+        # quiet ones (relay.channels); ``relays[c]`` serves channel c when it is a group.
+        self.channels = channels or [[p] for p in range(len(workers))]
+        self.relays = relays or [None] * len(self.channels)
+        self._chunks_sent = 0
         self.workers = workers
         self.keepers = keepers  # per process: its host's snapshot keeper
         self.host_infos = host_infos
@@ -300,9 +318,10 @@ class World:
                 for a in sa:
                     _kill(a)
             raise
+        chans, relays = _reach(generation, plan, flat, pool.relays)
         logger.info("world %d formed in %.2fs: %s", generation, times.total_s, plan.mesh_shape)
         return cls(plan, flat, [i for hi in host_infos for i in hi], times, joins, list(reservations),
-                   [k for ks in keepers for k in ks])
+                   [k for ks in keepers for k in ks], chans, relays)
 
     def slice_of(self, process_id: int) -> str:
         return self.plan.slice_names[process_id // self.plan.hosts_per_slice]
@@ -314,10 +333,20 @@ class World:
         return out
 
     def run_chunk(self, start_step: int, num_steps: int, final_step: int, snapshot_every: int) -> list:
-        """Start a chunk of steps on every process: a streaming generator for each snapshot holder, a
-        plain task (one result at the chunk's end) for the others."""
-        return [(w.run_chunk if self.plan.takes_snapshots(p) else w.run_chunk_quiet).remote(
-                    start_step, num_steps, final_step, snapshot_every) for p, w in enumerate(self.workers)]
+        """Start a chunk of steps on every process; one ref per channel: a streaming generator for
+        each snapshot holder, a plain task (one result at the chunk's end) for each other process,
+        or a relay's call (``{}``, or the errors by process) for each group of them."""
+        args = (start_step, num_steps, final_step, snapshot_every)
+        refs = []
+        for procs, relay in zip(self.channels, self.relays):
+            if relay is not None:
+                refs.append(relay.run.remote(self.plan.generation, self._chunks_sent, *args))
+            else:
+                (p,) = procs
+                w = self.workers[p]
+                refs.append((w.run_chunk if self.plan.takes_snapshots(p) else w.run_chunk_quiet).remote(*args))
+        self._chunks_sent += 1
+        return refs
 
     def finish_checkpoints(self, timeout_s: float, save_step: Optional[int] = None) -> list:
         """Wait for every process's in-flight checkpoint save to commit (a planned stop, not a failure);

@@ -222,3 +222,16 @@ def test_chunks_grow_with_the_world_but_last_at_most_ten_seconds():
     assert chunk_steps(10, 1024, [0.1] * 5) == 100  # 10 s of 100 ms steps
     assert chunk_steps(10, 1024, [2.0] * 5) == 10  # slow steps: never below the configured chunk
     assert chunk_steps(50, 64, [1.0]) == 50
+
+
+def test_relay_channels_group_quiet_processes_only_in_large_worlds():
+    from ray_elastic.relay import PROCESSES_PER_RELAY, RELAY_MIN_QUIET, channels
+
+    small = channels(range(6), [2, 3, 4, 5])
+    assert small == [([0], False), ([1], False), ([2], False), ([3], False), ([4], False), ([5], False)]
+    n = RELAY_MIN_QUIET + 10
+    big = channels(range(n), list(range(3, n)))
+    assert big[:3] == [([0], False), ([1], False), ([2], False)]
+    groups = [procs for procs, relayed in big if relayed]
+    assert [p for g in groups for p in g] == list(range(3, n))  # every quiet process, once, in order
+    assert all(len(g) <= PROCESSES_PER_RELAY for g in groups) and len(big) == 3 + len(groups)

@@ -105,6 +105,29 @@ def test_every_death_is_seen_by_its_signal(cluster, baseline, kind, position):
         assert max_rel_err(result.losses, baseline) <= RESIZED
 
 
+def test_a_death_behind_a_relay_is_seen_by_its_signal(cluster, baseline, monkeypatch):
+    """Large worlds reach their quiet processes through relays (one call per group of them per
+    chunk): forced here on 3 slices with one snapshot holder, a quiet process killed mid-chunk is
+    still seen by its death signal, through its relay, and the run goes on with the same losses."""
+    from ray_elastic import relay
+
+    monkeypatch.setattr(relay, "RELAY_MIN_QUIET", 1)
+    monkeypatch.setattr(relay, "PROCESSES_PER_RELAY", 2)
+    seen = {}
+
+    def kill(t):
+        seen["channels"], seen["relays"] = t.world.channels, t.world.relays
+        kill_process_of_slice(t, 2)
+
+    trainer, result = run(cluster, {20: kill}, snapshot_replicas=1)
+    assert seen["channels"] == [[0], [1, 2]] and seen["relays"][0] is None and seen["relays"][1] is not None
+    (failure,) = [e for e in result.events if e["kind"] == "failure"]
+    assert failure["cause"] == "failure" and failure["kinds"] == {failure["crashed_slices"][0]: "process_died"}, failure
+    assert failure["detection_latency_s"] < 3.0, failure
+    assert trainer.worlds[-1].slices == trainer.worlds[0].slices  # a process, not its host: the same three
+    assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
+
+
 def test_slice_hung_by_sigstop(cluster, baseline):
     trainer, result = run(cluster, {20: lambda t: cluster.hang_slice(slice_name(t, 2))})
     (rec,) = result.recoveries
