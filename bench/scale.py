@@ -8,7 +8,7 @@ Two parts:
    and one lost node (kill -> first step after recovery, and detection).
 2. **Driver model** at 64, 256 and 1024 processes: the controller's real per-step path
    (``StepStreams``: chunks submitted as Ray streaming generators to the snapshot holders and
-   as plain tasks, or through relays (``ray_elastic.relay``) from 64 quiet processes up, to the
+   as plain tasks, or through relays (``ray_elastic.relay``) from 16 quiet processes up, to the
    others; every item read, the holders' reports folded into the snapshot store and the step
    ledger) driving scripted streams instead of JAX (a few async Ray actors play every process
    and yield what a slice process yields, at a fixed step time). Reports driver CPU per step,
