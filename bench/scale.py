@@ -241,10 +241,13 @@ def plot(out: dict, path: str) -> None:
         d = [x for x in out["driver"] if x["steps_per_chunk"] == chunk]
         b.plot([x["processes"] for x in d], [x["driver_cpu_ms_per_step"] for x in d], "o-",
                label=f"steps_per_chunk={chunk}")
+        if any(x.get("relay_cpu_ms_per_step") for x in d):
+            b.plot([x["processes"] for x in d], [x.get("relay_cpu_ms_per_step", 0.0) for x in d], "x:",
+                   label=f"relays' CPU (their own processes), chunk {chunk}")
     b.axhline(5.0, color="grey", ls=":", label="goal: 5 ms/step at 1024")
     b.set_xscale("log", base=2)
     b.set_xlabel("processes (driver model)")
-    b.set_ylabel("driver CPU ms per step")
+    b.set_ylabel("CPU ms per step (driver; relays)")
     b.set_title("controller path, scripted streams")
     b.legend(fontsize=8)
     fig.tight_layout()
