@@ -237,7 +237,7 @@ class ElasticTrainer:
         self._enter(S.RUNNING)
         world, start = self.world, self.worlds[-1].start_step
         streams = self.backend.drive(world, self.gens.store, self.ledger.add, self.ledger.step_times,
-                                     self._snapshot_interval)
+                                     self._snapshot_interval, self.ledger.saves_committed)
         self.ledger.start_world(world.plan.generation, streams.take_snapshot_steps)
         t0 = time.perf_counter()
         outcome = streams.run(start, num_steps, self.gens.capacity_returned)

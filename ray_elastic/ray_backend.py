@@ -86,8 +86,9 @@ class RayBackend:
         return World.form(pool=self.pool, config=self.config, **kwargs)
 
     def drive(self, world: World, store: SnapshotStore, on_metrics: Callable[[dict], None],
-              step_times: list[float], on_interval: Optional[Callable[[int, int], None]] = None) -> StepStreams:
-        return StepStreams(world, self.config, store, on_metrics, step_times, on_interval)
+              step_times: list[float], on_interval: Optional[Callable[[int, int], None]] = None,
+              on_committed: Optional[Callable[[list], None]] = None) -> StepStreams:
+        return StepStreams(world, self.config, store, on_metrics, step_times, on_interval, on_committed)
 
     # ------------------------------------------------------------- evidence
     def error_kind(self, error: BaseException) -> ErrorKind:

@@ -166,6 +166,7 @@ class StepLedger:
         self._generation = 0
         self._snapshot_steps: Callable[[], list[int]] = list
         self.committed_step = -1  # the newest checkpoint a process reported committed in this run
+        self._committed: set[int] = set()
 
     def start_world(self, generation: int, snapshot_steps: Callable[[], list[int]]) -> None:
         """Steps from now on belong to ``generation``; ``snapshot_steps()`` says which were snapshotted."""
@@ -191,7 +192,11 @@ class StepLedger:
                              finished_at=[m.get("finished_at") for m in buf], snapshot_steps=self._snapshot_steps())
 
     def saves_committed(self, finished: list) -> None:
+        """Checkpoints a process reported committed: once each (every holder reports its own)."""
         for step, total_s in finished:
+            if step in self._committed:
+                continue
+            self._committed.add(step)
             self.committed_step = max(self.committed_step, step)
             self.events.emit("checkpoint_committed", step=step, total_s=total_s)
 

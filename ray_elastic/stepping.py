@@ -49,12 +49,14 @@ class StepStreams:
 
     def __init__(self, world: World, config: ElasticConfig, store: SnapshotStore,
                  on_metrics: Callable[[dict], None], step_times: list[float],
-                 on_interval: Optional[Callable[[int, int], None]] = None):
+                 on_interval: Optional[Callable[[int, int], None]] = None,
+                 on_committed: Optional[Callable[[list], None]] = None):
         self.world = world
         self.config = config
         self.store = store
         self.on_metrics = on_metrics
         self.on_interval = on_interval
+        self.on_committed = on_committed
         self.step_times = step_times
         self.steps_per_chunk = config.steps_per_chunk  # the last chunk's length (chunk_steps)
         # Per channel (World.channels: a process, or a relay's group of quiet ones): its chunks in flight.
@@ -225,6 +227,10 @@ class StepStreams:
                 self._reported = metrics["step"]
                 self.on_metrics(metrics)
                 progressed = True
+            elif metrics.get("checkpoints_committed") and self.on_committed is not None:
+                # A step's metrics are kept from whichever holder reports it first, but a commit is
+                # reported at the step each holder's own save finished: take it from every report.
+                self.on_committed(metrics["checkpoints_committed"])
         return progressed
 
     def drain(self, timeout_s: float, errors: dict[int, BaseException], newest_s: float = 3.0) -> None:

@@ -223,7 +223,7 @@ class FakeBackend:
     def missing_snapshots(self, refs) -> set:
         return set()  # the store is the truth here
 
-    def drive(self, world, store, on_metrics, step_times, on_interval=None) -> FakeStreams:
+    def drive(self, world, store, on_metrics, step_times, on_interval=None, on_committed=None) -> FakeStreams:
         return FakeStreams(self, world, store, on_metrics)
 
     def error_kind(self, error: BaseException) -> ErrorKind:
