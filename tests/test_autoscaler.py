@@ -23,6 +23,9 @@ from faults import FaultPlan, ensure_slices, in_thread, max_rel_err, slice_name
 CAPACITY = 3
 SIM_CLUSTER = {"num_slices": 2, "autoscaler": True, "max_slices": CAPACITY}
 STEPS = 60
+# After capacity returns: a launch round, the slice's start, then the newcomer's process starting
+# beside the training (5-12 s on 2 busy cores) before the grow; 240 steps (~20 s) ended first once.
+GROW_STEPS = 600
 SAME_SHAPE, RESIZED = 1e-6, 1e-4
 
 
@@ -139,10 +142,10 @@ def test_stock_out_resizes_then_the_world_grows_back_when_capacity_returns(sim_c
                              progress=False, on_step=plan.on_step)
     plan.trainer = trainer
     try:
-        result = trainer.fit(240)
+        result = trainer.fit(GROW_STEPS)
     finally:
         sim_cluster.set_capacity(CAPACITY)
-    assert result.steps == list(range(240)) and result.summary["steps_rewound"] == 0
+    assert result.steps == list(range(GROW_STEPS)) and result.summary["steps_rewound"] == 0
     assert seen["slices_then"] == 2 and seen["stock_outs"], seen
     assert seen["demand"], "the replacement's pending reservation is the demand the autoscaler reports"
     assert [w.mesh["replica"] for w in trainer.worlds][-1] == 3
