@@ -120,7 +120,7 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
 
     from ray_elastic.config import ElasticConfig, SliceSpec
     from ray_elastic.plan import plan_world
-    from ray_elastic.relay import RelayPool, channels
+    from ray_elastic.relay import RelayPool
     from ray_elastic.snapshots import SnapshotStore
     from ray_elastic.stepping import StepStreams
     from ray_elastic.worker import FLUSH_S
@@ -161,19 +161,15 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
     ray.get([s.__ray_ready__.remote() for s in scripts])
     plan = plan_world(0, [f"s{i}" for i in range(processes)], 1, 1, processes, snapshot_slices=holders)
 
-    quiet = [p for p in range(processes) if not plan.takes_snapshots(p)]
-    chans = channels(range(processes), quiet)
-    groups = [procs for procs, relayed in chans if relayed]
     relay_pool = RelayPool()
-    relays = iter(relay_pool.assign(0, [[(p, scripts[p % actors], "run_chunk_quiet", (p, False, step_s)) for p in g]
-                                        for g in groups]) if groups else [])
+    chans, relays = relay_pool.reach(0, processes, [p for p in range(processes) if not plan.takes_snapshots(p)],
+                                     lambda p: (scripts[p % actors], "run_chunk_quiet", (p, False, step_s)))
 
     class ScriptedWorld:
         def __init__(self):
             self.plan, self.keepers = plan, [None] * processes
             self.workers = [scripts[p % actors] for p in range(processes)]  # who plays each process
-            self.channels = [procs for procs, _ in chans]
-            self.relays = [next(relays) if relayed else None for _, relayed in chans]
+            self.channels, self.relays = chans, relays
             self.sent = 0  # chunks sent: a relay submits them in this order
 
         def slice_of(self, p: int) -> str:
@@ -210,7 +206,7 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
     relay_pool.shutdown()
     assert [m["step"] for m in ledger] == list(range(steps)), "the driver lost steps"
     return {"processes": processes, "holders": holders, "steps": steps, "steps_per_chunk": cfg.steps_per_chunk,
-            "chunk_steps_run": streams.steps_per_chunk, "relays": len(groups),
+            "chunk_steps_run": streams.steps_per_chunk, "relays": sum(r is not None for r in relays),
             "driver_cpu_ms_per_step": round(cpu / steps * 1e3, 3), "wall_ms_per_step": round(wall / steps * 1e3, 2),
             "relay_cpu_ms_per_step": round(relay_cpu / steps * 1e3, 3),
             "scripted_step_ms": step_s * 1e3}

@@ -105,6 +105,14 @@ class RelayPool:
         ray.get([r.prepare.remote(generation, g) for r, g in zip(relays, groups)], timeout=timeout_s)
         return relays
 
+    def reach(self, generation: int, processes: int, quiet: Sequence[int], target) -> tuple[list[list[int]], list]:
+        """A world's channels (:func:`channels`) and the relay serving each (None: the driver's own);
+        ``target(p)`` is what a relay calls for quiet process p: ``(actor, method name, leading args)``."""
+        chans = channels(range(processes), quiet)
+        groups = [procs for procs, relayed in chans if relayed]
+        assigned = iter(self.assign(generation, [[(p, *target(p)) for p in g] for g in groups]) if groups else [])
+        return [procs for procs, _ in chans], [next(assigned) if relayed else None for _, relayed in chans]
+
     def shutdown(self) -> None:
         for r in self.relays:
             try:

@@ -20,7 +20,7 @@ from ray_elastic.config import ElasticConfig
 from ray_elastic.errors import FormingError, HostLost, ProcessFailed
 from ray_elastic.placement import SLICE_NAME_LABEL, SliceReservation
 from ray_elastic.plan import WorldPlan
-from ray_elastic.relay import RelayPool, channels
+from ray_elastic.relay import RelayPool
 from ray_elastic.snapshot_keeper import SnapshotKeeper
 from ray_elastic.snapshots import SnapshotRef
 from ray_elastic.worker import SliceWorker
@@ -200,15 +200,6 @@ def _placed(reservations: list[SliceReservation], names: list[str]) -> Callable[
     return check
 
 
-def _reach(generation: int, plan: WorldPlan, workers: list, relays: RelayPool) -> tuple[list[list[int]], list]:
-    """The world's channels (:func:`relay.channels`) and the relay serving each (None: the driver's own)."""
-    chans = channels(range(len(workers)), [p for p in range(len(workers)) if not plan.takes_snapshots(p)])
-    groups = [procs for procs, relayed in chans if relayed]
-    assigned = iter(relays.assign(generation, [[(p, workers[p], "run_chunk_quiet", ()) for p in g] for g in groups])
-                    if groups else [])
-    return [procs for procs, _ in chans], [next(assigned) if relayed else None for _, relayed in chans]
-
-
 def _kill(actor) -> None:
     try:
         ray.kill(actor, no_restart=True)
@@ -318,7 +309,9 @@ class World:
                 for a in sa:
                     _kill(a)
             raise
-        chans, relays = _reach(generation, plan, flat, pool.relays)
+        chans, relays = pool.relays.reach(generation, len(flat),
+                                          [p for p in range(len(flat)) if not plan.takes_snapshots(p)],
+                                          lambda p: (flat[p], "run_chunk_quiet", ()))
         logger.info("world %d formed in %.2fs: %s", generation, times.total_s, plan.mesh_shape)
         return cls(plan, flat, [i for hi in host_infos for i in hi], times, joins, list(reservations),
                    [k for ks in keepers for k in ks], chans, relays)
