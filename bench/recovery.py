@@ -21,7 +21,8 @@ the grow-back pauses. The last line is one JSON object:
 
     {"replica_resize_recovery_s": median kill -> step over all kills (warm and cold), "replica_resize_worst_s": ...,
      "replica_resize_warm_median_s": ..., "replica_resize_warm_worst_s": ..., "replica_resize_cold_median_s": ...,
-     "detection_worst_s": ..., "cascade_recovery_s": ..., "grow_pause_s": ...,
+     "detection_worst_s": ..., "cascade_recovery_s": ... (replica-resize: second loss -> step), "cascade_worst_s": ...,
+     "pause_resume_cascade_s": ..., "pause_resume_cascade_after_arrival_s": ..., "grow_pause_s": ...,
      "pause_resume_recovery_after_arrival_s": ..., "steps_rewound_max": ...}
 
     .venv/bin/python bench/recovery.py [--repeats 2] [--multihost 1]
@@ -237,7 +238,8 @@ def main() -> None:
     rr = [r["kill_to_step_s"] for r in rr_rows]
     warm = [r["kill_to_step_s"] for r in rr_rows if not r["cold"]]
     cold = [r["kill_to_step_s"] for r in rr_rows if r["cold"]]
-    cascade = [r["kill_to_step_s"] for m in ("replica-resize", "pause-and-resume") for r in rows(m, ("cascade",))]
+    cascade = [r["kill_to_step_s"] for r in rows("replica-resize", ("cascade",))]
+    pr_cascade = rows("pause-and-resume", ("cascade",))
     pauses = [p for out in results.values() for p in out["grow_pauses"]]
     everything = [r for out in results.values() for r in out["rows"]]
     summary = {
@@ -247,7 +249,13 @@ def main() -> None:
         "replica_resize_warm_worst_s": round(max(warm), 3) if warm else None,
         "replica_resize_cold_median_s": round(statistics.median(cold), 3) if cold else None,
         "detection_worst_s": round(max(r["detection_s"] for r in everything), 3) if everything else None,
+        # second loss -> first step; in pause-and-resume also from the second replacement's arrival
         "cascade_recovery_s": round(statistics.median(cascade), 3) if cascade else None,
+        "cascade_worst_s": round(max(cascade), 3) if cascade else None,
+        "pause_resume_cascade_s": round(statistics.median(r["kill_to_step_s"] for r in pr_cascade), 3)
+        if pr_cascade else None,
+        "pause_resume_cascade_after_arrival_s": round(statistics.median(r["after_arrival_s"] for r in pr_cascade), 3)
+        if pr_cascade else None,
         "grow_pause_s": round(statistics.median(pauses), 3) if pauses else None,
         "pause_resume_recovery_after_arrival_s": round(statistics.median(
             r["after_arrival_s"] for r in rows("pause-and-resume")), 3) if rows("pause-and-resume") else None,

@@ -344,8 +344,14 @@ class ElasticTrainer:
                                  f"{cfg.replacement_timeout_s:.0f}", ready=len(change.survivors),
                                  asked=cfg.num_slices, waited_s=waited_s)
 
-        decision, wait_s = self.gens.await_capacity(change.survivors, grow=change.cause is OutcomeKind.GROW,
-                                                    on_wait=on_wait)
+        def on_lost(names: list[str]) -> None:  # a survivor's host died while replacements were awaited
+            self.events.emit("failure", generation=len(self.worlds), cause="lost_while_waiting", lost_slices=names,
+                             kinds={n: "node_died" for n in names}, last_step=self.ledger.last_step,
+                             classify_s=0.0, since_last_progress_s=0.0)
+
+        decision, wait_s, survivors = self.gens.await_capacity(
+            change.survivors, grow=change.cause is OutcomeKind.GROW, on_wait=on_wait, on_lost=on_lost)
+        change = dataclasses.replace(change, survivors=survivors)
         if decision.action is Action.FAIL:
             raise CapacityTimeoutError(
                 f"{change.reason}; {decision.reason} (replacement_timeout_s={cfg.replacement_timeout_s:.0f}, "

@@ -95,24 +95,37 @@ class Generations:
                                  min_slices=cfg.min_slices, timed_out=timed_out,
                                  fallback_to_resize=cfg.fallback_to_resize)
 
-    def await_capacity(self, survivors: list, *, grow: bool,
-                       on_wait: Callable[[str, float], None]) -> tuple[NextWorld, float]:
-        """Poll until the next world may form or the mode gives up; returns the decision and seconds waited.
+    def await_capacity(self, survivors: list, *, grow: bool, on_wait: Callable[[str, float], None],
+                       on_lost: Optional[Callable[[list[str]], None]] = None) -> tuple[NextWorld, float, list]:
+        """Poll until the next world may form or the mode gives up; returns the decision, seconds
+        waited and the survivors still alive.
 
+        While it waits, a survivor whose host dies is dropped (its replacement asked for) at once
+        rather than found by the next world failing to form, and a replacement that arrives starts
+        its process while the others are awaited (``on_lost(names)`` reports the dropped slices).
         ``on_wait(reason, waited_s)`` is called when waiting starts (``waited_s`` 0) and every
         ``REPORT_EVERY_S`` after. Growing never waits: the running world's size was already allowed.
         """
-        t0, reported = time.perf_counter(), None
+        t0, reported, survivors = time.perf_counter(), None, list(survivors)
         while True:
             waited = time.perf_counter() - t0
             timed_out = grow or waited > self.config.replacement_timeout_s
             decision = self.decide(survivors, timed_out=timed_out)
             if decision.action is not Action.WAIT:
-                return decision, (waited if reported is not None else 0.0)
+                return decision, (waited if reported is not None else 0.0), survivors
             if reported is None or waited - reported >= REPORT_EVERY_S:
                 on_wait(decision.reason, 0.0 if reported is None else waited)
                 reported = waited
             time.sleep(WAIT_POLL_S)
+            lost = self.backend.lost_hosts(survivors)
+            if lost:
+                names = [_name(r, survivors.index(r)) for r in lost]
+                for res in lost:
+                    survivors.remove(res)
+                    self.drop(res)
+                if on_lost is not None:
+                    on_lost(names)
+            self.backend.replenish([req.poll() for req in self.ready_replacements()], per_host=1)
 
     def take(self, survivors: list, decision: NextWorld) -> tuple[list, list]:
         """The members ``decision`` names: its survivors (in order) and up to ``decision.replacements``

@@ -64,8 +64,8 @@ class RayBackend:
         """A pending slice placement group: the demand the autoscaler provisions a slice for."""
         return ReplacementRequest(self.config.slice, self.config.replacement_timeout_s)
 
-    def replenish(self, members: list) -> None:
-        self.pool.replenish(members)
+    def replenish(self, members: list, per_host: Optional[int] = None) -> None:
+        self.pool.replenish(members, per_host)
 
     def missing_snapshots(self, refs: list, timeout_s: float = 1.0) -> set[int]:
         """Indices of ``refs`` (:class:`SnapshotRef`) whose keeper answers but no longer holds them."""
@@ -97,6 +97,13 @@ class RayBackend:
     def hosts_answer(self, reservation) -> bool:
         """Every host of the slice answers (its raylet accepts a connection): the hosts are alive."""
         return health.raylets_answer(reservation.node_ids(), VOUCH_TIMEOUT_S)
+
+    def lost_hosts(self, reservations: list) -> list:
+        """The reservations with a host Ray's node table has marked dead (one look, no grace)."""
+        if not reservations:
+            return []
+        alive = health.alive_nodes()
+        return [r for r in reservations if any(n not in alive for n in r.node_ids())]
 
     def dead_slices(self, slice_nodes: dict[str, list[str]], suspects: set[str]) -> set[str]:
         return health.dead_slices(slice_nodes, suspects, self.config.node_death_grace_s)

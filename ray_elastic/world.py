@@ -92,8 +92,10 @@ class WorkerPool:
         s, warm = (queue.pop(0), True) if queue else (self._start(res, host), False)
         return (s.actor, s.prepared), warm
 
-    def replenish(self, reservations: list[SliceReservation]) -> None:
-        """Start standbys until every host of these slices has ``config.standby_workers`` of them.
+    def replenish(self, reservations: list[SliceReservation], per_host: Optional[int] = None) -> None:
+        """Start standbys until every host of these slices has ``config.standby_workers`` of them
+        (``per_host`` instead: a replacement that arrives while others are awaited starts only the
+        process its first world will take, so a second one does not slow it down).
 
         (Starting them one at a time per host, to spare the CPUs next to a training world, was
         measured: the worst recovery improved, the median, cascades and grow-back pauses did not.)
@@ -102,7 +104,8 @@ class WorkerPool:
             for h in range(res.spec.num_hosts):
                 self.keeper(res, h)
                 queue = self._standby.setdefault((id(res), h), [])
-                while len(queue) < self.config.standby_workers:
+                want = self.config.standby_workers if per_host is None else per_host
+                while len(queue) < want:
                     queue.append(self._start(res, h))
 
     def warm(self, reservations: list[SliceReservation]) -> bool:

@@ -186,7 +186,10 @@ class FakeBackend:
         self.requests.append(FakeRequest(self))
         return self.requests[-1]
 
-    def replenish(self, members) -> None:
+    def lost_hosts(self, reservations) -> list:
+        return [r for r in reservations if r.host not in self.alive]
+
+    def replenish(self, members, per_host=None) -> None:
         for r in members:
             self.standby_checks.setdefault(r.host, 0)
 

@@ -250,6 +250,34 @@ def test_pause_and_resume_waits_for_the_replacement():
     assert backend.formed[-1].restored["s3"] == 4  # the newcomer loads a survivor's snapshot
 
 
+def test_a_survivor_lost_while_waiting_is_replaced_at_once_not_found_by_forming():
+    """Pause-and-resume waits for a replacement; a survivor's host dies meanwhile. It is dropped and
+    its replacement asked for while waiting, so the next world forms once, on live slices, with no
+    failed formation and no grace period spent on it."""
+    backend = FakeBackend(faults={5: lose_slice(1)})
+    seen = []
+
+    def on_event(e):
+        if e["kind"] == "waiting_for_capacity" and not seen:
+            seen.append(e)
+            backend.kill("s2")  # a survivor, while the replacement is awaited
+        elif e["kind"] == "failure" and e["cause"] == "lost_while_waiting":
+            backend.add_slice()
+            backend.add_slice()
+
+    trainer = make(backend, mode="pause-and-resume", replacement_timeout_s=10.0, on_event=on_event)
+    result = trainer.fit(STEPS)
+    assert_every_step_once_no_rewind(result, backend)
+    lost = [e for e in kinds(result, "failure") if e["cause"] == "lost_while_waiting"]
+    assert [e["lost_slices"] for e in lost] == [["s2"]]
+    assert backend.form_attempts == len(backend.formed) == 2  # no formation failed on the dead slice
+    assert len(backend.requests) == 2  # s1's replacement, then s2's, asked for while waiting
+    (rec,) = result.recoveries
+    assert (rec.slices, rec.added_slices) == (3, 2)
+    assert trainer.worlds[-1].slices == ["s0", "s3", "s4"]
+    assert backend.formed[-1].restored == {"s0": 4, "s3": 4, "s4": 4}  # all from s0's snapshot
+
+
 def test_replica_resize_grows_back_at_a_step_boundary():
     backend = FakeBackend(faults={5: lose_slice(2), 10: add_capacity})
     trainer = make(backend)
