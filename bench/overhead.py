@@ -87,10 +87,10 @@ def run_ray(steps: int, spec, model: str, **overrides) -> dict:
     if kw.get("snapshot_every") == 0:
         kw["allow_restart_from_scratch"] = True  # no faults here
     cfg = ElasticConfig(num_slices=NUM_SLICES, global_batch_size=BATCH, slice=spec, steps_per_chunk=CHUNK, **kw)
-    warm_from: list[int] = []  # the first step reported once every host's standby had started and traced
+    warm_from: list[int] = []  # the first step reported once every standby of every host had started and traced
 
     def on_step(m: dict) -> None:
-        if not warm_from and trainer.backend.warm(trainer.gens.members):
+        if not warm_from and trainer.backend.warm(trainer.gens.members, every=True):
             warm_from.append(m["step"])
 
     trainer = ElasticTrainer(task(model), cfg, progress=False, on_step=on_step)

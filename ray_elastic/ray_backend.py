@@ -75,8 +75,8 @@ class RayBackend:
         return {i for i, r in enumerate(refs)
                 if r.keeper._actor_id in held and (r.generation, r.step) not in held[r.keeper._actor_id]}
 
-    def warm(self, reservations: list) -> bool:
-        return self.pool.warm(reservations)
+    def warm(self, reservations: list, every: bool = False) -> bool:
+        return self.pool.warm(reservations, every)
 
     def discard(self, reservation) -> None:
         self.pool.discard(reservation)

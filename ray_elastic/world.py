@@ -108,15 +108,15 @@ class WorkerPool:
                 while len(queue) < want:
                     queue.append(self._start(res, h))
 
-    def warm(self, reservations: list[SliceReservation]) -> bool:
+    def warm(self, reservations: list[SliceReservation], every: bool = False) -> bool:
         """Every host of these slices has a standby that finished starting (Python, JAX, data) and
-        tracing the step ahead."""
+        tracing the step ahead (``every``: all its standbys have, so none of them still uses CPU)."""
         if not self.config.standby_workers:
             return True
         queues = [self._standby.get((id(res), h)) for res in reservations for h in range(res.spec.num_hosts)]
         if not all(queues):
             return False
-        refs = [q[0].traced for q in queues]  # the one ``take`` hands out next
+        refs = [s.traced for q in queues for s in (q if every else q[:1])]  # q[0]: the one ``take`` hands out next
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         return len(done) == len(refs)
 

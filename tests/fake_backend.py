@@ -193,7 +193,7 @@ class FakeBackend:
         for r in members:
             self.standby_checks.setdefault(r.host, 0)
 
-    def warm(self, reservations) -> bool:
+    def warm(self, reservations, every=False) -> bool:
         hosts = [r.host for r in reservations]
         for h in hosts:
             if h in self.standby_checks:
