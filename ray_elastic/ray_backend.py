@@ -102,8 +102,8 @@ class RayBackend:
         """The reservations with a host Ray's node table has marked dead (one look, no grace)."""
         if not reservations:
             return []
-        alive = health.alive_nodes()
-        return [r for r in reservations if any(n not in alive for n in r.node_ids())]
+        dead = health.dead_slices({str(i): r.node_ids() for i, r in enumerate(reservations)}, set(), 0.0)
+        return [r for i, r in enumerate(reservations) if str(i) in dead]
 
     def dead_slices(self, slice_nodes: dict[str, list[str]], suspects: set[str]) -> set[str]:
         return health.dead_slices(slice_nodes, suspects, self.config.node_death_grace_s)

@@ -100,11 +100,11 @@ class WorkerPool:
         (Starting them one at a time per host, to spare the CPUs next to a training world, was
         measured: the worst recovery improved, the median, cascades and grow-back pauses did not.)
         """
+        want = self.config.standby_workers if per_host is None else per_host
         for res in reservations:
             for h in range(res.spec.num_hosts):
                 self.keeper(res, h)
                 queue = self._standby.setdefault((id(res), h), [])
-                want = self.config.standby_workers if per_host is None else per_host
                 while len(queue) < want:
                     queue.append(self._start(res, h))
 
