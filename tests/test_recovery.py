@@ -198,6 +198,37 @@ def test_pause_and_resume_with_provisioning_delay(cluster, baseline):
     assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
 
 
+def test_a_survivor_lost_while_waiting_for_a_replacement_is_replaced_at_once(cluster, baseline):
+    """Pause-and-resume waits for the first slice's replacement; a survivor's node dies meanwhile.
+    The wait sees it in Ray's node table and asks for its replacement at once: one more world, not
+    a world that fails to form on the dead slice first."""
+    prov = cluster.provisioner(delay_s=4.0)
+    second = {}
+
+    def kill_a_survivor_while_waiting(t):
+        deadline = time.time() + 60
+        while t.state.value != "waiting_for_capacity" and time.time() < deadline:
+            time.sleep(0.05)
+        cluster.kill_slice(second["name"])
+
+    def first_fault(t):
+        second["name"] = slice_name(t, 2)
+        in_thread(cluster.kill_slice, slice_name(t, 1))
+        in_thread(kill_a_survivor_while_waiting, t)
+
+    try:
+        trainer, result = run(cluster, {20: first_fault}, mode="pause-and-resume")
+    finally:
+        prov.stop()
+    lost = [e for e in trainer.events.events if e["kind"] == "failure" and e["cause"] == "lost_while_waiting"]
+    assert [e["lost_slices"] for e in lost] == [[second["name"]]]
+    causes = [e["cause"] for e in trainer.events.events if e["kind"] == "failure"]
+    assert causes == ["failure", "lost_while_waiting"], causes  # no world failed to form on the dead slice
+    (rec,) = result.recoveries
+    assert (rec.slices, rec.added_slices) == (3, 2)
+    assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
+
+
 def test_replacement_dying_on_arrival(cluster, baseline):
     prov = cluster.provisioner(delay_s=1.0)
     seen = set(s.name for s in cluster.slices)
