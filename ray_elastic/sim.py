@@ -607,7 +607,7 @@ class SimulatedTPUCluster:
     def _stop_autoscaled_nodes(self, cluster) -> None:
         """No new launches (capacity 0), wait for the ones in flight (a node half-started when the
         monitor dies would be orphaned), stop the monitor, then SIGKILL every node it launched by the
-        recorded PIDs, and last anything still running from this cluster's private temp dir."""
+        recorded PIDs, and last whatever of their hosts still runs (:meth:`stray_processes`)."""
         from ray_elastic.sim_provider import launches_in_flight, read_events, write_knobs
 
         write_knobs(self.state_dir, max_slices=0)
@@ -621,14 +621,27 @@ class SimulatedTPUCluster:
         self._sync()
         procs = [p for sl in self.slices for host in sl.hosts for p in host.processes()]
         head = {p.pid for p in SimulatedHost(node_id="", node=cluster.head_node).processes()}
-        for p in psutil.process_iter(["pid", "cmdline"]):
-            if p.pid not in head and self.temp_dir in " ".join(p.info["cmdline"] or []):
-                procs.append(p)  # ours (its command line names our private temp dir), missed by the records
+        procs += [p for p in self.stray_processes() if p.pid not in head]  # missed by the records
         for p in procs:
             try:
                 p.send_signal(signal.SIGKILL)
             except psutil.NoSuchProcess:
                 pass
+
+    def stray_processes(self) -> list[psutil.Process]:
+        """Processes of this cluster's slice hosts that are still running: their environment has our
+        private ``RAY_TMPDIR`` and a ``TPU_NAME`` (what every host's raylet, agents and workers
+        inherit). After :meth:`shutdown` this is empty. Found by environment because Ray's agents
+        retitle themselves (``ray::DashboardAgent``) and outlive a SIGKILLed raylet."""
+        out = []
+        for p in psutil.process_iter(["pid"]):
+            try:
+                env = p.environ()
+            except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+                continue
+            if p.pid != os.getpid() and env.get("RAY_TMPDIR") == self.temp_dir and "TPU_NAME" in env:
+                out.append(p)
+        return out
 
     def provisioner(self, delay_s: float = 0.0, poll_s: float = 0.2, max_slices: Optional[int] = None) -> "Provisioner":
         """Start a :class:`Provisioner` bound to this cluster (stopped by :meth:`shutdown`)."""

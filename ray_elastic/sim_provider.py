@@ -56,6 +56,18 @@ KNOBS_FILE = "knobs.json"
 _START_LOCK = threading.Lock()
 
 
+def _children(node) -> list[psutil.Process]:
+    """Every process started by one of ``node``'s own processes (``ray._private.node.Node``)."""
+    out = []
+    for infos in node.all_processes.values():
+        for info in infos:
+            try:
+                out.extend(psutil.Process(info.process.pid).children(recursive=True))
+            except psutil.NoSuchProcess:
+                pass
+    return out
+
+
 class StockOutError(RuntimeError):
     """No TPU capacity for one more slice (what a cloud answers when a zone has none)."""
 
@@ -227,9 +239,17 @@ class TPUSliceProvider(FakeMultiNodeProvider):
             if entry is None:
                 continue  # terminated already, with its slice
             if entry.get("node") is not None:
+                # The raylet's own children (dashboard and runtime-env agents) are not in the node's
+                # process table: found first, killed after it, or they outlive the cluster.
+                children = _children(entry["node"])
                 try:
                     entry["node"].kill_all_processes(check_alive=False, allow_graceful=False)
                 except Exception as e:  # noqa: BLE001 - its processes may be dead already
                     logger.debug("kill %s: %s", i, e)
+                for p in children:
+                    try:
+                        p.kill()
+                    except psutil.NoSuchProcess:
+                        pass
             record_event(self._state_dir, event="terminate", instance=i, slice=slice_name,
                          asked=i == node_id)

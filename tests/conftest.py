@@ -66,3 +66,7 @@ def sim_cluster(request):
     cluster = SimulatedTPUCluster(log_to_driver=False, **{"num_slices": 3, **kwargs})
     yield cluster
     cluster.shutdown()
+    stray = cluster.stray_processes()
+    for p in stray:
+        p.kill()  # so one module's leak does not slow the next ones
+    assert not stray, f"processes of the cluster's slice hosts outlived its shutdown: {stray}"
