@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 
 import numpy as np
 import optax
@@ -39,9 +41,23 @@ class DigitsMLPTask(TrainTask):
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
     def dataset(self):
-        from sklearn.datasets import load_digits
-
-        d = load_digits()
-        x = (d.data / 16.0).astype(np.float32)
-        y = d.target.astype(np.int32)
+        pixels, labels = load_digits()
+        x = (pixels / 16.0).astype(np.float32)
+        y = labels.astype(np.int32)
         return [{"x": x[i], "y": y[i]} for i in range(len(y))]
+
+
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled digits as (pixels, labels), what ``sklearn.datasets.load_digits``
+    returns as ``data`` and ``target``. Read from its CSV without importing scikit-learn: that
+    import costs ~1 s of CPU in every slice process, and the world a recovery forms from new
+    processes waits for it."""
+    spec = importlib.util.find_spec("sklearn")  # finds the package without running it
+    path = os.path.join(os.path.dirname(spec.origin), "datasets", "data", "digits.csv.gz") if spec and spec.origin else ""
+    if os.path.exists(path):
+        data = np.loadtxt(path, delimiter=",")
+        return data[:, :-1], data[:, -1].astype(int)
+    from sklearn.datasets import load_digits as sklearn_load_digits  # another layout: the slow way
+
+    d = sklearn_load_digits()
+    return d.data, d.target
