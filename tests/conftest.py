@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -66,7 +67,9 @@ def sim_cluster(request):
     cluster = SimulatedTPUCluster(log_to_driver=False, **{"num_slices": 3, **kwargs})
     yield cluster
     cluster.shutdown()
-    stray = cluster.stray_processes()
+    deadline = time.monotonic() + 10  # Ray's agents also exit on their own once their raylet is gone
+    while (stray := cluster.stray_processes()) and time.monotonic() < deadline:
+        time.sleep(0.5)
     for p in stray:
         p.kill()  # so one module's leak does not slow the next ones
     assert not stray, f"processes of the cluster's slice hosts outlived its shutdown: {stray}"
