@@ -26,7 +26,8 @@ changed shape must match exactly (``same_shape_max_diff``). Last line, one JSON 
     {"faults": N, "planned": ..., "unrecovered": ..., "steps_rewound": ..., "unexplained_rewound": ...,
      "max_rel_loss_diff": ...,
      "world_size_noise": ..., "loss_diff_over_noise": ..., "same_shape_max_diff": ..., "uncommitted_restored": ...,
-     "final_checkpoint_committed": ..., "goodput": ..., "by_kind": {...}}
+     "final_checkpoint_committed": ..., "goodput": ..., "goodput_breakdown": {seconds per category},
+     "by_kind": {...}}
 
     .venv/bin/python bench/chaos.py [--faults 100] [--every-s 30 --steps 3000] [--multihost-faults 10]
 """
@@ -164,7 +165,7 @@ def draw_kinds(rng: random.Random, kinds, n: int) -> list[str]:
 
 def run_phase(cluster, *, steps: int, faults: int, every_s: float, kinds, hosts: int, num_slices: int,
               min_slices: int, checkpoint_every: int, gap: int, rng: random.Random, ckpt_dir: str) -> dict:
-    from ray_elastic import ElasticConfig, ElasticTrainer
+    from ray_elastic import ElasticConfig, ElasticTrainer, goodput
     from ray_elastic.checkpoints import latest_checkpoint
     from ray_elastic.examples.digits_mlp import DigitsMLPTask
 
@@ -241,6 +242,7 @@ def run_phase(cluster, *, steps: int, faults: int, every_s: float, kinds, hosts:
         prefix = min(resized) + 1 if resized else steps
         out.update(steps_rewound=result.summary["steps_rewound"],
                    unexplained_rewound=unexplained_rewinds(events, trainer.config.snapshot_replicas), goodput=result.summary["goodput"],
+                   goodput_breakdown=goodput.account(events).as_dict(),  # where the badput went, in seconds
                    max_rel_loss_diff=_max_rel(result.losses, full), same_shape_steps=prefix,
                    same_shape_max_diff=_max_rel(result.losses[:prefix], full[:prefix]),
                    failures=result.summary["failures"], recoveries=result.summary["recoveries"])
@@ -339,6 +341,7 @@ def main() -> int:
         "uncommitted_restored": sum(p["uncommitted_restored"] for p in ps),
         "final_checkpoint_committed": all(p["final_checkpoint_committed"] for p in ps),
         "goodput": phases["one_host_slices"].get("goodput"),
+        "goodput_breakdown": phases["one_host_slices"].get("goodput_breakdown"),
         "every_s": args.every_s or None,
         "by_kind": {k: v for p in ps for k, v in p["by_kind"].items()},
     }

@@ -80,6 +80,9 @@ def test_chaos_bench_recovers_every_fault():
     out = _chaos(["--faults", "4", "--multihost-faults", "0", "--steps", "100", "--gap", "20",
                   "--kinds", "two_at_once,during_recovery,while_forming,dies_on_arrival"], timeout=900)
     assert out["faults"] == 4 and out["max_rel_loss_diff"] <= 1e-4, out
+    gp = out["goodput_breakdown"]  # where the badput went: the seconds add up to the run's wall time
+    assert gp["goodput"] == out["goodput"] and gp["productive_s"] > 0, gp
+    assert abs(sum(v for k, v in gp.items() if k not in ("total_s", "goodput")) - gp["total_s"]) < 0.05 * gp["total_s"], gp
 
 
 @pytest.mark.soak
