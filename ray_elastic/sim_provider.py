@@ -56,18 +56,6 @@ KNOBS_FILE = "knobs.json"
 _START_LOCK = threading.Lock()
 
 
-def _children(node) -> list[psutil.Process]:
-    """Every process started by one of ``node``'s own processes (``ray._private.node.Node``)."""
-    out = []
-    for infos in node.all_processes.values():
-        for info in infos:
-            try:
-                out.extend(psutil.Process(info.process.pid).children(recursive=True))
-            except psutil.NoSuchProcess:
-                pass
-    return out
-
-
 class StockOutError(RuntimeError):
     """No TPU capacity for one more slice (what a cloud answers when a zone has none)."""
 
@@ -239,14 +227,17 @@ class TPUSliceProvider(FakeMultiNodeProvider):
             if entry is None:
                 continue  # terminated already, with its slice
             if entry.get("node") is not None:
+                from ray_elastic.sim import SimulatedHost
+
                 # The raylet's own children (dashboard and runtime-env agents) are not in the node's
-                # process table: found first, killed after it, or they outlive the cluster.
-                children = _children(entry["node"])
+                # process table: found first (the host's processes), killed after it, or they
+                # outlive the cluster.
+                procs = SimulatedHost(node_id=i, node=entry["node"]).processes()
                 try:
                     entry["node"].kill_all_processes(check_alive=False, allow_graceful=False)
                 except Exception as e:  # noqa: BLE001 - its processes may be dead already
                     logger.debug("kill %s: %s", i, e)
-                for p in children:
+                for p in procs:
                     try:
                         p.kill()
                     except psutil.NoSuchProcess:

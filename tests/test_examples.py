@@ -28,22 +28,19 @@ def test_quickstart_example_trains_and_learns():
     assert os.path.getsize(png) > 10_000
 
 
-def test_the_digits_task_reads_scikit_learns_digits_without_importing_it():
+def test_the_digits_task_reads_scikit_learns_digits_without_importing_it(tmp_path):
     """Every slice process loads the example task's data: importing scikit-learn there cost ~1 s of
     CPU per process. Same arrays as ``sklearn.datasets.load_digits``; scikit-learn stays unimported."""
-    code = ("import sys; from ray_elastic.examples.digits_mlp import load_digits; x, y = load_digits(); "
-            "assert 'sklearn' not in sys.modules, 'sklearn imported'; "
-            "import numpy as np; np.save(sys.argv[1], np.concatenate([x, y[:, None]], axis=1))")
-    import tempfile
-
     import numpy as np
     from sklearn.datasets import load_digits
 
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "digits.npy")
-        proc = subprocess.run([sys.executable, "-c", code, out], capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        ours = np.load(out)
+    code = ("import sys; from ray_elastic.examples.digits_mlp import load_digits; x, y = load_digits(); "
+            "assert 'sklearn' not in sys.modules, 'sklearn imported'; "
+            "import numpy as np; np.save(sys.argv[1], np.concatenate([x, y[:, None]], axis=1))")
+    out = tmp_path / "digits.npy"
+    proc = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ours = np.load(out)
     ref = load_digits()
     np.testing.assert_array_equal(ours[:, :-1], ref.data)
     np.testing.assert_array_equal(ours[:, -1], ref.target)
