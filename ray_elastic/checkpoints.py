@@ -231,6 +231,23 @@ class _SaveDurations:
         return out
 
 
+def use_coordination_service_barriers() -> None:
+    """Make orbax sync the hosts with the JAX coordination service's barrier (its own
+    ``experimental_orbax_use_distributed_barrier`` flag), instead of its default, a device all-gather.
+
+    A save passes ~8 barriers. As device programs, each one waits behind the steps in flight and is
+    compiled on first use; the ones the background commit thread passes run on the devices while
+    the next steps train. The coordination service's barrier touches no device, and has a timeout.
+    Per process, before the first save; a no-op once the flag is set, or when orbax has no such flag.
+    """
+    import orbax.checkpoint  # noqa: F401 - defines the flag
+    from absl import flags
+
+    name = "experimental_orbax_use_distributed_barrier"
+    if name in flags.FLAGS and not flags.FLAGS[name].present:
+        flags.FLAGS[name].parse(True)  # parse, not assign: an unparsed flag's value cannot be read
+
+
 class Checkpointer:
     """One world's view of the checkpoint directory, inside a slice process.
 
@@ -246,6 +263,7 @@ class Checkpointer:
 
     def __init__(self, directory: str, max_to_keep: Optional[int], async_save: bool = True, read_only: bool = False):
         _SaveDurations.install()
+        use_coordination_service_barriers()
         _SaveDurations.take()  # durations of an earlier world in this process are not ours
         self._started: list[int] = []  # saves in flight, oldest first
         self.directory = directory

@@ -102,13 +102,59 @@ def _snapshot_process(process_id: int, coordinator: str) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def _run_world(args: list, timeout_s: float = 240) -> list[dict]:
-    """Run this file as NUM_PROCESSES processes of one JAX world on 127.0.0.1; their RESULT lines."""
+def _save_process(process_id: int, coordinator: str, directory: str) -> None:
+    """Save two checkpoints; then see whether the syncs between hosts that orbax runs ~8 times per
+    save (and in the background while the next steps train) queue behind a long computation on
+    the devices. Its default sync, a device all-gather, does; the coordination service's does not."""
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from ray_elastic import jax_world
+    from ray_elastic.checkpoints import Checkpointer
+    from ray_elastic.data import StepBatches
+    from ray_elastic.examples.digits_mlp import DigitsMLPTask
+    from ray_elastic.plan import plan_world
+
+    task = DigitsMLPTask()
+    plan = plan_world(0, ["s0"], NUM_PROCESSES, 1, BATCH)  # one device each: see the test
+    batches = StepBatches(task.dataset(), BATCH, 0)
+    jax_world.initialize(coordinator, plan, process_id, 60)
+    loop = jax_world.TrainLoop(task, plan, process_id, 0, jax_world.build_mesh(plan), 1024, batches)
+    loop.checkpointer = Checkpointer(directory, max_to_keep=None)
+    loop.run(0, 1)
+    loop.save_checkpoint(1, {"step": 1})
+    loop.run(1, 1)
+    loop.save_checkpoint(2, {"step": 2})
+    loop.checkpointer.wait()
+    slow = jax.jit(lambda x: jax.lax.fori_loop(0, 2000, lambda i, y: jnp.tanh(y @ y), x))
+    xs = [jax.device_put(jnp.full((512, 512), 1 / 512, jnp.float32), d) for d in jax.local_devices()]
+    jax.block_until_ready([slow(x) for x in xs])  # compiled
+    busy = [slow(x) for x in xs]  # every device of the process busy
+    ocp.multihost.sync_global_processes("while_busy")
+    out = {"synced_while_busy": not any(b.is_ready() for b in busy)}
+    jax.block_until_ready(busy)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def test_checkpoint_syncs_between_hosts_do_not_queue_behind_device_work(tmp_path):
+    from ray_elastic.checkpoints import latest_checkpoint
+
+    # One device per process: with several CPU devices the all-gather does not reliably queue
+    # behind work on them, so the old behaviour would only sometimes show.
+    for r in _run_world(["save", str(tmp_path / "ckpt")], devices=1):
+        assert r["synced_while_busy"]
+    assert latest_checkpoint(str(tmp_path / "ckpt")).step == 2  # and saves commit with those syncs
+
+
+def _run_world(args: list, timeout_s: float = 240, devices: int = DEVICES) -> list[dict]:
+    """Run this file as NUM_PROCESSES processes of one JAX world on 127.0.0.1, each with ``devices``
+    CPU devices; their RESULT lines."""
     from ray_elastic.jax_world import hold_port
 
     holder = hold_port("127.0.0.1")
     port = holder.getsockname()[1]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     procs = [subprocess.Popen([sys.executable, __file__, args[0], str(p), f"127.0.0.1:{port}", *args[1:]],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
              for p in range(NUM_PROCESSES)]
@@ -134,5 +180,7 @@ def test_a_snapshot_block_is_placed_by_its_index_not_its_position():
 if __name__ == "__main__":
     if sys.argv[1] == "snapshot":
         _snapshot_process(int(sys.argv[2]), sys.argv[3])
+    elif sys.argv[1] == "save":
+        _save_process(int(sys.argv[2]), sys.argv[3], sys.argv[4])
     else:
         _process(int(sys.argv[2]), sys.argv[3], sys.argv[4])
