@@ -43,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Optional
 
 KINDS = ("process_kill", "node_loss", "host_hang", "two_at_once", "during_recovery", "while_forming",
          "dies_on_arrival", "during_save")
@@ -164,7 +165,8 @@ def draw_kinds(rng: random.Random, kinds, n: int) -> list[str]:
 
 
 def run_phase(cluster, *, steps: int, faults: int, every_s: float, kinds, hosts: int, num_slices: int,
-              min_slices: int, checkpoint_every: int, gap: int, rng: random.Random, ckpt_dir: str) -> dict:
+              min_slices: int, checkpoint_every: int, gap: int, rng: random.Random, ckpt_dir: str,
+              run_dir: Optional[str] = None) -> dict:
     from ray_elastic import ElasticConfig, ElasticTrainer, goodput
     from ray_elastic.checkpoints import latest_checkpoint
     from ray_elastic.examples.digits_mlp import DigitsMLPTask
@@ -205,7 +207,7 @@ def run_phase(cluster, *, steps: int, faults: int, every_s: float, kinds, hosts:
 
     trainer = ElasticTrainer(DigitsMLPTask(), cfg(num_slices, mode="replica-resize", min_slices=min_slices,
                                                   checkpoint_dir=ckpt_dir, checkpoint_every=checkpoint_every),
-                             progress=False, on_step=on_step, on_event=chaos.on_event)
+                             progress=False, on_step=on_step, on_event=chaos.on_event, run_dir=run_dir)
     chaos.trainer = trainer
     prov = cluster.provisioner(delay_s=1.0)
     timer = threading.Thread(target=every, daemon=True) if every_s else None
@@ -285,6 +287,10 @@ def _max_rel(a, b) -> float:
     return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), LOSS_FLOOR)))
 
 
+def _phase_dir(run_dir: Optional[str], phase: str) -> Optional[str]:
+    return os.path.join(run_dir, phase) if run_dir else None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--faults", type=int, default=8, help="faults of phase 1 (4 one-host slices)")
@@ -296,6 +302,8 @@ def main() -> int:
     ap.add_argument("--checkpoint-every", type=int, default=20)
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of " + ",".join(KINDS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--run-dir", default=None,
+                    help="keep each phase's event log here (<dir>/<phase>/events.jsonl; see `ray-elastic report`)")
     args = ap.parse_args()
     kinds = [k for k in args.kinds.split(",") if k]
     if bad := [k for k in kinds if k not in KINDS]:
@@ -314,7 +322,7 @@ def main() -> int:
             phases["one_host_slices"] = run_phase(
                 cluster, steps=steps, faults=args.faults, every_s=args.every_s, kinds=kinds, hosts=1, num_slices=4,
                 min_slices=2, checkpoint_every=args.checkpoint_every, gap=args.gap, rng=rng,
-                ckpt_dir=os.path.join(tmp, "one-host"))
+                ckpt_dir=os.path.join(tmp, "one-host"), run_dir=_phase_dir(args.run_dir, "one_host_slices"))
         print(json.dumps(phases["one_host_slices"]), flush=True)
         if mh > 0:
             steps = args.steps or args.gap * mh + 60
@@ -323,7 +331,7 @@ def main() -> int:
                 phases["two_host_slices"] = run_phase(
                     cluster, steps=steps, faults=mh, every_s=0.0, kinds=["one_host"], hosts=2, num_slices=3,
                     min_slices=2, checkpoint_every=args.checkpoint_every, gap=args.gap, rng=rng,
-                    ckpt_dir=os.path.join(tmp, "two-host"))
+                    ckpt_dir=os.path.join(tmp, "two-host"), run_dir=_phase_dir(args.run_dir, "two_host_slices"))
             print(json.dumps(phases["two_host_slices"]), flush=True)
     ps = list(phases.values())
     total = {

@@ -103,9 +103,11 @@ def _snapshot_process(process_id: int, coordinator: str) -> None:
 
 
 def _save_process(process_id: int, coordinator: str, directory: str) -> None:
-    """Save two checkpoints; then see whether the syncs between hosts that orbax runs ~8 times per
-    save (and in the background while the next steps train) queue behind a long computation on
-    the devices. Its default sync, a device all-gather, does; the coordination service's does not."""
+    """Save two checkpoints, counting what the first one compiles (orbax's default replica-parallel
+    write slices the replicated leaves with programs compiled on a process's first save); then see
+    whether the syncs between hosts that orbax runs ~8 times per save (and in the background while
+    the next steps train) queue behind a long computation on the devices. Its default sync, a
+    device all-gather, does; the coordination service's does not."""
     import jax
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
@@ -123,7 +125,11 @@ def _save_process(process_id: int, coordinator: str, directory: str) -> None:
     loop = jax_world.TrainLoop(task, plan, process_id, 0, jax_world.build_mesh(plan), 1024, batches)
     loop.checkpointer = Checkpointer(directory, max_to_keep=None)
     loop.run(0, 1)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _s, **_kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
     loop.save_checkpoint(1, {"step": 1})
+    compiled_by_save = len(compiles)
     loop.run(1, 1)
     loop.save_checkpoint(2, {"step": 2})
     loop.checkpointer.wait()
@@ -132,18 +138,20 @@ def _save_process(process_id: int, coordinator: str, directory: str) -> None:
     jax.block_until_ready([slow(x) for x in xs])  # compiled
     busy = [slow(x) for x in xs]  # every device of the process busy
     ocp.multihost.sync_global_processes("while_busy")
-    out = {"synced_while_busy": not any(b.is_ready() for b in busy)}
+    out = {"synced_while_busy": not any(b.is_ready() for b in busy), "compiled_by_save": compiled_by_save,
+           "replicated_leaves": sum(x.sharding.is_fully_replicated for x in jax.tree.leaves(loop.state))}
     jax.block_until_ready(busy)
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def test_checkpoint_syncs_between_hosts_do_not_queue_behind_device_work(tmp_path):
+def test_a_checkpoint_save_compiles_nothing_and_its_syncs_do_not_queue_behind_device_work(tmp_path):
     from ray_elastic.checkpoints import latest_checkpoint
 
     # One device per process: with several CPU devices the all-gather does not reliably queue
     # behind work on them, so the old behaviour would only sometimes show.
     for r in _run_world(["save", str(tmp_path / "ckpt")], devices=1):
         assert r["synced_while_busy"]
+        assert r["replicated_leaves"] > 0 and r["compiled_by_save"] == 0
     assert latest_checkpoint(str(tmp_path / "ckpt")).step == 2  # and saves commit with those syncs
 
 
