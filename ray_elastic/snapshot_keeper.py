@@ -32,6 +32,21 @@ KEEP_STEPS = 3  # per host: the newest three, so the hosts of one slice (in lock
                 # in the background) always share one step
 
 
+def evictable(keys: list[tuple[int, int]], keep_steps: int, streamed: tuple[int, int]) -> list[tuple[int, int]]:
+    """Which of the held (generation, step) keys to let go: all but the newest ``keep_steps``, and
+    the newest key at or before ``streamed`` (the newest step the process streamed to the driver).
+
+    The driver restores only a step it has the metrics of; steps kept but not yet streamed (the
+    process streams every ~0.2 s) are run again. When the process's peer hangs or dies, its
+    stream stops where it was, while a few more steps may have been kept: without the pinned one
+    the newest ``keep_steps`` could all lie beyond it, and the next world would rewind to a
+    checkpoint although this snapshot survived (seen in ``bench/chaos.py``: 17 steps after a hang).
+    """
+    newest = sorted(keys)[-keep_steps:] if keep_steps > 0 else []
+    pinned = max((k for k in keys if k <= streamed), default=None)
+    return [k for k in keys if k not in newest and k != pinned]
+
+
 @ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)
 class SnapshotKeeper:
     """The newest snapshots of one slice host's process, by (generation, step)."""
@@ -49,14 +64,15 @@ class SnapshotKeeper:
         for key in [k for k in self._entries if k[1] >= start_step]:
             del self._entries[key]
 
-    def keep(self, generation: int, step: int, snapshot: dict) -> bool:
+    def keep(self, generation: int, step: int, snapshot: dict, streamed: int = -1) -> bool:
         """Hold ``snapshot`` (blocks and ranges, copied out of the call's arguments); False when
-        refused (a late write of an earlier world)."""
+        refused (a late write of an earlier world). ``streamed``: the newest step the process has
+        streamed to the driver (see :func:`evictable`)."""
         if generation < self._generation:
             return False
         self._entries[(generation, step)] = {"leaves": [np.array(b, copy=True) for b in snapshot["leaves"]],
                                              "ranges": snapshot["ranges"], "step": step}
-        for key in sorted(self._entries)[:-self.keep_steps]:
+        for key in evictable(list(self._entries), self.keep_steps, (generation, streamed)):
             del self._entries[key]
         return True
 
@@ -90,6 +106,7 @@ class SnapshotWriter:
         self._kept: list[int] = []
         self._pending: Optional[int] = None
         self.seconds: list[float] = []  # per snapshot: host copy + hand-over, and the wait in ``submit``
+        self.streamed = -1  # the newest step the process streamed: its keeper keeps a snapshot up to it
 
     def submit(self, step: int, host_copy: Callable[[], dict], ready: Callable[[], None] = lambda: None) -> None:
         t0 = time.perf_counter()
@@ -103,7 +120,7 @@ class SnapshotWriter:
         try:
             ready()
             t0 = time.perf_counter()
-            kept = ray.get(self.keeper.keep.remote(self.generation, step, host_copy()))
+            kept = ray.get(self.keeper.keep.remote(self.generation, step, host_copy(), self.streamed))
         except Exception as e:  # noqa: BLE001 - the step goes on without this snapshot; recovery may rewind
             logger.warning("snapshot of step %d not kept: %r", step, e)
             t0 = time.perf_counter()

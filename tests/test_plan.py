@@ -214,6 +214,22 @@ def test_the_snapshot_store_follows_what_the_keepers_hold():
     assert store.complete("a", 14) and not store.complete("a", 13)
 
 
+def test_a_keeper_keeps_the_newest_snapshot_its_driver_knows_of():
+    """A process streams every ~0.2 s; its keeper may hold more steps than the driver has heard of.
+    When the stream stops (a peer hung), the newest step streamed must still be held: the driver
+    restores only steps it has metrics for, and otherwise rewinds to a checkpoint."""
+    from ray_elastic.snapshot_keeper import evictable
+
+    held = [(7, s) for s in range(855, 860)]
+    # Streamed up to 856, kept up to 859: 856 stays with the newest three; the rest goes.
+    assert evictable(held, 3, (7, 856)) == [(7, 855)]
+    assert evictable(held, 3, (7, 859)) == [(7, 855), (7, 856)]  # the pinned one is among the newest
+    assert evictable(held, 3, (7, 800)) == [(7, 855), (7, 856)]  # nothing streamed is held: as before
+    # A new world has streamed nothing yet: the last snapshot of the world before stays until it has.
+    assert evictable([(6, 500), (7, 501), (7, 502), (7, 503)], 3, (7, -1)) == []
+    assert evictable([(6, 500), (7, 501), (7, 502), (7, 503), (7, 504)], 3, (7, 501)) == [(6, 500)]
+
+
 def test_chunks_grow_with_the_world_but_last_at_most_ten_seconds():
     from ray_elastic.plan import chunk_steps
 
