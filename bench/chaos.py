@@ -29,7 +29,7 @@ changed shape must match exactly (``same_shape_max_diff``). Last line, one JSON 
      "final_checkpoint_committed": ..., "goodput": ..., "goodput_breakdown": {seconds per category},
      "by_kind": {...}}
 
-    .venv/bin/python bench/chaos.py [--faults 100] [--every-s 30 --steps 3000] [--multihost-faults 10]
+    .venv/bin/python bench/chaos.py [--faults 100] [--every-s 30 --steps 3000] [--multihost-faults 10] [--run-dir DIR]
 """
 
 from __future__ import annotations
