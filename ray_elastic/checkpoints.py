@@ -17,6 +17,7 @@ step index 99, and training resumes at step index 100.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -239,6 +240,7 @@ class _SaveDurations:
 REPLICA_PARALLEL_MIN_SLICE_BYTES = 4 << 20
 
 
+@functools.cache  # process-wide settings: once per process, not once per world's Checkpointer
 def configure_orbax() -> None:
     """Orbax settings of a slice process, before its first save: what a save blocks the steps for.
 
@@ -250,7 +252,7 @@ def configure_orbax() -> None:
     - ``jax.Array`` leaves are written by one replica unless a replica's part is at least
       :data:`REPLICA_PARALLEL_MIN_SLICE_BYTES`.
 
-    Idempotent; a setting this orbax version lacks is left alone.
+    A setting this orbax version lacks is left alone.
     """
     import jax
     import orbax.checkpoint as ocp  # also defines the flag

@@ -50,6 +50,8 @@ from ray.autoscaler.tags import (  # noqa: E402
     NODE_KIND_WORKER, STATUS_UP_TO_DATE, TAG_RAY_NODE_KIND, TAG_RAY_NODE_NAME, TAG_RAY_NODE_STATUS,
     TAG_RAY_USER_NODE_TYPE)
 
+from ray_elastic.sim import SimulatedHost  # noqa: E402 - a node's processes, as kill_slice finds them
+
 HEAD_NODE_TYPE = "ray.head.default"  # the name FakeMultiNodeProvider gives the head
 EVENTS_FILE = "events.jsonl"
 KNOBS_FILE = "knobs.json"
@@ -227,8 +229,6 @@ class TPUSliceProvider(FakeMultiNodeProvider):
             if entry is None:
                 continue  # terminated already, with its slice
             if entry.get("node") is not None:
-                from ray_elastic.sim import SimulatedHost
-
                 # The raylet's own children (dashboard and runtime-env agents) are not in the node's
                 # process table: found first (the host's processes), killed after it, or they
                 # outlive the cluster.

@@ -122,8 +122,8 @@ def _save_process(process_id: int, coordinator: str, directory: str) -> None:
     plan = plan_world(0, ["s0"], NUM_PROCESSES, 1, BATCH)  # one device each: see the test
     batches = StepBatches(task.dataset(), BATCH, 0)
     jax_world.initialize(coordinator, plan, process_id, 60)
-    loop = jax_world.TrainLoop(task, plan, process_id, 0, jax_world.build_mesh(plan), 1024, batches)
-    loop.checkpointer = Checkpointer(directory, max_to_keep=None)
+    loop = jax_world.TrainLoop(task, plan, process_id, 0, jax_world.build_mesh(plan), 1024, batches,
+                               checkpointer=Checkpointer(directory, max_to_keep=None))
     loop.run(0, 1)
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
