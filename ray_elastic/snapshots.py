@@ -71,6 +71,10 @@ class SnapshotStore:
         if not hosts:
             self._refs.get(slice_name, {}).pop(step, None)
 
+    def has(self, slice_name: str, host: int, step: int) -> bool:
+        """One host's part of the snapshot of ``step`` is held."""
+        return host in self._refs.get(slice_name, {}).get(step, {})
+
     def complete(self, slice_name: str, step: int) -> bool:
         """Every host of the slice has its part of the snapshot of ``step``."""
         return len(self._refs.get(slice_name, {}).get(step, {})) == self.hosts_per_slice

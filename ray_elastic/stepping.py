@@ -237,12 +237,17 @@ class StepStreams:
         """After a failure, collect what surviving processes already streamed, then what their
         keepers hold.
 
-        Reads streams until nothing more comes within ``timeout_s``. Then, while no surviving
-        snapshot holder's keepers hold the snapshot of the newest reported step, asks them again
-        for up to ``newest_s``: a holder's writer thread hands it over even while the process's
-        step loop is stuck in a collective with the dead peer, and that snapshot is what lets
-        the next world lose no step. Steps a keeper holds beyond the newest reported one are
-        not taken: the run has no metrics for them, so they are run again (never counted as kept).
+        Reads streams until nothing more comes within ``timeout_s``. Then, until the keeper of
+        every holder process that did not fail (and whose keeper answers) holds the snapshot
+        of the newest reported step, asks them again, for up to ``newest_s``: a holder's writer
+        thread hands it over even while the process's step loop is stuck in a collective with
+        the dead peer, and that snapshot is what lets the next world lose no step. One holder
+        is not enough: the world that restores it may fail while it forms and lose that holder
+        too, and the processes of this world are torn down right after (seen in
+        ``bench/chaos.py``: a second slice lost while the next world formed, 1 step rewound
+        though a survivor had kept that step a moment after the first holder had). Steps a
+        keeper holds beyond the newest reported one are not taken: the run has no metrics for
+        them, so they are run again (never counted as kept).
         """
         start = time.monotonic()
         while True:
@@ -268,23 +273,29 @@ class StepStreams:
         newest = newest_snapshot_step(self._reported, self.interval_at(self._reported))
         deadline = time.monotonic() + newest_s
         while holders:
-            self.sync_with_keepers(holders, timeout_s=KEEPER_ANSWER_S)
-            if newest < 0 or self._holds(holders, newest) or time.monotonic() >= deadline:
+            answered = self.sync_with_keepers(holders, timeout_s=KEEPER_ANSWER_S)
+            live = [p for p in answered if p not in errors]  # a failed process keeps nothing more
+            if (newest < 0 or time.monotonic() >= deadline
+                    or (self._holds(holders, newest) and all(self._has_part(p, newest) for p in live))):
                 return
             time.sleep(KEEPER_POLL_S)
 
     def _holder_processes(self) -> list[int]:
         return [ch[0] for ch, streams in zip(self.channels, self.streaming) if streams]
 
+    def _has_part(self, p: int, step: int) -> bool:
+        """Process ``p``'s keeper holds its host's part of the snapshot of ``step``."""
+        return self.store.has(self.world.slice_of(p), p % self.world.plan.hosts_per_slice, step)
+
     def _holds(self, processes: list[int], step: int) -> bool:
         """Some slice of ``processes`` has every host's part of the snapshot of ``step``."""
         return any(self.store.complete(self.world.slice_of(p), step) for p in processes)
 
-    def sync_with_keepers(self, processes: Optional[list[int]] = None, timeout_s: float = 1.0) -> None:
+    def sync_with_keepers(self, processes: Optional[list[int]] = None, timeout_s: float = 1.0) -> list[int]:
         """Make the store say what these processes' keepers really hold (all snapshot holders by
         default), up to the newest reported step (later ones have no metrics in the run: they are
         run again). A keeper that does not answer (its node is gone) is left as the store has it:
-        the slice's loss is decided elsewhere."""
+        the slice's loss is decided elsewhere. Returns the processes whose keepers answered."""
         plan = self.world.plan
         processes = self._holder_processes() if processes is None else processes
         answers = ask_keepers([self.world.keepers[p] for p in processes], timeout_s)
@@ -294,6 +305,7 @@ class StepStreams:
             self.store.hold_only(self.world.slice_of(p), p % plan.hosts_per_slice,
                                  {step: SnapshotRef(keeper, generation, step) for generation, step in held
                                   if step <= self._reported})
+        return [processes[i] for i in answers]
 
 
 class FirstReady:
