@@ -124,6 +124,28 @@ def test_goodput_counts_each_second_once_when_reports_overlap():
     assert gp.badput_s["world_reformation"] == pytest.approx(0.3 + 0.2)
 
 
+def test_goodput_counts_the_skew_between_reporting_processes_as_training():
+    """Processes in lockstep finish a step milliseconds apart, and the reporter changes between
+    stream items: the gap between one process's step s and another's step s+1 is training time
+    of that world, not ``other``. A new world's first step still starts at its own interval."""
+    def steps(s, ends, gen):
+        return {"ts": ends[-1], "kind": "steps", "generation": gen, "steps": s, "losses": [1.0] * len(s),
+                "step_time_s": [1.0] * len(s), "finished_at": ends}
+
+    events = [{"ts": 0.0, "kind": "run_started"},
+              {"ts": 10.0, "kind": "world_formed", "compile_s": 0.0, "total_s": 10.0, "slices": ["a", "b"]},
+              steps([0, 1], [11.0, 12.0], 0),  # process A
+              steps([2, 3], [13.1, 14.1], 0),  # process B: it finished step 1 at 12.1
+              {"ts": 15.0, "kind": "world_formed", "compile_s": 0.0, "total_s": 0.5, "slices": ["a"]},
+              steps([4], [16.5], 1),  # a new world: 15.5-16.5, not from 14.1
+              {"ts": 16.5, "kind": "run_finished"}]
+    gp = account(events)
+    assert gp.productive_s == pytest.approx(4.1 + 1.0)  # 10.0-14.1 without a gap at 12.0-12.1, and 15.5-16.5
+    assert gp.badput_s["world_reformation"] == pytest.approx(0.5)
+    assert gp.badput_s["other"] == pytest.approx(0.4 + 0.5)  # 14.1-14.5 and 15.0-15.5: no step, no phase
+    assert gp.productive_s + sum(gp.badput_s.values()) == pytest.approx(16.5)
+
+
 def test_report_timeline_reflects_the_events(run):
     tl = timeline(load_events(run["run_dir"]))
     assert [n for _, n in tl.slices_alive] == [0, 3, 2, 0]
