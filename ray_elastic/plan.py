@@ -155,19 +155,44 @@ def is_snapshot_step(step: int, every: int) -> bool:
 
 
 def snapshot_interval(snapshot_s: list[float], step_s: list[float], budget: float, current: int = 1,
-                      max_every: int = 1000) -> int:
+                      max_every: int = 1000, step_cost: Optional[float] = None) -> int:
     """``snapshot_every="auto"``: the smallest interval at which snapshots cost at most ``budget`` of
     the run's time. A snapshot costing ``c`` seconds every ``k`` steps of ``t`` seconds costs
-    ``c / (k t)``; ``c`` is what it cost its process (see ``SnapshotWriter``: host copy and hand-over
-    to the keeper, wall time from the device copy's readiness, and any wait of the step loop). Medians
-    of the recent measurements; ``current`` until both exist. The rewind this allows is at most
-    ``k - 1`` steps."""
+    ``c / (k t)``; ``c`` is the larger of what it cost its process (see ``SnapshotWriter``: host copy
+    and hand-over to the keeper, and any wait of the step loop) and what it cost the steps
+    (``step_cost``, :func:`snapshot_cost_in_steps`). Medians of the recent measurements; ``current``
+    until both exist. The rewind this allows is at most ``k - 1`` steps."""
     if not snapshot_s or not step_s:
         return current
-    c, t = statistics.median(snapshot_s), statistics.median(step_s)
+    c, t = max(statistics.median(snapshot_s), step_cost or 0.0), statistics.median(step_s)
     if t <= 0:
         return current
     return max(1, min(max_every, math.ceil(c / (budget * t) - 1e-9)))
+
+
+SNAPSHOT_SPREAD = 4  # steps from a snapshot on that its copies may slow (it is written in the background)
+
+
+def snapshot_cost_in_steps(timed: Sequence[tuple[int, float]], every: int, spread: int = SNAPSHOT_SPREAD,
+                           min_samples: int = 3) -> Optional[float]:
+    """What one snapshot taken every ``every`` steps costs the step loop, read from the step times
+    ``timed`` ((step, seconds) pairs): the extra time of the ``spread`` steps from a snapshot step
+    on, over the median of the steps farther from one (per distance, medians: a stray slow step
+    is not a snapshot). It sees what the writing process's own clock cannot: the keeper's and
+    the object store's copies and the memory traffic on the cores the step shares (measured on
+    the large bench model: 4x what the writer timed). None while it cannot tell (an interval
+    too short to leave steps without a snapshot near, or too few steps)."""
+    if every < spread + 2:
+        return None
+    near: list[list[float]] = [[] for _ in range(spread)]
+    far: list[float] = []
+    for step, seconds in timed:
+        d = (step + 1) % every  # 0: the snapshot step itself (its state is copied after it)
+        (near[d] if d < spread else far).append(seconds)
+    if min(map(len, near)) < min_samples or len(far) < min_samples * 2:
+        return None
+    base = statistics.median(far)
+    return max(0.0, sum(statistics.median(ts) - base for ts in near))
 
 
 def newest_snapshot_step(step: int, every: int) -> int:

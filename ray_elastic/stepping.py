@@ -24,7 +24,8 @@ import ray
 
 from ray_elastic import health
 from ray_elastic.config import ElasticConfig
-from ray_elastic.plan import chunk_steps, newest_snapshot_step, snapshot_interval, watchdog_timeout
+from ray_elastic.plan import (chunk_steps, newest_snapshot_step, snapshot_cost_in_steps, snapshot_interval,
+                              watchdog_timeout)
 from ray_elastic.snapshot_keeper import ask_keepers
 from ray_elastic.snapshots import SnapshotRef, SnapshotStore
 from ray_elastic.states import OutcomeKind, RunOutcome
@@ -38,6 +39,7 @@ GATHER_S = 0.005
 WATCH_S = 1.0  # a FirstReady thread's longest single wait (it waits again on the same refs)
 
 KEEPER_POLL_S = 0.05
+STEP_COST_WINDOW = 10  # snapshot intervals of step times the auto interval reads
 KEEPER_ANSWER_S = 0.3  # a live keeper answers in milliseconds; one on a lost node may never
 
 
@@ -66,6 +68,8 @@ class StepStreams:
         self._snapshot_steps: list[int] = []  # steps newly kept by some holder, not yet reported
         self.snapshot_seconds: list[float] = []  # what each snapshot cost its process (host copy + hand-over)
         self._intervals: list[tuple[int, int]] = []  # (first step, snapshot interval) per change
+        self._timed: list[tuple[int, float]] = []  # (step, seconds) of this world's steps, first run only
+        self._step_cost: Optional[float] = None  # a snapshot's cost read from the step times (auto interval)
         self._reported = self._snapshot_reported = -1
 
     def take_snapshot_steps(self) -> list[int]:
@@ -86,8 +90,14 @@ class StepStreams:
         if c.snapshot_every != "auto":
             every = c.snapshot_every
         else:
+            current = self._intervals[-1][1] if self._intervals else 1
+            if self._intervals:  # what the snapshots cost the steps run at the current interval
+                since = self._intervals[-1][0]
+                timed = [t for t in self._timed[-STEP_COST_WINDOW * current:] if t[0] >= since]
+                measured = snapshot_cost_in_steps(timed, current)
+                self._step_cost = self._step_cost if measured is None else measured  # held across a change
             every = snapshot_interval(self.snapshot_seconds[-20:], self.step_times[-20:], c.snapshot_budget,
-                                      self._intervals[-1][1] if self._intervals else 1)
+                                      current, step_cost=self._step_cost)
         if not self._intervals or self._intervals[-1][1] != every:
             self._intervals.append((step, every))
             if self.on_interval is not None:
@@ -225,6 +235,9 @@ class StepStreams:
         for metrics in item["steps"]:
             if metrics["step"] > self._reported:
                 self._reported = metrics["step"]
+                self._timed.append((metrics["step"], metrics["step_time_s"]))
+                if len(self._timed) > 2 * STEP_COST_WINDOW * 1000:  # 1000: snapshot_interval's max_every
+                    del self._timed[:STEP_COST_WINDOW * 1000]
                 self.on_metrics(metrics)
                 progressed = True
             elif metrics.get("checkpoints_committed") and self.on_committed is not None:
