@@ -64,13 +64,10 @@ class Generations:
 
     # ------------------------------------------------------------ capacity
     def reserve(self, on_wait: Optional[Callable[[int, int], None]] = None) -> list:
-        """The first world's slices, and on each host the one process the first world takes. The
-        other standbys start after its first step (``StandbyReplenisher``): started together, the
-        first world's processes and the spares shared two cores and the first step came after 19 s
-        instead of 11 s (4 simulated slices). ``on_wait(ready, asked)`` every few seconds while
-        slices are missing."""
+        """The first world's slices; their standby processes start while the world forms.
+        ``on_wait(ready, asked)`` every few seconds while slices are missing."""
         self.members = self.backend.reserve(self.config.num_slices, on_wait=on_wait)
-        self.backend.replenish(self.members, per_host=1)
+        self.backend.replenish(self.members)
         return list(self.members)
 
     def ready_replacements(self) -> list:
