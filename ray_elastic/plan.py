@@ -161,13 +161,15 @@ def snapshot_interval(snapshot_s: list[float], step_s: list[float], budget: floa
     ``c / (k t)``; ``c`` is the larger of what it cost its process (see ``SnapshotWriter``: host copy
     and hand-over to the keeper, and any wait of the step loop) and what it cost the steps
     (``step_cost``, :func:`snapshot_cost_in_steps`). Medians of the recent measurements; ``current``
-    until both exist. The rewind this allows is at most ``k - 1`` steps."""
+    until both exist, and while the new interval is within an eighth of it. The rewind this allows
+    is at most ``k - 1`` steps."""
     if not snapshot_s or not step_s:
         return current
     c, t = max(statistics.median(snapshot_s), step_cost or 0.0), statistics.median(step_s)
     if t <= 0:
         return current
-    return max(1, min(max_every, math.ceil(c / (budget * t) - 1e-9)))
+    every = max(1, min(max_every, math.ceil(c / (budget * t) - 1e-9)))
+    return current if abs(every - current) <= current // 8 else every  # noise does not flip it every chunk
 
 
 SNAPSHOT_SPREAD = 4  # steps from a snapshot on that its copies may slow (it is written in the background)

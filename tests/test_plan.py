@@ -220,6 +220,10 @@ def test_a_snapshot_costs_what_it_adds_to_the_steps_near_it():
     flat = [(s, base + rng.uniform(-0.005, 0.005)) for s in range(170)]
     assert snapshot_cost_in_steps(flat, every) < 0.02
     assert snapshot_interval([0.09] * 20, [base] * 20, 0.02, step_cost=snapshot_cost_in_steps(flat, every)) == 17
+    # Measurements that move a little leave the interval as it is (an event per change).
+    assert snapshot_interval([0.09] * 20, [base] * 20, 0.02, current=36, step_cost=0.2) == 36  # 0.2 s: 36
+    assert snapshot_interval([0.09] * 20, [base] * 20, 0.02, current=34, step_cost=0.2) == 34
+    assert snapshot_interval([0.09] * 20, [base] * 20, 0.02, current=30, step_cost=0.2) == 36
     # Cannot tell: an interval leaving no step far from a snapshot, or too few steps.
     assert snapshot_cost_in_steps(timed, 5) is None
     assert snapshot_cost_in_steps(timed[:20], every) is None
