@@ -198,9 +198,9 @@ def test_snapshot_interval_keeps_the_cost_under_the_budget():
 
 
 def test_a_snapshot_costs_what_it_adds_to_the_steps_near_it():
-    """The writer's clock missed 3/4 of a snapshot's cost on the large bench model (the keeper's and
-    the object store's copies ran on the cores the steps use). The step times around snapshot
-    steps show all of it, and a stray slow step elsewhere is not charged to the snapshots."""
+    """Work a snapshot causes outside its writer thread (the keeper's and the object store's
+    copies on the cores the steps use) is not on the writer's clock. The step times around
+    snapshot steps show all of it, and a stray slow step elsewhere is not charged to them."""
     import random
 
     from ray_elastic.plan import snapshot_cost_in_steps, snapshot_interval
