@@ -100,7 +100,7 @@ def _step_spans(events: list[dict]) -> tuple[list[Span], list[Span]]:
         start = prev_end if follows else max(end - t, prev_end)
         prev_end, prev = max(prev_end, end), runs[i]
         if end > start:
-            (kept if last_run[runs[i][0]] == i else rewound).append((start, end))
+            (kept if last_run[step] == i else rewound).append((start, end))
     return kept, rewound
 
 

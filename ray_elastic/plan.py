@@ -154,8 +154,11 @@ def is_snapshot_step(step: int, every: int) -> bool:
     return every > 0 and (step + 1) % every == 0
 
 
+MAX_SNAPSHOT_EVERY = 1000  # the longest interval "auto" picks
+
+
 def snapshot_interval(snapshot_s: list[float], step_s: list[float], budget: float, current: int = 1,
-                      max_every: int = 1000, step_cost: Optional[float] = None) -> int:
+                      max_every: int = MAX_SNAPSHOT_EVERY, step_cost: Optional[float] = None) -> int:
     """``snapshot_every="auto"``: the smallest interval at which snapshots cost at most ``budget`` of
     the run's time. A snapshot costing ``c`` seconds every ``k`` steps of ``t`` seconds costs
     ``c / (k t)``; ``c`` is the larger of what it cost its process (see ``SnapshotWriter``: host copy

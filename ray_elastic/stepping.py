@@ -24,8 +24,8 @@ import ray
 
 from ray_elastic import health
 from ray_elastic.config import ElasticConfig
-from ray_elastic.plan import (chunk_steps, newest_snapshot_step, snapshot_cost_in_steps, snapshot_interval,
-                              watchdog_timeout)
+from ray_elastic.plan import (MAX_SNAPSHOT_EVERY, chunk_steps, newest_snapshot_step, snapshot_cost_in_steps,
+                              snapshot_interval, watchdog_timeout)
 from ray_elastic.snapshot_keeper import ask_keepers
 from ray_elastic.snapshots import SnapshotRef, SnapshotStore
 from ray_elastic.states import OutcomeKind, RunOutcome
@@ -236,8 +236,8 @@ class StepStreams:
             if metrics["step"] > self._reported:
                 self._reported = metrics["step"]
                 self._timed.append((metrics["step"], metrics["step_time_s"]))
-                if len(self._timed) > 2 * STEP_COST_WINDOW * 1000:  # 1000: snapshot_interval's max_every
-                    del self._timed[:STEP_COST_WINDOW * 1000]
+                if len(self._timed) > 2 * STEP_COST_WINDOW * MAX_SNAPSHOT_EVERY:  # more than any window reads
+                    del self._timed[:STEP_COST_WINDOW * MAX_SNAPSHOT_EVERY]
                 self.on_metrics(metrics)
                 progressed = True
             elif metrics.get("checkpoints_committed") and self.on_committed is not None:
