@@ -58,6 +58,7 @@ class Generations:
         self.unreadable_checkpoints: set[int] = set()  # steps a world failed to restore: never tried again
         self.resume_dir: Optional[str] = config.checkpoint_dir  # where the run's first checkpoint comes from
         self.last_restore: Optional[RestorePlan] = None  # what the newest world loaded (or tried to)
+        self.restore_evidence: dict = {}  # what restore_plan saw: newest complete snapshot per slice, etc.
         self.store = SnapshotStore(config.slice.num_hosts)
         self.worlds: list[WorldRecord] = []
         self.world = None  # the current World
@@ -220,10 +221,17 @@ class Generations:
         checkpoint the run starts from, the first world only)."""
         names = [r.slice_name for r in members if r.slice_name]
         entries = self.store.entries(names)
-        for i in self.backend.missing_snapshots([ref for *_, ref in entries]):  # a keeper let go of it
+        reported = self.store.latest_complete(names)
+        let_go: dict[str, list[int]] = {}
+        for i in self.backend.missing_snapshots([ref for *_, ref in entries], members):  # a keeper let go of it
             self.store.drop(*entries[i][:3])
+            let_go.setdefault(entries[i][0], []).append(entries[i][2])
         directory, step = (self.resume_dir, resume.restore_step) if resume is not None else self._checkpoint()
-        plan = choose_restore(self.store.latest_complete(names), step)
+        held = self.store.latest_complete(names)
+        plan = choose_restore(held, step)
+        # Why this source: the world_formed event carries it (a rewind must be explainable from the log).
+        self.restore_evidence = {"snapshot_steps": held, "reported_snapshot_steps": reported,
+                                 "let_go": {k: sorted(v) for k, v in let_go.items()}, "checkpoint_step": step}
         if plan.source is RestoreSource.CHECKPOINT and directory != self.config.checkpoint_dir:
             plan = dataclasses.replace(plan, directory=directory)
         return plan
@@ -279,7 +287,8 @@ class Generations:
         self.world = world
         record = WorldRecord(generation=generation, slices=list(world.plan.slice_names), mesh=world.plan.mesh_shape,
                              global_batch_size=world.plan.global_batch_size, start_step=restore.step + 1, restore_source=restore.source,
-                             snapshot_donors=donors, times=dataclasses.asdict(world.times))
+                             snapshot_donors=donors, times=dataclasses.asdict(world.times),
+                             restore_evidence=dict(self.restore_evidence))
         self.worlds.append(record)
         return record
 

@@ -67,10 +67,20 @@ class RayBackend:
     def replenish(self, members: list, per_host: Optional[int] = None) -> None:
         self.pool.replenish(members, per_host)
 
-    def missing_snapshots(self, refs: list, timeout_s: float = 1.0) -> set[int]:
-        """Indices of ``refs`` (:class:`SnapshotRef`) whose keeper answers but no longer holds them."""
-        keepers = list({r.keeper._actor_id: r.keeper for r in refs}.values())
-        answers = ask_keepers(keepers, timeout_s)  # one that does not answer: its slice's loss is decided elsewhere
+    def missing_snapshots(self, refs: list, members: list = (), timeout_s: float = 1.0) -> set[int]:
+        """Indices of ``refs`` (:class:`SnapshotRef`) whose keeper answers but no longer holds them, or
+        is dead. In the same round, the keeper of every host of ``members`` is asked too: one that
+        died while its slice stays (an OOM kill, ``ray.kill``) is replaced by a new, empty one, so
+        the next world does not fail to form on it and the slice is not blamed for it."""
+        hosts = self.pool.keepers_of(members)
+        keepers = list({k._actor_id: k for k in [r.keeper for r in refs] + [k for _, k in hosts]}.values())
+        dead: set[int] = set()
+        answers = ask_keepers(keepers, timeout_s, dead)  # one that does not answer: its slice's loss is decided elsewhere
+        dead_ids = {keepers[i]._actor_id for i in dead}
+        for (res, host), k in hosts:
+            if k._actor_id in dead_ids:
+                logger.warning("the snapshot keeper of host %d of slice %s died: starting a new one", host, res.slice_name)
+                self.pool.renew_keeper(res, host)
         held = {keepers[i]._actor_id: set(h) for i, h in answers.items()}
         return {i for i, r in enumerate(refs)
                 if r.keeper._actor_id in held and (r.generation, r.step) not in held[r.keeper._actor_id]}

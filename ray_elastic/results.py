@@ -42,12 +42,17 @@ class WorldRecord:
     restore_source: str
     snapshot_donors: dict[str, str]
     times: dict[str, float]  # FormationTimes as a dict: start_actors_s, jax_init_s, state_load_s, ...
+    # What the restore was chosen from: the newest complete snapshot step per slice as the streams
+    # reported them and as the keepers still held them, the steps keepers had let go of, the
+    # newest committed checkpoint's step. A rewind is explained by it, or is a bug.
+    restore_evidence: dict = dataclasses.field(default_factory=dict)
 
     def event_fields(self) -> dict:
         """The ``world_formed`` event (times flattened, as ``events.jsonl`` has always had them)."""
         return {"generation": self.generation, "slices": self.slices, "mesh": self.mesh,
                 "global_batch_size": self.global_batch_size, "restored_from_step": self.start_step - 1,
-                "restore_source": self.restore_source, "snapshot_donors": self.snapshot_donors, **self.times}
+                "restore_source": self.restore_source, "snapshot_donors": self.snapshot_donors,
+                "restore_evidence": self.restore_evidence, **self.times}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -112,6 +112,7 @@ class SnapshotWriter:
         self._future: Optional[concurrent.futures.Future] = None
         self._lock = threading.Lock()
         self._kept: list[int] = []
+        self._not_kept: list[tuple[int, str]] = []  # (step, why): the driver reports them as events
         self._pending: Optional[int] = None
         self.seconds: list[float] = []  # per snapshot: host copy + hand-over, and the wait in ``submit``
         self.streamed = -1  # the newest step the process streamed: its keeper keeps a snapshot up to it
@@ -124,17 +125,20 @@ class SnapshotWriter:
         self._future = self._pool.submit(self._write, step, host_copy, ready, waited)
 
     def _write(self, step: int, host_copy: Callable[[], dict], ready: Callable[[], None], waited: float) -> None:
-        kept = False
+        kept, why = False, "refused by the keeper: a newer world has begun"
         try:
             ready()
             t0 = time.perf_counter()
             kept = ray.get(self.keeper.keep.remote(self.generation, step, host_copy(), self.streamed))
         except Exception as e:  # noqa: BLE001 - the step goes on without this snapshot; recovery may rewind
             logger.warning("snapshot of step %d not kept: %r", step, e)
+            why = repr(e)[:300]
             t0 = time.perf_counter()
         with self._lock:
             if kept:
                 self._kept.append(step)
+            else:
+                self._not_kept.append((step, why))
             self.seconds.append(time.perf_counter() - t0 + waited)
 
     def wait(self) -> None:
@@ -152,23 +156,29 @@ class SnapshotWriter:
             self.wait()
         return self._pending
 
-    def take_kept(self) -> tuple[list[int], list[float]]:
-        """Steps kept and seconds spent since the last call."""
+    def take_kept(self) -> tuple[list[int], list[float], list[tuple[int, str]]]:
+        """Steps kept, seconds spent and (step, why) of snapshots not kept, since the last call."""
         with self._lock:
             kept, self._kept = self._kept, []
             seconds, self.seconds = self.seconds, []
-        return kept, seconds
+            not_kept, self._not_kept = self._not_kept, []
+        return kept, seconds, not_kept
 
 
-def ask_keepers(keepers: list, timeout_s: float) -> dict[int, list[tuple[int, int]]]:
+def ask_keepers(keepers: list, timeout_s: float, dead: Optional[set] = None) -> dict[int, list[tuple[int, int]]]:
     """Index -> (generation, step) held, for each of ``keepers`` (None skipped) that answers within
-    ``timeout_s``; one on a lost node never does, and its snapshots are gone with it."""
+    ``timeout_s``. A keeper Ray reports dead holds nothing (``[]``; its snapshots died with it) and
+    its index goes into ``dead``; one that does not answer (a lost or hung node) is left out."""
     asks = {k.held.remote(): i for i, k in enumerate(keepers) if k is not None}
     ready, _ = ray.wait(list(asks), num_returns=len(asks), timeout=timeout_s)
     out = {}
     for ref in ready:
         try:
             out[asks[ref]] = ray.get(ref)
-        except Exception:  # noqa: BLE001 - its actor is dead
+        except ray.exceptions.ActorDiedError:
+            out[asks[ref]] = []
+            if dead is not None:
+                dead.add(asks[ref])
+        except Exception:  # noqa: BLE001 - no answer we can read: as if it had not answered
             continue
     return out

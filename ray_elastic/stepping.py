@@ -67,6 +67,7 @@ class StepStreams:
         self.streaming = [len(ch) == 1 and world.plan.takes_snapshots(ch[0]) for ch in self.channels]
         self._snapshot_steps: list[int] = []  # steps newly kept by some holder, not yet reported
         self.snapshot_seconds: list[float] = []  # what each snapshot cost its process (host copy + hand-over)
+        self.not_kept: list[dict] = []  # snapshots a holder's keeper did not take: {"slice", "step", "why"}
         self._intervals: list[tuple[int, int]] = []  # (first step, snapshot interval) per change
         self._timed: list[tuple[int, float]] = []  # (step, seconds) of this world's steps, first run only
         self._step_cost: Optional[float] = None  # a snapshot's cost read from the step times (auto interval)
@@ -231,6 +232,8 @@ class StepStreams:
                 self._snapshot_reported = step
                 self._snapshot_steps.append(step)
         self.snapshot_seconds.extend(item["snapshot_s"])
+        for step, why in item.get("not_kept", ()):
+            self.not_kept.append({"slice": self.world.slice_of(p), "step": step, "why": why})
         progressed = False
         for metrics in item["steps"]:
             if metrics["step"] > self._reported:
@@ -286,8 +289,10 @@ class StepStreams:
         newest = newest_snapshot_step(self._reported, self.interval_at(self._reported))
         deadline = time.monotonic() + newest_s
         while holders:
-            answered = self.sync_with_keepers(holders, timeout_s=KEEPER_ANSWER_S)
-            live = [p for p in answered if p not in errors]  # a failed process keeps nothing more
+            dead: set[int] = set()
+            answered = self.sync_with_keepers(holders, timeout_s=KEEPER_ANSWER_S, dead=dead)
+            live = [p for p in answered if p not in errors and p not in dead]  # a failed process, or one
+            # whose keeper died, keeps nothing more
             if (newest < 0 or time.monotonic() >= deadline
                     or (self._holds(holders, newest) and all(self._has_part(p, newest) for p in live))):
                 return
@@ -304,14 +309,19 @@ class StepStreams:
         """Some slice of ``processes`` has every host's part of the snapshot of ``step``."""
         return any(self.store.complete(self.world.slice_of(p), step) for p in processes)
 
-    def sync_with_keepers(self, processes: Optional[list[int]] = None, timeout_s: float = 1.0) -> list[int]:
+    def sync_with_keepers(self, processes: Optional[list[int]] = None, timeout_s: float = 1.0,
+                          dead: Optional[set] = None) -> list[int]:
         """Make the store say what these processes' keepers really hold (all snapshot holders by
         default), up to the newest reported step (later ones have no metrics in the run: they are
         run again). A keeper that does not answer (its node is gone) is left as the store has it:
-        the slice's loss is decided elsewhere. Returns the processes whose keepers answered."""
+        the slice's loss is decided elsewhere; one Ray reports dead holds nothing (its process goes
+        into ``dead``). Returns the processes whose keepers answered."""
         plan = self.world.plan
         processes = self._holder_processes() if processes is None else processes
-        answers = ask_keepers([self.world.keepers[p] for p in processes], timeout_s)
+        dead_keepers: set[int] = set()
+        answers = ask_keepers([self.world.keepers[p] for p in processes], timeout_s, dead_keepers)
+        if dead is not None:
+            dead.update(processes[i] for i in dead_keepers)
         for i, held in answers.items():
             p = processes[i]
             keeper = self.world.keepers[p]

@@ -320,7 +320,7 @@ class SliceWorker:
         """Finished steps to stream (those before the step whose snapshot is still being written),
         and the steps kept since the last report with the seconds each snapshot cost."""
         pending = self.writer.pending() if self.writer is not None else None
-        kept, seconds = self.writer.take_kept() if self.writer is not None else ([], [])
+        kept, seconds, not_kept = self.writer.take_kept() if self.writer is not None else ([], [], [])
         cut = len(self._finished) if pending is None else sum(m["step"] < pending for m in self._finished)
         ready, self._finished = self._finished[:cut], self._finished[cut:]
         if ready:
@@ -331,7 +331,10 @@ class SliceWorker:
         kept = self._kept_early + kept
         self._kept_early = [k for k in kept if k > self._reported]
         kept = [k for k in kept if k <= self._reported]
-        return {"steps": ready, "kept": kept, "snapshot_s": seconds} if ready or kept or seconds else {}
+        item = {"steps": ready, "kept": kept, "snapshot_s": seconds}
+        if not_kept:
+            item["not_kept"] = not_kept
+        return item if ready or kept or seconds or not_kept else {}
 
     @contextlib.contextmanager
     def _saving(self):

@@ -79,6 +79,18 @@ class WorkerPool:
                 num_cpus=0, scheduling_strategy=res.host_strategy(host)).remote()
         return self._keepers[key]
 
+    def keepers_of(self, reservations: list[SliceReservation]) -> list[tuple[tuple[SliceReservation, int], ray.actor.ActorHandle]]:
+        """((reservation, host), keeper) of every host of these slices that has a keeper already."""
+        return [((res, h), self._keepers[(id(res), h)]) for res in reservations
+                for h in range(res.spec.num_hosts) if (id(res), h) in self._keepers]
+
+    def renew_keeper(self, res: SliceReservation, host: int) -> ray.actor.ActorHandle:
+        """A new, empty keeper for a host whose keeper died (its snapshots died with it)."""
+        old = self._keepers.pop((id(res), host), None)
+        if old is not None:
+            _kill(old)
+        return self.keeper(res, host)
+
     def _start(self, res: SliceReservation, host: int) -> Standby:
         options = {"num_cpus": 0, "scheduling_strategy": res.host_strategy(host)}
         if self.env:

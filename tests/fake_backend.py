@@ -99,6 +99,7 @@ class FakeWorld:
 class FakeStreams:
     def __init__(self, backend, world, store, on_metrics):
         self.backend, self.world, self.store, self.on_metrics = backend, world, store, on_metrics
+        self.not_kept: list = []
 
     def run(self, start: int, end: int, grow_requested: Callable[[], bool]) -> RunOutcome:
         for step in range(start, end):
@@ -223,7 +224,7 @@ class FakeBackend:
         self.formed.append(world)
         return world
 
-    def missing_snapshots(self, refs) -> set:
+    def missing_snapshots(self, refs, members=()) -> set:
         return set()  # the store is the truth here
 
     def drive(self, world, store, on_metrics, step_times, on_interval=None, on_committed=None) -> FakeStreams:

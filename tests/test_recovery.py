@@ -197,6 +197,28 @@ def test_after_a_failure_every_surviving_holder_keeps_the_newest_step(cluster):
     assert 0.4 < waited < 3.0, waited  # it waited for process 2's keeper, not for the whole bound
 
 
+def test_a_keeper_lost_while_its_host_lives_is_replaced_and_costs_no_step(cluster, baseline):
+    """A snapshot holder whose keeper actor died (its host and process live) keeps nothing more:
+    the steps go on, every snapshot it could not hand over is reported (``snapshot_not_kept``), and
+    the next recovery restores from the other holders, starts a new keeper there and keeps the
+    slice (it failed to form on the dead keeper, and was then dropped as a repeat offender). The
+    ``world_formed`` event says what the restore was chosen from (a rewind must be explainable)."""
+    def kill_keeper(t):
+        ray.kill(t.world.keepers[0])
+
+    trainer, result = run(cluster, {10: kill_keeper, 30: lambda t: kill_process_of_slice(t, 2)})
+    formed = [e for e in result.events if e["kind"] == "world_formed"]
+    not_kept = [e for e in result.events if e["kind"] == "snapshot_not_kept"]
+    assert not_kept and {n["slice"] for e in not_kept for n in e["first"]} == {formed[0]["slices"][0]}
+    assert "ActorDiedError" in not_kept[0]["first"][0]["why"], not_kept[0]
+    assert formed[0]["restore_evidence"]["snapshot_steps"] == {}  # the first world starts fresh
+    assert [len(e["slices"]) for e in formed] == [3, 3], formed  # nothing failed to form, no slice dropped
+    assert [e["kind"] for e in result.events].count("failure") == 1
+    steps = formed[1]["restore_evidence"]["snapshot_steps"]
+    assert formed[0]["slices"][0] not in steps and min(steps.values()) >= 30, formed[1]
+    assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
+
+
 def test_second_failure_during_recovery(cluster, baseline):
     names = {}
 
