@@ -364,7 +364,7 @@ class ElasticTrainer:
         members, added = self.gens.take(change.survivors, decision)
         if self.pre_callback is not None:
             self.pre_callback()
-        restore = self.gens.restore_plan(change.survivors, resume)
+        restore = self.gens.restore_plan(change.survivors, resume, last_step=self.ledger.last_step)
         if (restore.source is RestoreSource.FRESH and self.ledger.last_step >= 0
                 and not cfg.allow_restart_from_scratch):
             raise StateLostError(

@@ -216,9 +216,11 @@ class Generations:
         return {_name(r, i) for i, r in crashed if self.backend.hosts_answer(r)}
 
     # --------------------------------------------------------------- state
-    def restore_plan(self, members: list, resume: Optional[checkpoints.CheckpointInfo] = None) -> RestorePlan:
+    def restore_plan(self, members: list, resume: Optional[checkpoints.CheckpointInfo] = None,
+                     last_step: Optional[int] = None) -> RestorePlan:
         """The newest state among ``members``' snapshots and the committed checkpoints (``resume``: the
-        checkpoint the run starts from, the first world only)."""
+        checkpoint the run starts from, the first world only; ``last_step``: the newest step the run
+        has the metrics of, see :func:`~ray_elastic.plan.choose_restore`)."""
         names = [r.slice_name for r in members if r.slice_name]
         entries = self.store.entries(names)
         reported = self.store.latest_complete(names)
@@ -228,7 +230,7 @@ class Generations:
             let_go.setdefault(entries[i][0], []).append(entries[i][2])
         directory, step = (self.resume_dir, resume.restore_step) if resume is not None else self._checkpoint()
         held = self.store.latest_complete(names)
-        plan = choose_restore(held, step)
+        plan = choose_restore(held, step, last_step)
         # Why this source: the world_formed event carries it (a rewind must be explainable from the log).
         self.restore_evidence = {"snapshot_steps": held, "reported_snapshot_steps": reported,
                                  "let_go": {k: sorted(v) for k, v in let_go.items()}, "checkpoint_step": step}

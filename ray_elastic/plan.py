@@ -393,15 +393,23 @@ class RestorePlan:
         return slice_name if slice_name in self.holders else self.holders[0]
 
 
-def choose_restore(snapshot_steps: dict[str, int], checkpoint_step: Optional[int] = None) -> RestorePlan:
+def choose_restore(snapshot_steps: dict[str, int], checkpoint_step: Optional[int] = None,
+                   last_step: Optional[int] = None) -> RestorePlan:
     """The newest state that survives: a complete snapshot among living slices (``snapshot_steps``:
     slice -> its newest complete step), else a newer committed checkpoint, else fresh parameters.
 
     ``checkpoint_step`` is the step index whose state the newest committed checkpoint holds.
-    On a tie the snapshot wins: it is read from memory, not from storage.
+    On a tie the snapshot wins: it is read from memory, not from storage. ``last_step``: the
+    newest step the run has the metrics of. A checkpoint is saved when its step is dispatched, so
+    it can commit although the world failed before that step's loss reached the driver; a
+    snapshot of ``last_step`` beats such a checkpoint (else that step's loss would be missing
+    from the run's record: seen twice in ``bench/chaos.py --faults 100``, a process killed right
+    after a save started). Without that snapshot the checkpoint is still taken: a hole in the
+    losses costs less than rewinding to the checkpoint before.
     """
     best = max(snapshot_steps.values()) if snapshot_steps else -1
-    if checkpoint_step is not None and checkpoint_step > best:
+    record_ends_at_snapshot = bool(snapshot_steps) and best == last_step
+    if checkpoint_step is not None and checkpoint_step > best and not record_ends_at_snapshot:
         return RestorePlan(checkpoint_step, RestoreSource.CHECKPOINT)
     if not snapshot_steps:
         return RestorePlan(-1, RestoreSource.FRESH)

@@ -120,6 +120,19 @@ def test_batch_policies_and_lr_rules():
     assert lr_scale(2, 4, None) == 1.0 and lr_scale(2, 4, "linear") == 0.5 and lr_scale(1, 4, "sqrt") == 0.5
 
 
+def test_a_checkpoint_of_a_step_without_metrics_does_not_beat_the_snapshot_before_it():
+    # The save of checkpoint 1540 (state after step 1539) committed, but the world failed before
+    # step 1539's loss reached the driver: the snapshot of 1538 is the newest state with a record.
+    r = choose_restore({"a": 1538, "b": 1538}, checkpoint_step=1539, last_step=1538)
+    assert (r.source, r.step, r.holders) == ("snapshot", 1538, ("a", "b"))
+    assert choose_restore({"a": 1538}, checkpoint_step=1539).source == "checkpoint"  # no record to keep
+    # No snapshot of the last step: the newer checkpoint still beats rewinding further.
+    assert choose_restore({"a": 1530}, checkpoint_step=1539, last_step=1538).step == 1539
+    assert choose_restore({}, checkpoint_step=1539, last_step=1538).source == "checkpoint"
+    assert choose_restore({"a": 1538}, checkpoint_step=1559, last_step=1560).step == 1559  # newer, and known
+    assert choose_restore({}, checkpoint_step=999, last_step=-1).step == 999  # resuming: no record yet
+
+
 def test_choose_restore_prefers_own_snapshot_and_newest_step():
     r = choose_restore({"a": 41, "b": 41, "c": 40})
     assert r.step == 41 and r.source is RestoreSource.SNAPSHOT
