@@ -244,8 +244,8 @@ class ElasticTrainer:
         if outcome.kind in (OutcomeKind.FAILURE, OutcomeKind.HANG):  # what survivors streamed, and their keepers hold
             streams.drain(DRAIN_S, outcome.errors)
         if streams.not_kept:  # a holder's snapshots are not there: a later recovery may rewind (say why now)
-            self.events.emit("snapshot_not_kept", generation=world.plan.generation, count=len(streams.not_kept),
-                             first=streams.not_kept[:5])
+            self.events.emit("snapshot_not_kept", generation=world.plan.generation, count=streams.not_kept_count,
+                             first=streams.not_kept)
         self.ledger.flush()
         self.events.emit("chunk_run", generation=world.plan.generation, first_step=start,
                          last_step=self.ledger.last_step, seconds=time.perf_counter() - t0, outcome=outcome.kind)

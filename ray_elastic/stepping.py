@@ -41,6 +41,7 @@ WATCH_S = 1.0  # a FirstReady thread's longest single wait (it waits again on th
 KEEPER_POLL_S = 0.05
 STEP_COST_WINDOW = 10  # snapshot intervals of step times the auto interval reads
 KEEPER_ANSWER_S = 0.3  # a live keeper answers in milliseconds; one on a lost node may never
+NOT_KEPT_LISTED = 5  # snapshots not kept listed per world in the event (all are counted)
 
 
 class StepStreams:
@@ -67,7 +68,8 @@ class StepStreams:
         self.streaming = [len(ch) == 1 and world.plan.takes_snapshots(ch[0]) for ch in self.channels]
         self._snapshot_steps: list[int] = []  # steps newly kept by some holder, not yet reported
         self.snapshot_seconds: list[float] = []  # what each snapshot cost its process (host copy + hand-over)
-        self.not_kept: list[dict] = []  # snapshots a holder's keeper did not take: {"slice", "step", "why"}
+        self.not_kept: list[dict] = []  # the first few snapshots a holder's keeper did not take: {"slice", "step", "why"}
+        self.not_kept_count = 0  # and how many in all (a dead keeper misses every step)
         self._intervals: list[tuple[int, int]] = []  # (first step, snapshot interval) per change
         self._timed: list[tuple[int, float]] = []  # (step, seconds) of this world's steps, first run only
         self._step_cost: Optional[float] = None  # a snapshot's cost read from the step times (auto interval)
@@ -233,7 +235,9 @@ class StepStreams:
                 self._snapshot_steps.append(step)
         self.snapshot_seconds.extend(item["snapshot_s"])
         for step, why in item.get("not_kept", ()):
-            self.not_kept.append({"slice": self.world.slice_of(p), "step": step, "why": why})
+            self.not_kept_count += 1
+            if len(self.not_kept) < NOT_KEPT_LISTED:
+                self.not_kept.append({"slice": self.world.slice_of(p), "step": step, "why": why})
         progressed = False
         for metrics in item["steps"]:
             if metrics["step"] > self._reported:

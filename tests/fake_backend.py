@@ -100,6 +100,7 @@ class FakeStreams:
     def __init__(self, backend, world, store, on_metrics):
         self.backend, self.world, self.store, self.on_metrics = backend, world, store, on_metrics
         self.not_kept: list = []
+        self.not_kept_count = 0
 
     def run(self, start: int, end: int, grow_requested: Callable[[], bool]) -> RunOutcome:
         for step in range(start, end):
