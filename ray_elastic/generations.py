@@ -58,7 +58,6 @@ class Generations:
         self.unreadable_checkpoints: set[int] = set()  # steps a world failed to restore: never tried again
         self.resume_dir: Optional[str] = config.checkpoint_dir  # where the run's first checkpoint comes from
         self.last_restore: Optional[RestorePlan] = None  # what the newest world loaded (or tried to)
-        self.restore_evidence: dict = {}  # what restore_plan saw: newest complete snapshot per slice, etc.
         self.store = SnapshotStore(config.slice.num_hosts)
         self.worlds: list[WorldRecord] = []
         self.world = None  # the current World
@@ -232,8 +231,9 @@ class Generations:
         held = self.store.latest_complete(names)
         plan = choose_restore(held, step, last_step)
         # Why this source: the world_formed event carries it (a rewind must be explainable from the log).
-        self.restore_evidence = {"snapshot_steps": held, "reported_snapshot_steps": reported,
-                                 "let_go": {k: sorted(v) for k, v in let_go.items()}, "checkpoint_step": step}
+        plan = dataclasses.replace(plan, evidence={"snapshot_steps": held, "reported_snapshot_steps": reported,
+                                                   "let_go": {k: sorted(v) for k, v in let_go.items()},
+                                                   "checkpoint_step": step})
         if plan.source is RestoreSource.CHECKPOINT and directory != self.config.checkpoint_dir:
             plan = dataclasses.replace(plan, directory=directory)
         return plan
@@ -290,7 +290,7 @@ class Generations:
         record = WorldRecord(generation=generation, slices=list(world.plan.slice_names), mesh=world.plan.mesh_shape,
                              global_batch_size=world.plan.global_batch_size, start_step=restore.step + 1, restore_source=restore.source,
                              snapshot_donors=donors, times=dataclasses.asdict(world.times),
-                             restore_evidence=dict(self.restore_evidence))
+                             restore_evidence=dict(restore.evidence))
         self.worlds.append(record)
         return record
 

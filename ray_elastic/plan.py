@@ -384,6 +384,8 @@ class RestorePlan:
     source: RestoreSource
     holders: tuple[str, ...] = ()
     directory: Optional[str] = None  # a checkpoint from another directory (``fit(resume_from=...)``); None: the run's own
+    # What it was chosen from (``Generations.restore_plan`` fills it; the world_formed event carries it).
+    evidence: dict = dataclasses.field(default_factory=dict, compare=False)
 
     def donor(self, slice_name: str) -> Optional[str]:
         """Whose snapshot ``slice_name`` loads: its own when it holds one (a zero-copy read from its
