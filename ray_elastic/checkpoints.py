@@ -150,10 +150,11 @@ def foreign_task(info: Optional[CheckpointInfo], task_name: str) -> Optional[str
     return theirs if theirs not in (None, task_name) else None
 
 
-def set_aside(directory: str, step: int) -> str:
-    """Move a committed step that cannot be restored out of orbax's way (kept, never deleted: the
-    storage may have failed, not the data), so the run can save that step again. Returns where it went."""
-    name = f"{step}.unreadable-{time.strftime('%Y%m%dT%H%M%S')}"
+def set_aside(directory: str, step: int, why: str = "unreadable") -> str:
+    """Move a committed step out of orbax's way (kept, never deleted), so the run can save that step
+    again: one that cannot be restored (the storage may have failed, not the data), or one newer
+    than the state the run goes on from (``why="superseded"``). Returns where it went."""
+    name = f"{step}.{why}-{time.strftime('%Y%m%dT%H%M%S')}"
     if is_gcs(directory):
         from etils.epath import backend
 

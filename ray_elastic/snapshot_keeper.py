@@ -30,29 +30,35 @@ import ray
 logger = logging.getLogger(__name__)
 KEEP_STEPS = 3  # per host: the newest three, so the hosts of one slice (in lockstep, but handing over
                 # in the background) always share one step
-MAX_UNSTREAMED = 64  # per host: at most this many snapshots newer than the process's last stream are
-                     # held (a stream goes out every ~0.2 s: at 5 ms a step that is ~40 steps)
+MAX_UNACKED = 64  # per host: at most this many snapshots newer than the driver's last word are held
+                  # (a stream goes out every ~0.2 s: at 5 ms a step that is ~40 steps)
 
 
-def evictable(keys: list[tuple[int, int]], keep_steps: int, streamed: tuple[int, int],
-              max_unstreamed: int = MAX_UNSTREAMED) -> list[tuple[int, int]]:
+def evictable(keys: list[tuple[int, int]], keep_steps: int, acked: tuple[int, int],
+              max_unacked: int = MAX_UNACKED) -> list[tuple[int, int]]:
     """Which of the held (generation, step) keys to let go: all but the newest ``keep_steps``, the
-    newest key at or before ``streamed`` (the newest step the process streamed to the driver), and
-    every key after it (up to ``max_unstreamed``).
+    newest key at or before ``acked`` (the newest step of this host the driver has said it
+    received), and every key after it (up to ``max_unacked``).
 
     The driver restores only a step it has the metrics of, and it takes a step's metrics from
     whichever snapshot holder streams them first. Holders stream every ~0.2 s, each on its own
     clock, so when one holder dies the driver may know of a step the others have not streamed
-    yet, while they have kept several more: every step after their own last stream may be the
-    one the driver restores, and must still be held. Seen twice: in ``bench/chaos.py`` (a peer
-    hung, the newest three all lay beyond what was streamed: 17 steps rewound to a checkpoint)
-    and, most likely, in a CI run of ``test_second_failure_during_recovery`` (1 step rewound:
-    the dead holder had streamed a step the survivor had kept but then let go).
+    yet, while they have kept several more: every step after the driver's last word may be the
+    one it restores, and must still be held. Seen twice: in ``bench/chaos.py`` (a peer hung, the
+    newest three all lay beyond what was streamed: 17 steps rewound to a checkpoint) and, most
+    likely, in a CI run of ``test_second_failure_during_recovery`` (1 step rewound: the dead
+    holder had streamed a step the survivor had kept but then let go).
+
+    The pin is what the driver acknowledged, not what the process streamed: a streamed item may
+    never reach the driver (the process is killed with it in flight, or the driver is too slow to
+    read it before it tears the world down). Pinning on the process's own word lost steps in
+    ``bench/chaos.py``: a starved world was taken for hung, every keeper had let go of the newest
+    step the driver knew, and the next world restored a checkpoint two steps beyond the record.
     """
     newest = set(sorted(keys)[-keep_steps:] if keep_steps > 0 else [])
-    pinned = max((k for k in keys if k <= streamed), default=None)
-    unstreamed = set(sorted(k for k in keys if k > streamed)[-max_unstreamed:])
-    return [k for k in keys if k not in newest and k != pinned and k not in unstreamed]
+    pinned = max((k for k in keys if k <= acked), default=None)
+    unacked = set(sorted(k for k in keys if k > acked)[-max_unacked:])
+    return [k for k in keys if k not in newest and k != pinned and k not in unacked]
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)
@@ -63,6 +69,7 @@ class SnapshotKeeper:
         self.keep_steps = keep_steps
         self._entries: dict[tuple[int, int], dict] = {}
         self._generation, self._start = -1, 0
+        self._acked = (-1, -1)  # the newest (generation, step) of this host the driver has received
 
     def begin(self, generation: int, start_step: int) -> None:
         """A world of ``generation`` starts after ``start_step - 1``: steps from ``start_step`` on are
@@ -72,17 +79,24 @@ class SnapshotKeeper:
         for key in [k for k in self._entries if k[1] >= start_step]:
             del self._entries[key]
 
-    def keep(self, generation: int, step: int, snapshot: dict, streamed: int = -1) -> bool:
+    def keep(self, generation: int, step: int, snapshot: dict) -> bool:
         """Hold ``snapshot`` (blocks and ranges, copied out of the call's arguments); False when
-        refused (a late write of an earlier world). ``streamed``: the newest step the process has
-        streamed to the driver (see :func:`evictable`)."""
+        refused (a late write of an earlier world)."""
         if generation < self._generation:
             return False
         self._entries[(generation, step)] = {"leaves": [np.array(b, copy=True) for b in snapshot["leaves"]],
                                              "ranges": snapshot["ranges"], "step": step}
-        for key in evictable(list(self._entries), self.keep_steps, (generation, streamed)):
-            del self._entries[key]
+        self._evict()
         return True
+
+    def ack(self, generation: int, step: int) -> None:
+        """The driver has received the report that this host kept ``step`` (see :func:`evictable`)."""
+        self._acked = max(self._acked, (generation, step))
+        self._evict()
+
+    def _evict(self) -> None:
+        for key in evictable(list(self._entries), self.keep_steps, self._acked):
+            del self._entries[key]
 
     def held(self) -> list[tuple[int, int]]:
         """(generation, step) of every snapshot held."""
@@ -115,7 +129,6 @@ class SnapshotWriter:
         self._not_kept: list[tuple[int, str]] = []  # (step, why): the driver reports them as events
         self._pending: Optional[int] = None
         self.seconds: list[float] = []  # per snapshot: host copy + hand-over, and the wait in ``submit``
-        self.streamed = -1  # the newest step the process streamed: its keeper keeps a snapshot up to it
 
     def submit(self, step: int, host_copy: Callable[[], dict], ready: Callable[[], None] = lambda: None) -> None:
         t0 = time.perf_counter()
@@ -129,7 +142,7 @@ class SnapshotWriter:
         try:
             ready()
             t0 = time.perf_counter()
-            kept = ray.get(self.keeper.keep.remote(self.generation, step, host_copy(), self.streamed))
+            kept = ray.get(self.keeper.keep.remote(self.generation, step, host_copy()))
         except Exception as e:  # noqa: BLE001 - the step goes on without this snapshot; recovery may rewind
             logger.warning("snapshot of step %d not kept: %r", step, e)
             why = repr(e)[:300]

@@ -233,6 +233,8 @@ class StepStreams:
             if step > self._snapshot_reported:
                 self._snapshot_reported = step
                 self._snapshot_steps.append(step)
+        if item["kept"]:  # the keeper holds on to what we know of until we say we know of newer
+            self.world.keepers[p].ack.remote(plan.generation, max(item["kept"]))
         self.snapshot_seconds.extend(item["snapshot_s"])
         for step, why in item.get("not_kept", ()):
             self.not_kept_count += 1

@@ -325,8 +325,6 @@ class SliceWorker:
         ready, self._finished = self._finished[:cut], self._finished[cut:]
         if ready:
             self._reported = ready[-1]["step"]
-            if self.writer is not None:
-                self.writer.streamed = self._reported
         # A step is named kept only once its metrics are streamed too (its loss may be read later).
         kept = self._kept_early + kept
         self._kept_early = [k for k in kept if k > self._reported]

@@ -390,3 +390,35 @@ def test_bad_checkpoint_locations_fail_before_any_slice_is_taken(sim_cluster, lo
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "does not exist" in proc.stderr and "gcloud storage buckets create" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_newer_checkpoint_than_the_record_is_set_aside_when_a_snapshot_is_restored(sim_cluster, tmp_path, reference):
+    """The world died after checkpoint 20 (the state after step 19) committed but before step 19's
+    loss reached the driver; survivors hold a snapshot of step 18, the last step recorded. The run
+    goes on from the snapshot (no hole in the losses), so steps 19.. run again and save 20 again,
+    which orbax refuses while the old one is there (``StepAlreadyExistsError``: seen in
+    ``bench/chaos.py``, one more failure, and the next world took the checkpoint after all). The
+    newer checkpoint is set aside, kept, and named in the restore's evidence."""
+    import types
+
+    from ray_elastic.generations import Generations
+    from ray_elastic.plan import RestoreSource
+
+    ensure_slices(sim_cluster, 4)
+    ref_losses, _ = reference
+    directory = str(tmp_path / "ckpt")
+    _fit(sim_cluster, directory, 20, every=10)  # commits 10 and 20
+    cfg = _config(sim_cluster, checkpoint_dir=directory, checkpoint_every=10)
+    gens = Generations(cfg, backend=types.SimpleNamespace(missing_snapshots=lambda refs, members=(): set()))
+    for name in ("a", "b"):
+        gens.store.add(name, 0, 18, f"{name}-18")
+    members = [types.SimpleNamespace(slice_name=n) for n in ("a", "b")]
+    plan = gens.restore_plan(members, last_step=18)
+    assert (plan.source, plan.step) == (RestoreSource.SNAPSHOT, 18)
+    (moved,) = plan.evidence["superseded_checkpoints"]
+    assert os.path.basename(moved).startswith("20.superseded-") and os.path.isdir(moved)
+    assert latest_checkpoint(directory).step == 10
+    # The run saves step 20 again beside the one set aside.
+    result = _fit(sim_cluster, directory, 20, every=10)
+    assert result.steps == list(range(10, 20)) and latest_checkpoint(directory).step == 20
+    assert os.path.isdir(moved) and max_rel_err(result.losses, ref_losses[10:20]) <= 1e-4

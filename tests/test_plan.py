@@ -264,20 +264,20 @@ def test_the_snapshot_store_follows_what_the_keepers_hold():
 def test_a_keeper_keeps_every_snapshot_its_driver_may_know_of():
     """A process streams every ~0.2 s; its keeper may hold more steps than the driver has heard of
     from it. The driver restores only steps it has metrics for, taken from whichever holder streams
-    first: the newest step this process streamed, and every step after it, must still be held."""
+    first: the newest step the driver acknowledged, and every step after it, must still be held."""
     from ray_elastic.snapshot_keeper import evictable
 
     held = [(7, s) for s in range(850, 860)]
-    # Streamed up to 856: 856 is pinned, 857-859 are newer than the stream, the rest goes.
+    # Acknowledged up to 856: 856 is pinned, 857-859 are newer than the driver's word, the rest goes.
     assert evictable(held, 3, (7, 856)) == [(7, s) for s in range(850, 856)]
-    # Streamed up to 852, kept up to 859: another holder may have streamed any of 853-859 before it
+    # Acknowledged up to 852, kept up to 859: another holder may have streamed any of 853-859 before it
     # died (the case the newest three alone lost): all of them stay.
     assert evictable(held, 3, (7, 852)) == [(7, s) for s in range(850, 852)]
     assert evictable(held, 3, (7, 859)) == [(7, s) for s in range(850, 857)]  # the pinned one is among the newest
-    # Nothing streamed is held: everything is newer than the stream, bounded by max_unstreamed.
+    # Nothing acknowledged is held: everything is newer than the driver's word, bounded by max_unacked.
     assert evictable(held, 3, (7, 800)) == []
-    assert evictable(held, 3, (7, 800), max_unstreamed=4) == [(7, s) for s in range(850, 856)]
-    # A new world has streamed nothing yet: the last snapshot of the world before stays until it has.
+    assert evictable(held, 3, (7, 800), max_unacked=4) == [(7, s) for s in range(850, 856)]
+    # A new world has had nothing acknowledged yet: the last snapshot of the world before stays until it has.
     assert evictable([(6, 500), (7, 501), (7, 502), (7, 503)], 3, (7, -1)) == []
     assert evictable([(6, 500), (7, 501), (7, 502), (7, 503), (7, 504)], 3, (7, 501)) == [(6, 500)]
 

@@ -175,15 +175,15 @@ def test_after_a_failure_every_surviving_holder_keeps_the_newest_step(cluster):
 
     keepers = [SnapshotKeeper.options(num_cpus=0).remote() for _ in range(3)]
     snap = {"leaves": [np.zeros(4, np.float32)], "ranges": [[(0, 4)]]}
-    ray.get([k.keep.remote(0, s, snap, s) for k in keepers for s in (8, 9)])
-    ray.get([keepers[0].keep.remote(0, 10, snap, 10), keepers[1].keep.remote(0, 10, snap, 10)])
+    ray.get([k.keep.remote(0, s, snap) for k in keepers for s in (8, 9)])
+    ray.get([keepers[0].keep.remote(0, 10, snap), keepers[1].keep.remote(0, 10, snap)])
     plan = types.SimpleNamespace(takes_snapshots=lambda p: True, hosts_per_slice=1, generation=0)
     world = types.SimpleNamespace(channels=[[0], [1], [2]], plan=plan, keepers=keepers, workers=[],
                                   slice_of=lambda p: f"slice-{p}")
     cfg = ElasticConfig(num_slices=3, global_batch_size=48, snapshot_every=1)
     streams = StepStreams(world, cfg, SnapshotStore(hosts_per_slice=1), lambda m: None, [])
     streams._reported, streams._intervals = 10, [(0, 1)]  # step 10 streamed by process 1, which then died
-    late = threading.Timer(0.5, lambda: ray.get(keepers[2].keep.remote(0, 10, snap, 9)))
+    late = threading.Timer(0.5, lambda: ray.get(keepers[2].keep.remote(0, 10, snap)))
     late.start()
     try:
         t0 = time.monotonic()
@@ -195,6 +195,34 @@ def test_after_a_failure_every_surviving_holder_keeps_the_newest_step(cluster):
             ray.kill(k)
     assert streams.store.latest_complete(["slice-0", "slice-2"]) == {"slice-0": 10, "slice-2": 10}
     assert 0.4 < waited < 3.0, waited  # it waited for process 2's keeper, not for the whole bound
+
+
+def test_a_keeper_holds_the_newest_step_its_driver_acknowledged_however_far_the_process_ran(cluster):
+    """A process may stream steps that never reach the driver (it is torn down with the item in
+    flight, or the driver is too slow to read it): its keeper must still hold the newest step the
+    driver knows it kept, the one a restore without a step lost needs. In ``bench/chaos.py`` a
+    starved world was taken for hung, every keeper had let go of the last step the driver knew
+    (they pinned what their process had streamed), and the next world restored a checkpoint two
+    steps beyond the run's record."""
+    import numpy as np
+
+    from ray_elastic.snapshot_keeper import KEEP_STEPS, SnapshotKeeper
+
+    keeper = SnapshotKeeper.options(num_cpus=0).remote()
+    snap = {"leaves": [np.zeros(4, np.float32)], "ranges": [[(0, 4)]]}
+    try:
+        ray.get([keeper.keep.remote(3, s, snap) for s in range(100, 106)])
+        ray.get(keeper.ack.remote(3, 102))  # the driver's record ends at 102
+        ray.get([keeper.keep.remote(3, s, snap) for s in range(106, 200)])  # the process runs on
+        held = ray.get(keeper.held.remote())
+        assert (3, 102) in held
+        assert (3, 101) not in held and len(held) <= 64 + KEEP_STEPS + 1  # bounded all the same
+        ray.get(keeper.ack.remote(3, 150))  # a newer word: the old pin goes, steps after 150 stay
+        held = ray.get(keeper.held.remote())
+        assert (3, 102) not in held and (3, 150) in held and (3, 149) not in held
+        assert held[-1] == (3, 199) and len(held) == 50
+    finally:
+        ray.kill(keeper)
 
 
 def test_a_keeper_lost_while_its_host_lives_is_replaced_and_costs_no_step(cluster, baseline):
