@@ -104,8 +104,20 @@ def unresponsive(workers: list, timeout_s: float) -> set[int]:
 
 
 def busy(answers: list, last_seen_step: int) -> bool:
-    """After the watchdog fired, from every worker's probe answer: one of them is inside a checkpoint
-    save (a synchronous save, a slow bucket) or finished a step the driver has not seen yet (its
-    report is still on the way). The world is slow, not hung."""
-    return all(a is not None for a in answers) and any(
-        a.get("saving") or a.get("last_step", -1) > last_seen_step for a in answers)
+    """After the watchdog fired, from every worker's probe answer: the world is slow, not hung.
+
+    Some process finished a step the driver has not seen (its report is still on the way): every
+    process took part in that step's collectives, so one that did not answer in time is starved,
+    not stopped (seen in ``bench/chaos.py``: a world beside three processes starting on 2 cores
+    was taken for hung and recovered for 11 s). Or every process answered and one is inside a
+    checkpoint save (a synchronous save, a slow bucket). The caller passes the newest step seen
+    by earlier probes too, so a world that stops for good is found at the next watch."""
+    answered = [a for a in answers if a is not None]
+    if any(a.get("last_step", -1) > last_seen_step for a in answered):
+        return True
+    return len(answered) == len(answers) and any(a.get("saving") for a in answered)
+
+
+def newest_step(answers: list) -> int:
+    """The newest step any probed process finished (-1: none answered)."""
+    return max((a.get("last_step", -1) for a in answers if a is not None), default=-1)

@@ -123,6 +123,7 @@ class StepStreams:
         draining = stopped = False
         last_progress = time.monotonic()
         last_progress_wall = time.time()
+        probed = -1  # the newest step a health probe found finished
         holders = [c for c in range(len(self.queues)) if self.streaming[c]]
         quiet = [c for c in range(len(self.queues)) if not self.streaming[c]]
         while True:
@@ -173,10 +174,11 @@ class StepStreams:
                 stream_waiter.watch(self._heads(holders))
             if time.monotonic() - last_progress > limit:
                 answers = health.probe(self.world.workers, self.config.probe_timeout_s)
-                if not health.busy(answers, self._reported):
+                if not health.busy(answers, max(self._reported, probed)):
                     silent = {p: TimeoutError("no answer to the health probe")
                               for p, a in enumerate(answers) if a is None}
                     return RunOutcome(OutcomeKind.HANG, silent, last_progress_wall)
+                probed = max(probed, health.newest_step(answers))
                 last_progress = time.monotonic()  # slow, not hung: watch again from now
 
     def _heads(self, channels: list[int]) -> list:

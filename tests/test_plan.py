@@ -303,3 +303,19 @@ def test_relay_channels_group_quiet_processes_only_in_large_worlds():
     groups = [procs for procs, relayed in big if relayed]
     assert [p for g in groups for p in g] == list(range(3, n))  # every quiet process, once, in order
     assert all(len(g) <= PROCESSES_PER_RELAY for g in groups) and len(big) == 3 + len(groups)
+
+
+def test_a_silent_process_in_a_world_that_moved_on_is_starved_not_hung():
+    """The watchdog fired and a probe went unanswered. A step finished that the driver has not seen
+    needed every process's collectives: the silent one is starved (seen in the chaos bench, a world
+    beside three starting processes on 2 cores, taken for hung). Without such a step, a silent
+    process is a hang; a save in progress counts only when every process answered."""
+    from ray_elastic.health import busy, newest_step
+
+    moved = [None, {"last_step": 1479, "saving": False}, {"last_step": 1478, "saving": False}]
+    assert busy(moved, 1477)
+    assert not busy(moved, max(1477, newest_step(moved)))  # the next watch: nothing moved since: hung
+    assert not busy([None, {"last_step": 1477, "saving": True}], 1477)  # a stopped process beside a save
+    assert busy([{"last_step": 1477, "saving": True}, {"last_step": 1477, "saving": False}], 1477)
+    assert not busy([{"last_step": 1477, "saving": False}] * 2, 1477)
+    assert newest_step([None, None]) == -1
