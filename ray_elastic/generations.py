@@ -232,7 +232,7 @@ class Generations:
         plan = choose_restore(held, step, last_step)
         superseded = []
         if plan.source is RestoreSource.SNAPSHOT and step is not None and step > plan.step:
-            superseded = self._set_aside_newer(plan.step)
+            superseded = self._set_aside_newer(directory, step, plan.step)
         # Why this source: the world_formed event carries it (a rewind must be explainable from the log).
         plan = dataclasses.replace(plan, evidence={"snapshot_steps": held, "reported_snapshot_steps": reported,
                                                    "let_go": {k: sorted(v) for k, v in let_go.items()},
@@ -241,23 +241,26 @@ class Generations:
             plan = dataclasses.replace(plan, directory=directory)
         return plan
 
-    def _set_aside_newer(self, restore_step: int) -> list[str]:
+    def _set_aside_newer(self, directory: Optional[str], step: int, restore_step: int) -> list[str]:
         """The run goes on from a snapshot of ``restore_step`` though a newer checkpoint committed (see
         :func:`~ray_elastic.plan.choose_restore`): the steps after it run again and save that
         checkpoint again, which orbax refuses while it exists (``StepAlreadyExistsError``, seen in
         ``bench/chaos.py``: one more failure, and the next world took the checkpoint after all).
-        Each newer committed step of the run's own directory is set aside (kept). Returns where."""
-        moved = []
-        while True:
-            directory, step = self._checkpoint()
-            if (step is None or step <= restore_step or directory != self.config.checkpoint_dir
-                    or any(m.rsplit("/", 1)[-1].startswith(f"{step + 1}.") for m in moved)):
-                return moved
+        ``step`` in ``directory``: the newest committed one, already read by the caller. Every
+        committed step of the run's own directory newer than ``restore_step`` is set aside (kept),
+        newest first. Returns where they went."""
+        moved: list[str] = []
+        tried: set[int] = set()
+        while step is not None and step > restore_step and directory == self.config.checkpoint_dir \
+                and step not in tried:
+            tried.add(step)
             try:
                 moved.append(checkpoints.set_aside(directory, step + 1, why="superseded"))
             except OSError as e:  # the storage failing: the save of that step fails and is recovered
                 logger.warning("could not set aside checkpoint %d: %r", step + 1, e)
-                return moved
+                break
+            directory, step = self._checkpoint()
+        return moved
 
     def checkpoint_unreadable(self, step: int) -> Optional[str]:
         """A world failed to restore checkpoint ``step``: the next one restores the previous committed
