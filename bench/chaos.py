@@ -306,7 +306,10 @@ def main() -> int:
     ap.add_argument("--every-s", type=float, default=0.0, help="a fault every this many seconds instead of --faults")
     ap.add_argument("--steps", type=int, default=None, help="steps per phase (default: 40 per fault + 60)")
     ap.add_argument("--gap", type=int, default=40, help="steps between fault windows")
-    ap.add_argument("--checkpoint-every", type=int, default=20)
+    ap.add_argument("--checkpoint-every", type=int, default=None,
+                    help="default: 20 with --faults (a checkpoint in every --gap window, so faults meet saves "
+                         "and a rewind to one is short); with --every-s, ElasticConfig's default (100): the "
+                         "goodput a user gets")
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of " + ",".join(KINDS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run-dir", default=None,
@@ -316,6 +319,10 @@ def main() -> int:
     if bad := [k for k in kinds if k not in KINDS]:
         ap.error(f"unknown --kinds {bad}; choose from {','.join(KINDS)}")
     mh = max(1, args.faults // 10) if args.multihost_faults is None else args.multihost_faults
+    if args.checkpoint_every is None:
+        from ray_elastic import ElasticConfig
+
+        args.checkpoint_every = ElasticConfig.checkpoint_every if args.every_s else 20
 
     from ray_elastic.sim import SimulatedTPUCluster
 
