@@ -247,6 +247,38 @@ def summarize(*, ledger: StepLedger, worlds: list[WorldRecord], recoveries: list
     return FitResult(steps, losses, times, list(recoveries), dataclasses.asdict(summary), list(events))
 
 
+def unexplained_rewinds(events: list[dict], replicas: int) -> int:
+    """Steps rewound although a snapshot holder of the newest step survived, read from a run's events
+    (``replicas``: its ``snapshot_replicas``; the holders are the first slices of each world). A
+    rewind is explained
+    when every holder of the world that failed was lost or had its process die (a dead process's
+    newest snapshot can lack the step it died in), counting every failure until the next world
+    trained, or when each rewound step's snapshot failed on a survivor because the step itself
+    failed there (``snapshot_not_kept`` with a collective error: a peer got the reduced loss,
+    reported it and died before the survivor's all-reduce finished, so no living process ever
+    had that state); a planned grow-back never rewinds."""
+    holders, chain_holders, gone, in_chain, unexplained = [], [], set(), False, 0
+    unfinished: set[int] = set()  # steps whose snapshot failed in the step's own collective
+    for e in events:
+        k = e["kind"]
+        if k == "world_formed":
+            formed = e["slices"][:replicas]
+            if not in_chain:
+                holders = formed
+        elif k == "snapshot_not_kept":
+            unfinished |= {n["step"] for n in e["first"] if "JaxRuntimeError" in n["why"]}
+        elif k == "failure":
+            if not in_chain:
+                chain_holders, gone, in_chain = holders, set(), True
+            gone |= set(e["lost_slices"]) | set(e["crashed_slices"])
+        elif k in ("recovered", "scale_up"):
+            rewound = range(e["restored_from_step"] + 1, e["restored_from_step"] + 1 + e["steps_rewound"])
+            if (not in_chain or not set(chain_holders) <= gone) and not set(rewound) <= unfinished:
+                unexplained += e["steps_rewound"]
+            holders, in_chain, unfinished = formed, False, set()
+    return unexplained
+
+
 def already_done(*, checkpoint_step: int, num_steps: int, wall_s: float, events: list[dict]) -> FitResult:
     """The checkpoint already covers ``num_steps``: nothing was trained."""
     summary = RunSummary(steps=0, num_steps=num_steps, wall_s=round(wall_s, 3),

@@ -319,3 +319,32 @@ def test_a_silent_process_in_a_world_that_moved_on_is_starved_not_hung():
     assert busy([{"last_step": 1477, "saving": True}, {"last_step": 1477, "saving": False}], 1477)
     assert not busy([{"last_step": 1477, "saving": False}] * 2, 1477)
     assert newest_step([None, None]) == -1
+
+
+def test_a_rewind_is_explained_only_when_every_holder_was_lost_or_its_step_failed_on_the_survivor():
+    """``results.unexplained_rewinds``: the rule the chaos bench and the recovery tests hold a run to."""
+    from ray_elastic.results import unexplained_rewinds
+
+    def run(lost: list[str], not_kept: list[dict] = ()) -> list[dict]:
+        events = [{"kind": "world_formed", "slices": ["a", "b", "c"]}]
+        if not_kept:
+            events.append({"kind": "snapshot_not_kept", "first": list(not_kept)})
+        events += [{"kind": "failure", "lost_slices": lost, "crashed_slices": []},
+                   {"kind": "world_formed", "slices": ["a", "c"]},
+                   {"kind": "recovered", "restored_from_step": 40, "steps_rewound": 3}]
+        return events
+
+    assert unexplained_rewinds(run(["b"]), replicas=2) == 3  # holder "a" survived: 3 steps for nothing
+    assert unexplained_rewinds(run(["a", "b"]), replicas=2) == 0  # both holders lost
+    assert unexplained_rewinds(run(["b"]), replicas=3) == 3  # "a" and "c" survived
+    # The survivor's snapshot of each rewound step failed in the step's own collective: no living
+    # process had that state.
+    failed = [{"step": s, "why": "JaxRuntimeError: gloo"} for s in (41, 42, 43)]
+    assert unexplained_rewinds(run(["b"], failed), replicas=2) == 0
+    # ... but not when it failed for another reason, or not for every rewound step.
+    assert unexplained_rewinds(run(["b"], [{"step": s, "why": "MemoryError"} for s in (41, 42, 43)]), replicas=2) == 3
+    assert unexplained_rewinds(run(["b"], failed[:2]), replicas=2) == 3
+    # A planned grow-back never rewinds.
+    grow = [{"kind": "world_formed", "slices": ["a", "b"]}, {"kind": "world_formed", "slices": ["a", "b", "c"]},
+            {"kind": "scale_up", "restored_from_step": 10, "steps_rewound": 1}]
+    assert unexplained_rewinds(grow, replicas=2) == 1
