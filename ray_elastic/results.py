@@ -249,14 +249,14 @@ def summarize(*, ledger: StepLedger, worlds: list[WorldRecord], recoveries: list
 
 def unexplained_rewinds(events: list[dict], replicas: int) -> int:
     """Steps rewound although a snapshot holder of the newest step survived, read from a run's events
-    (``replicas``: its ``snapshot_replicas``; the holders are the first slices of each world). A
-    rewind is explained
-    when every holder of the world that failed was lost or had its process die (a dead process's
-    newest snapshot can lack the step it died in), counting every failure until the next world
-    trained, or when each rewound step's snapshot failed on a survivor because the step itself
-    failed there (``snapshot_not_kept`` with a collective error: a peer got the reduced loss,
-    reported it and died before the survivor's all-reduce finished, so no living process ever
-    had that state); a planned grow-back never rewinds."""
+    (``replicas``: its ``snapshot_replicas``; the holders are the first slices of each world).
+
+    A rewind is explained when every holder of the world that failed was lost or had its process
+    die (a dead process's newest snapshot can lack the step it died in), counting every failure
+    until the next world trained, or when each rewound step's snapshot failed on a survivor because
+    the step itself failed there (``snapshot_not_kept`` with a collective error: a peer got the
+    reduced loss, reported it and died before the survivor's all-reduce finished, so no living
+    process ever had that state); a planned grow-back never rewinds."""
     holders, chain_holders, gone, in_chain, unexplained = [], [], set(), False, 0
     unfinished: set[int] = set()  # steps whose snapshot failed in the step's own collective
     for e in events:
