@@ -22,7 +22,7 @@ from faults import FaultPlan, ensure_slices, in_thread, max_rel_err, slice_name
 # spare slices that a replacement then lands on (seen once in a few runs).
 CAPACITY = 3
 SIM_CLUSTER = {"num_slices": 2, "autoscaler": True, "max_slices": CAPACITY}
-STEPS = 60
+STEPS = 40
 # After capacity returns: a launch round, the slice's start, then the newcomer's process starting
 # beside the training (5-12 s on 2 busy cores) before the grow; 240 steps (~20 s) ended first once.
 GROW_STEPS = 600
