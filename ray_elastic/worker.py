@@ -190,6 +190,9 @@ class SliceWorker:
         if self.batches is None:
             self.prepare()
         self.plan = plan
+        for key, ahead in self.traced.items():
+            if key != jw.program_key(plan):
+                ahead.cancel()  # one world per process: the other layouts' traces would only take CPU from the join
         self.process_id = plan.process_id(slice_index, host_index)
         t0 = time.perf_counter()
         try:
@@ -241,9 +244,7 @@ class SliceWorker:
     def compile(self, step: int) -> dict:
         from ray_elastic import jax_world as jw
 
-        ahead = self.traced.pop(jw.program_key(self.plan), None)
-        for other in self.traced.values():
-            other.cancel()  # one world per process: the others are not needed
+        ahead = self.traced.pop(jw.program_key(self.plan), None)  # the others were cancelled by ``join_world``
         traced = None
         if ahead is not None and ahead.cancel() is False:  # started or done: its result comes sooner
             try:
