@@ -15,8 +15,9 @@ Faults fire one at a time, each once the world is at full size again:
 - plus ``cascade``: a second slice lost while the first recovery runs.
 
 A 2-host-slice variant (``--multihost``) loses one host of a slice per position. Per fault the
-bench prints detection (kill -> failure detected) and kill -> first step afterwards, with
-the controller's own phase split; then per kind and position the median and worst, and
+bench prints detection (kill -> the controller sees the failure; the drain after it, collecting
+what the survivors streamed and their keepers hold, is its own column) and kill -> first step
+afterwards, with the controller's own phase split; then per kind and position the median and worst, and
 the grow-back pauses. The last line is one JSON object:
 
     {"replica_resize_recovery_s": median kill -> step over all kills (warm and cold), "replica_resize_worst_s": ...,
@@ -38,7 +39,7 @@ import statistics
 import threading
 import time
 
-PHASES = ("detection_s", "classify_s", "teardown_s", "wait_for_capacity_s", "world_formation_s", "jax_init_s",
+PHASES = ("detection_s", "drain_s", "classify_s", "teardown_s", "wait_for_capacity_s", "world_formation_s", "jax_init_s",
           "state_load_s", "compile_s", "trace_s", "load_s", "first_step_s", "kill_to_step_s", "after_arrival_s")
 
 
@@ -140,13 +141,17 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
             continue
         rec = after[0]
         first = min(a for a in arrivals if a > rec.ready_at)
-        detected = [e["ts"] - e["classify_s"] for e in events if e["kind"] == "failure" and e["ts"] > row["at"]]
+        # Detection: the kill until the controller saw the failure; then it drains (what the
+        # survivors streamed, what their keepers hold) and classifies.
+        detected = [(e["ts"] - e["classify_s"] - e.get("drain_s", 0.0), e.get("drain_s", float("nan")))
+                    for e in events if e["kind"] == "failure" and e["ts"] > row["at"]]
         rows.append({**row, **{k: getattr(rec, k) for k in ("classify_s", "teardown_s", "wait_for_capacity_s",
                                                             "world_formation_s", "state_load_s", "compile_s",
                                                             "steps_rewound")},
                      **{k: trainer.worlds[rec.generation].times[k] for k in ("jax_init_s", "trace_s", "load_s",
                                                                              "processes_starting")},
-                     "detection_s": detected[0] - row["at"] if detected else float("nan"),
+                     "detection_s": detected[0][0] - row["at"] if detected else float("nan"),
+                     "drain_s": detected[0][1] if detected else float("nan"),
                      "first_step_s": first - rec.ready_at, "kill_to_step_s": first - t_kill,
                      "after_arrival_s": first - rec.capacity_ready_at, "slices_after": rec.slices})
     pauses = []

@@ -96,7 +96,8 @@ def cluster_point(num_slices: int, hosts: int, steps: int) -> dict:
             fails = [e for e in t.events.events if e["kind"] == "failure" and e["ts"] > f["at"]]
             if recs and fails:
                 first = min(a for a in done_at if a > recs[0].ready_at)
-                rows.append({"kind": f["kind"], "detection_s": round(fails[0]["ts"] - fails[0]["classify_s"] - f["at"], 3),
+                seen = fails[0]["ts"] - fails[0]["classify_s"] - fails[0].get("drain_s", 0.0)  # before the drain
+                rows.append({"kind": f["kind"], "detection_s": round(seen - f["at"], 3),
                              "kill_to_step_s": round(first - f["at"], 3), "steps_rewound": recs[0].steps_rewound})
     return {"slices": num_slices, "hosts_per_slice": hosts, "processes": num_slices * hosts,
             "bare_step_ms": round(bare * 1e3, 2), "step_ms": round(ray_step * 1e3, 2),

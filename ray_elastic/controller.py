@@ -242,7 +242,9 @@ class ElasticTrainer:
         t0 = time.perf_counter()
         outcome = streams.run(start, num_steps, self.gens.capacity_returned)
         if outcome.kind in (OutcomeKind.FAILURE, OutcomeKind.HANG):  # what survivors streamed, and their keepers hold
+            t_drain = time.perf_counter()
             streams.drain(DRAIN_S, outcome.errors)
+            outcome = dataclasses.replace(outcome, drain_s=time.perf_counter() - t_drain)
         if streams.not_kept:  # a holder's snapshots are not there: a later recovery may rewind (say why now)
             self.events.emit("snapshot_not_kept", generation=world.plan.generation, count=streams.not_kept_count,
                              first=streams.not_kept)
@@ -297,7 +299,8 @@ class ElasticTrainer:
                          quarantined_slices=list(verdict.quarantined),
                          error=str(first)[:2000], last_step=self.ledger.last_step,
                          origin=ev.origin, failures_in_a_row=self._failures_in_a_row,
-                         since_last_progress_s=now - last_progress_at, classify_s=classified_at - now,
+                         since_last_progress_s=now - last_progress_at, drain_s=outcome.drain_s,
+                         classify_s=classified_at - now,
                          detection_latency_s=classified_at - last_progress_at)
         self._may_retry(verdict, first)
         t0 = time.perf_counter()

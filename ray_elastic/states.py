@@ -45,6 +45,7 @@ class RunOutcome:
     kind: OutcomeKind
     errors: dict[int, BaseException] = dataclasses.field(default_factory=dict)  # process id -> error
     last_progress_at: float = 0.0  # wall clock of the last finished step
+    drain_s: float = 0.0  # after a failure: collecting what the survivors streamed and their keepers hold
 
 
 S = ControllerState

@@ -41,6 +41,9 @@ WATCH_S = 1.0  # a FirstReady thread's longest single wait (it waits again on th
 KEEPER_POLL_S = 0.05
 STEP_COST_WINDOW = 10  # snapshot intervals of step times the auto interval reads
 KEEPER_ANSWER_S = 0.3  # a live keeper answers in milliseconds; one on a lost node may never
+OTHER_HOLDERS_S = 1.0  # once one slice holds the newest step, how long the other surviving holders
+                       # get to hand it over too (a writer takes milliseconds; one stuck behind a
+                       # step whose collective waits for the dead peer never does)
 NOT_KEPT_LISTED = 5  # snapshots not kept listed per world in the event (all are counted)
 
 
@@ -272,6 +275,12 @@ class StepStreams:
         though a survivor had kept that step a moment after the first holder had). Steps a
         keeper holds beyond the newest reported one are not taken: the run has no metrics for
         them, so they are run again (never counted as kept).
+
+        Once some slice holds the newest step, the other holders get only ``OTHER_HOLDERS_S``: a
+        survivor whose copy of that step has not reached its keeper by then most likely never
+        will (its copy waits behind the next step, stuck in a collective with the dead peer). In
+        ``bench/recovery.py`` a process kill reached the recovery 3.1 s after it, this whole
+        bound, where every other kill took 0.1-0.6 s (``drain_s`` in the failure event tells).
         """
         start = time.monotonic()
         while True:
@@ -301,9 +310,12 @@ class StepStreams:
             answered = self.sync_with_keepers(holders, timeout_s=KEEPER_ANSWER_S, dead=dead)
             live = [p for p in answered if p not in errors and p not in dead]  # a failed process, or one
             # whose keeper died, keeps nothing more
-            if (newest < 0 or time.monotonic() >= deadline
-                    or (self._holds(holders, newest) and all(self._has_part(p, newest) for p in live))):
+            if newest < 0 or time.monotonic() >= deadline:
                 return
+            if self._holds(holders, newest):
+                deadline = min(deadline, time.monotonic() + OTHER_HOLDERS_S)
+                if all(self._has_part(p, newest) for p in live):
+                    return
             time.sleep(KEEPER_POLL_S)
 
     def _holder_processes(self) -> list[int]:
