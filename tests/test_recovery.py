@@ -159,12 +159,10 @@ def test_two_slices_lost_at_once(cluster, baseline):
     assert max_rel_err(result.losses, baseline) <= RESIZED
 
 
-def test_after_a_failure_every_surviving_holder_keeps_the_newest_step(cluster):
-    """The driver learns of a step from the first holder that streams it; when that holder dies,
-    the others hand the same step to their keepers a moment later. Recovery waits until every
-    surviving holder's keeper has it, not just one: the next world may lose that one while it forms,
-    and this world's processes are torn down right after (1 step rewound in ``bench/chaos.py``).
-    Real keeper actors and the real drain; three processes of one host each, process 1 failed."""
+def _drain_after_process_1_died(late_keep_s=None) -> tuple:
+    """The real drain over three real keepers (one process per slice, all holders): every keeper
+    holds steps 8 and 9, process 1 streamed step 10 and died, process 0's keeper holds 10 too, and
+    process 2's gets it ``late_keep_s`` into the drain (``None``: never). Returns (store, seconds)."""
     import threading
     import types
 
@@ -184,17 +182,27 @@ def test_after_a_failure_every_surviving_holder_keeps_the_newest_step(cluster):
     cfg = ElasticConfig(num_slices=3, global_batch_size=48, snapshot_every=1)
     streams = StepStreams(world, cfg, SnapshotStore(hosts_per_slice=1), lambda m: None, [])
     streams._reported, streams._intervals = 10, [(0, 1)]  # step 10 streamed by process 1, which then died
-    late = threading.Timer(0.5, lambda: ray.get(keepers[2].keep.remote(0, 10, snap)))
-    late.start()
+    late = None if late_keep_s is None else threading.Timer(late_keep_s, lambda: ray.get(keepers[2].keep.remote(0, 10, snap)))
+    if late is not None:
+        late.start()
     try:
         t0 = time.monotonic()
         streams.drain(0.05, {1: RuntimeError("process 1 died")})
-        waited = time.monotonic() - t0
+        return streams.store, time.monotonic() - t0
     finally:
-        late.join()
+        if late is not None:
+            late.join()
         for k in keepers:
             ray.kill(k)
-    assert streams.store.latest_complete(["slice-0", "slice-2"]) == {"slice-0": 10, "slice-2": 10}
+
+
+def test_after_a_failure_every_surviving_holder_keeps_the_newest_step(cluster):
+    """The driver learns of a step from the first holder that streams it; when that holder dies,
+    the others hand the same step to their keepers a moment later. Recovery waits until every
+    surviving holder's keeper has it, not just one: the next world may lose that one while it forms,
+    and this world's processes are torn down right after (1 step rewound in ``bench/chaos.py``)."""
+    store, waited = _drain_after_process_1_died(late_keep_s=0.5)
+    assert store.latest_complete(["slice-0", "slice-2"]) == {"slice-0": 10, "slice-2": 10}
     assert 0.4 < waited < 3.0, waited  # it waited for process 2's keeper, not for the whole bound
 
 
@@ -203,32 +211,10 @@ def test_a_surviving_holder_that_never_keeps_the_newest_step_costs_the_recovery_
     behind step 11, stuck in a collective with the dead peer): once another slice holds step 10,
     the drain gives the others ``OTHER_HOLDERS_S``, not the whole 3 s bound (in
     ``bench/recovery.py`` a process kill's recovery started 3.1 s after it, the length of that bound)."""
-    import types
+    from ray_elastic.stepping import OTHER_HOLDERS_S
 
-    import numpy as np
-
-    from ray_elastic.snapshot_keeper import SnapshotKeeper
-    from ray_elastic.snapshots import SnapshotStore
-    from ray_elastic.stepping import OTHER_HOLDERS_S, StepStreams
-
-    keepers = [SnapshotKeeper.options(num_cpus=0).remote() for _ in range(3)]
-    snap = {"leaves": [np.zeros(4, np.float32)], "ranges": [[(0, 4)]]}
-    ray.get([k.keep.remote(0, s, snap) for k in keepers for s in (8, 9)])
-    ray.get([keepers[0].keep.remote(0, 10, snap), keepers[1].keep.remote(0, 10, snap)])
-    plan = types.SimpleNamespace(takes_snapshots=lambda p: True, hosts_per_slice=1, generation=0)
-    world = types.SimpleNamespace(channels=[[0], [1], [2]], plan=plan, keepers=keepers, workers=[],
-                                  slice_of=lambda p: f"slice-{p}")
-    cfg = ElasticConfig(num_slices=3, global_batch_size=48, snapshot_every=1)
-    streams = StepStreams(world, cfg, SnapshotStore(hosts_per_slice=1), lambda m: None, [])
-    streams._reported, streams._intervals = 10, [(0, 1)]
-    try:
-        t0 = time.monotonic()
-        streams.drain(0.05, {1: RuntimeError("process 1 died")})
-        waited = time.monotonic() - t0
-    finally:
-        for k in keepers:
-            ray.kill(k)
-    assert streams.store.latest_complete(["slice-0", "slice-2"]) == {"slice-0": 10, "slice-2": 9}
+    store, waited = _drain_after_process_1_died(late_keep_s=None)
+    assert store.latest_complete(["slice-0", "slice-2"]) == {"slice-0": 10, "slice-2": 9}
     assert OTHER_HOLDERS_S <= waited < OTHER_HOLDERS_S + 1.0, waited
 
 
