@@ -276,11 +276,12 @@ class StepStreams:
         keeper holds beyond the newest reported one are not taken: the run has no metrics for
         them, so they are run again (never counted as kept).
 
-        Once some slice holds the newest step, the other holders get only ``OTHER_HOLDERS_S``: a
-        survivor whose copy of that step has not reached its keeper by then most likely never
-        will (its copy waits behind the next step, stuck in a collective with the dead peer). In
-        ``bench/recovery.py`` a process kill reached the recovery 3.1 s after it, this whole
-        bound, where every other kill took 0.1-0.6 s (``drain_s`` in the failure event tells).
+        Once some slice whose keepers answer holds the newest step, the other holders get only
+        ``OTHER_HOLDERS_S``: a survivor whose copy of that step has not reached its keeper by then
+        most likely never will (its copy waits behind the next step, stuck in a collective with
+        the dead peer). In ``bench/recovery.py`` a process kill reached the recovery 3.1 s after
+        it, this whole bound, where every other kill took 0.1-0.6 s (``drain_s`` in the failure
+        event tells). A keeper on a lost node does not answer and its slice does not count.
         """
         start = time.monotonic()
         while True:
@@ -312,10 +313,10 @@ class StepStreams:
             # whose keeper died, keeps nothing more
             if newest < 0 or time.monotonic() >= deadline:
                 return
-            if self._holds(holders, newest):
+            if self._holds(holders, newest) and all(self._has_part(p, newest) for p in live):
+                return
+            if self._holds_confirmed(holders, [p for p in answered if p not in dead], newest):
                 deadline = min(deadline, time.monotonic() + OTHER_HOLDERS_S)
-                if all(self._has_part(p, newest) for p in live):
-                    return
             time.sleep(KEEPER_POLL_S)
 
     def _holder_processes(self) -> list[int]:
@@ -324,6 +325,12 @@ class StepStreams:
     def _has_part(self, p: int, step: int) -> bool:
         """Process ``p``'s keeper holds its host's part of the snapshot of ``step``."""
         return self.store.has(self.world.slice_of(p), p % self.world.plan.hosts_per_slice, step)
+
+    def _holds_confirmed(self, holders: list[int], answered: list[int], step: int) -> bool:
+        """Some slice whose every holder's keeper answered just now has every host's part of
+        ``step`` (a keeper on a lost node does not answer, and the store still lists what it held)."""
+        silent = {self.world.slice_of(p) for p in holders if p not in answered}
+        return any(self.store.complete(s, step) for s in {self.world.slice_of(p) for p in answered} - silent)
 
     def _holds(self, processes: list[int], step: int) -> bool:
         """Some slice of ``processes`` has every host's part of the snapshot of ``step``."""
