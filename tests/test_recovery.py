@@ -159,29 +159,36 @@ def test_two_slices_lost_at_once(cluster, baseline):
     assert max_rel_err(result.losses, baseline) <= RESIZED
 
 
-def _drain_after_process_1_died(late_keep_s=None) -> tuple:
+def _drain_after_process_1_died(late_keep_s=None, node_lost: bool = False) -> tuple:
     """The real drain over three real keepers (one process per slice, all holders): every keeper
     holds steps 8 and 9, process 1 streamed step 10 and died, process 0's keeper holds 10 too, and
-    process 2's gets it ``late_keep_s`` into the drain (``None``: never). Returns (store, seconds)."""
+    process 2's gets it ``late_keep_s`` into the drain (``None``: never). ``node_lost``: process 1's
+    node is gone (its keeper, stopped, never answers; the store still lists its step 10) and
+    process 0's keeper does not hold 10. Returns (store, seconds)."""
     import threading
     import types
 
     import numpy as np
 
     from ray_elastic.snapshot_keeper import SnapshotKeeper
-    from ray_elastic.snapshots import SnapshotStore
+    from ray_elastic.snapshots import SnapshotRef, SnapshotStore
     from ray_elastic.stepping import StepStreams
 
     keepers = [SnapshotKeeper.options(num_cpus=0).remote() for _ in range(3)]
     snap = {"leaves": [np.zeros(4, np.float32)], "ranges": [[(0, 4)]]}
     ray.get([k.keep.remote(0, s, snap) for k in keepers for s in (8, 9)])
-    ray.get([keepers[0].keep.remote(0, 10, snap), keepers[1].keep.remote(0, 10, snap)])
+    ray.get([keepers[p].keep.remote(0, 10, snap) for p in ((1,) if node_lost else (0, 1))])
     plan = types.SimpleNamespace(takes_snapshots=lambda p: True, hosts_per_slice=1, generation=0)
     world = types.SimpleNamespace(channels=[[0], [1], [2]], plan=plan, keepers=keepers, workers=[],
                                   slice_of=lambda p: f"slice-{p}")
     cfg = ElasticConfig(num_slices=3, global_batch_size=48, snapshot_every=1)
     streams = StepStreams(world, cfg, SnapshotStore(hosts_per_slice=1), lambda m: None, [])
     streams._reported, streams._intervals = 10, [(0, 1)]  # step 10 streamed by process 1, which then died
+    stopped = None
+    if node_lost:
+        streams.store.hold_only("slice-1", 0, {s: SnapshotRef(keepers[1], 0, s) for s in (8, 9, 10)})
+        stopped = ray.get(keepers[1].__ray_call__.remote(lambda self: os.getpid()))
+        os.kill(stopped, signal.SIGSTOP)
     late = None if late_keep_s is None else threading.Timer(late_keep_s, lambda: ray.get(keepers[2].keep.remote(0, 10, snap)))
     if late is not None:
         late.start()
@@ -192,6 +199,8 @@ def _drain_after_process_1_died(late_keep_s=None) -> tuple:
     finally:
         if late is not None:
             late.join()
+        if stopped is not None:
+            os.kill(stopped, signal.SIGKILL)
         for k in keepers:
             ray.kill(k)
 
@@ -216,6 +225,18 @@ def test_a_surviving_holder_that_never_keeps_the_newest_step_costs_the_recovery_
     store, waited = _drain_after_process_1_died(late_keep_s=None)
     assert store.latest_complete(["slice-0", "slice-2"]) == {"slice-0": 10, "slice-2": 9}
     assert OTHER_HOLDERS_S <= waited < OTHER_HOLDERS_S + 1.0, waited
+
+
+def test_a_lost_nodes_keeper_does_not_shorten_the_wait_for_the_surviving_holders(cluster):
+    """Only a slice whose keepers answer starts that second: here step 10 is listed only for the
+    dead process's slice, whose node is gone (its keeper never answers), and process 2's keeper
+    gets it 1.5 s into the drain, past ``OTHER_HOLDERS_S``. The drain waits for it: the next world
+    restores step 10, not 9."""
+    from ray_elastic.stepping import OTHER_HOLDERS_S
+
+    store, waited = _drain_after_process_1_died(late_keep_s=OTHER_HOLDERS_S + 0.5, node_lost=True)
+    assert store.complete("slice-2", 10), waited
+    assert OTHER_HOLDERS_S + 0.5 < waited < 3.5, waited
 
 
 def test_a_keeper_holds_the_newest_step_its_driver_acknowledged_however_far_the_process_ran(cluster):
