@@ -17,8 +17,8 @@ Faults fire one at a time, each once the world is at full size again:
 A 2-host-slice variant (``--multihost``) loses one host of a slice per position. Per fault the
 bench prints detection (kill -> the controller sees the failure; the drain after it, collecting
 what the survivors streamed and their keepers hold, is its own column) and kill -> first step
-afterwards, with the controller's own phase split; then per kind and position the median and worst, and
-the grow-back pauses. The last line is one JSON object:
+afterwards, with the controller's own phase split; then per kind and position the median and
+worst, and the grow-back pauses. The last line is one JSON object:
 
     {"replica_resize_recovery_s": median kill -> step over all kills (warm and cold), "replica_resize_worst_s": ...,
      "replica_resize_warm_median_s": ..., "replica_resize_warm_worst_s": ..., "replica_resize_cold_median_s": ...,
@@ -62,6 +62,7 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
     from ray_elastic import ElasticConfig, ElasticTrainer
     from ray_elastic.errors import ElasticRuntimeError
     from ray_elastic.examples.digits_mlp import DigitsMLPTask
+    from ray_elastic.results import failure_seen_at
 
     arrivals: list[float] = []  # wall time of every finished step
     fired: list[dict] = []
@@ -141,9 +142,7 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
             continue
         rec = after[0]
         first = min(a for a in arrivals if a > rec.ready_at)
-        # Detection: the kill until the controller saw the failure; then it drains (what the
-        # survivors streamed, what their keepers hold) and classifies.
-        detected = [(e["ts"] - e["classify_s"] - e.get("drain_s", 0.0), e.get("drain_s", float("nan")))
+        detected = [(failure_seen_at(e), e.get("drain_s", float("nan")))
                     for e in events if e["kind"] == "failure" and e["ts"] > row["at"]]
         rows.append({**row, **{k: getattr(rec, k) for k in ("classify_s", "teardown_s", "wait_for_capacity_s",
                                                             "world_formation_s", "state_load_s", "compile_s",

@@ -48,6 +48,7 @@ def cluster_point(num_slices: int, hosts: int, steps: int) -> dict:
     from ray_elastic import ElasticConfig, ElasticTrainer
     from ray_elastic.errors import ElasticRuntimeError
     from ray_elastic.examples.char_transformer import CharTransformerTask
+    from ray_elastic.results import failure_seen_at
     from ray_elastic.sim import SimulatedTPUCluster
 
     bare = overhead.run_bare(steps, "small", 1, processes=num_slices * hosts, devices=1, batch=BATCH)["step_s"]
@@ -96,8 +97,7 @@ def cluster_point(num_slices: int, hosts: int, steps: int) -> dict:
             fails = [e for e in t.events.events if e["kind"] == "failure" and e["ts"] > f["at"]]
             if recs and fails:
                 first = min(a for a in done_at if a > recs[0].ready_at)
-                seen = fails[0]["ts"] - fails[0]["classify_s"] - fails[0].get("drain_s", 0.0)  # before the drain
-                rows.append({"kind": f["kind"], "detection_s": round(seen - f["at"], 3),
+                rows.append({"kind": f["kind"], "detection_s": round(failure_seen_at(fails[0]) - f["at"], 3),
                              "kill_to_step_s": round(first - f["at"], 3), "steps_rewound": recs[0].steps_rewound})
     return {"slices": num_slices, "hosts_per_slice": hosts, "processes": num_slices * hosts,
             "bare_step_ms": round(bare * 1e3, 2), "step_ms": round(ray_step * 1e3, 2),

@@ -247,6 +247,12 @@ def summarize(*, ledger: StepLedger, worlds: list[WorldRecord], recoveries: list
     return FitResult(steps, losses, times, list(recoveries), dataclasses.asdict(summary), list(events))
 
 
+def failure_seen_at(event: dict) -> float:
+    """Wall time the controller saw the failure of a ``failure`` event: before it drained what the
+    survivors streamed and their keepers hold, and before it classified (the event's own time)."""
+    return event["ts"] - event["classify_s"] - event.get("drain_s", 0.0)
+
+
 def unexplained_rewinds(events: list[dict], replicas: int) -> int:
     """Steps rewound although a snapshot holder of the newest step survived, read from a run's events
     (``replicas``: its ``snapshot_replicas``; the holders are the first slices of each world).

@@ -41,7 +41,7 @@ WATCH_S = 1.0  # a FirstReady thread's longest single wait (it waits again on th
 KEEPER_POLL_S = 0.05
 STEP_COST_WINDOW = 10  # snapshot intervals of step times the auto interval reads
 KEEPER_ANSWER_S = 0.3  # a live keeper answers in milliseconds; one on a lost node may never
-OTHER_HOLDERS_S = 1.0  # once one slice holds the newest step, how long the other surviving holders
+OTHER_HOLDERS_S = 1.0  # once a slice whose keepers answer holds the newest step, how long the other holders
                        # get to hand it over too (a writer takes milliseconds; one stuck behind a
                        # step whose collective waits for the dead peer never does)
 NOT_KEPT_LISTED = 5  # snapshots not kept listed per world in the event (all are counted)

@@ -190,8 +190,9 @@ class SliceWorker:
         if self.batches is None:
             self.prepare()
         self.plan = plan
+        ours = jw.program_key(plan)
         for key, ahead in self.traced.items():
-            if key != jw.program_key(plan):
+            if key != ours:
                 ahead.cancel()  # one world per process: the other layouts' traces would only take CPU from the join
         self.process_id = plan.process_id(slice_index, host_index)
         t0 = time.perf_counter()
