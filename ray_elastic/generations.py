@@ -64,10 +64,11 @@ class Generations:
 
     # ------------------------------------------------------------ capacity
     def reserve(self, on_wait: Optional[Callable[[int, int], None]] = None) -> list:
-        """The first world's slices; their standby processes start while the world forms.
+        """The first world's slices, with one process started on each host (the one the world
+        takes: spares would share the CPUs it needs; they start after its first step).
         ``on_wait(ready, asked)`` every few seconds while slices are missing."""
         self.members = self.backend.reserve(self.config.num_slices, on_wait=on_wait)
-        self.backend.replenish(self.members)
+        self.backend.replenish(self.members, per_host=min(1, self.config.standby_workers))
         return list(self.members)
 
     def ready_replacements(self) -> list:

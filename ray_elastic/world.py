@@ -42,6 +42,7 @@ class FormationTimes:
     total_s: float = 0.0
     standbys_used: int = 0
     processes_starting: int = 0  # taken before they had started (Python, JAX, data): forming waited for them
+    spares_stopped: int = 0  # spare standbys still starting, stopped so that those taken start sooner
 
 
 class Standby(NamedTuple):
@@ -119,6 +120,23 @@ class WorkerPool:
                 queue = self._standby.setdefault((id(res), h), [])
                 while len(queue) < want:
                     queue.append(self._start(res, h))
+
+    def stop_starting_spares(self, reservations: list[SliceReservation]) -> int:
+        """Kill the spare standbys of these hosts that are still starting; how many.
+
+        Called when a world forming had to take a process that is still starting (faults in quick
+        succession used up the warm ones): the spares would share the CPUs with the processes the
+        world waits for (on the simulated cluster, with every host's). The replenishing after the
+        world's first step starts them again."""
+        spares = [(key, s) for res in reservations for h in range(res.spec.num_hosts)
+                  for key in [(id(res), h)] for s in self._standby.get(key, [])]
+        started, _ = ray.wait([s.prepared for _, s in spares], num_returns=len(spares), timeout=0) if spares else ([], [])
+        started = set(started)
+        stopped = [(key, s) for key, s in spares if s.prepared not in started]
+        for key, s in stopped:
+            self._standby[key].remove(s)
+            _kill(s.actor)
+        return len(stopped)
 
     def warm(self, reservations: list[SliceReservation], every: bool = False) -> bool:
         """Every host of these slices has a standby that finished starting (Python, JAX, data) and
@@ -270,6 +288,8 @@ class World:
         started, _ = ray.wait(flat_prepared, num_returns=len(flat_prepared), timeout=0)
         times = FormationTimes(standbys_used=sum(warm for sa in taken for _, warm in sa),
                                processes_starting=len(flat_prepared) - len(started))
+        if times.processes_starting:
+            times.spares_stopped = pool.stop_starting_spares(reservations)
         try:
             # Slice names and host order come from the nodes' TPU labels when Ray has them, so a
             # new process that is still starting does not hold the others back: they begin
