@@ -148,7 +148,7 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
                                                             "world_formation_s", "state_load_s", "compile_s",
                                                             "steps_rewound")},
                      **{k: trainer.worlds[rec.generation].times[k] for k in ("jax_init_s", "trace_s", "load_s",
-                                                                             "processes_starting", "spares_stopped")},
+                                                                             "processes_starting")},
                      "detection_s": detected[0][0] - row["at"] if detected else float("nan"),
                      "drain_s": detected[0][1] if detected else float("nan"),
                      "first_step_s": first - rec.ready_at, "kill_to_step_s": first - t_kill,
@@ -175,13 +175,12 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
 def report(title: str, out: dict) -> None:
     rows = out["rows"]
     print(f"\n{title}: {len(rows)} faults")
-    # starting: processes the new world took before they had started (Python, JAX, data);
-    # stopped: spare standbys still starting that it stopped so that those start sooner
-    print(f"  {'kind':>8} {'pos':>3} {'holder':>6} {'cold':>5} {'starting':>8} {'stopped':>7} "
+    # starting: processes the new world took before they had started (Python, JAX, data)
+    print(f"  {'kind':>8} {'pos':>3} {'holder':>6} {'cold':>5} {'starting':>8} "
           + " ".join(f"{p[:-2]:>11}" for p in PHASES))
     for r in rows:
         print(f"  {r['kind']:>8} {r['position']:>3} {str(r['holder']):>6} {str(r['cold']):>5} "
-              f"{r['processes_starting']:>8} {r['spares_stopped']:>7} " + " ".join(f"{r[p]:>11.3f}" for p in PHASES))
+              f"{r['processes_starting']:>8} " + " ".join(f"{r[p]:>11.3f}" for p in PHASES))
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["kind"], r["position"], r["cold"]), []).append(r["kill_to_step_s"])

@@ -64,11 +64,11 @@ class Generations:
 
     # ------------------------------------------------------------ capacity
     def reserve(self, on_wait: Optional[Callable[[int, int], None]] = None) -> list:
-        """The first world's slices, with one process started on each host (the one the world
-        takes: spares would share the CPUs it needs; they start after its first step).
-        ``on_wait(ready, asked)`` every few seconds while slices are missing."""
+        """The first world's slices, with a process started on each host while the world is
+        asked for (the pool starts one per host at a time: the one the world takes; the others
+        after its first step). ``on_wait(ready, asked)`` every few seconds while slices are missing."""
         self.members = self.backend.reserve(self.config.num_slices, on_wait=on_wait)
-        self.backend.replenish(self.members, per_host=min(1, self.config.standby_workers))
+        self.backend.replenish(self.members)
         return list(self.members)
 
     def ready_replacements(self) -> list:
@@ -319,9 +319,9 @@ class Generations:
         self.worlds.append(record)
         return record
 
-    def replenish(self) -> None:
-        """Start warm standby processes on member hosts that lack some."""
-        self.backend.replenish(self.members)
+    def replenish(self) -> bool:
+        """Start warm standby processes on member hosts that lack some; True once none lacks any."""
+        return self.backend.replenish(self.members)
 
     def release(self) -> None:
         """The run is over: stop every process, cancel pending requests, give every slice back."""

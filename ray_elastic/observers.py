@@ -126,17 +126,21 @@ class UserCallbacks(EventListener):
 
 class StandbyReplenisher(EventListener):
     """Starts warm standby processes once a new world has finished its first step: starting
-    processes earlier competes for the CPUs that forming and the first steps need."""
+    processes earlier competes for the CPUs that forming and the first steps need. The pool
+    starts one per host at a time, so it is asked again, every ``every_s`` of steps, until
+    every host has them all."""
 
-    def __init__(self, replenish: Callable[[], None]):
+    def __init__(self, replenish: Callable[[], bool], every_s: float = 0.5):
         self.replenish = replenish
+        self.every_s = every_s
         self._pending = False
+        self._next = 0.0
 
     def on_event(self, event: dict) -> None:
         if event["kind"] == "world_formed":
-            self._pending = True
+            self._pending, self._next = True, 0.0
 
     def on_step(self, metrics: dict) -> None:
-        if self._pending:
-            self._pending = False
-            self.replenish()
+        if self._pending and time.monotonic() >= self._next:
+            self._pending = not self.replenish()
+            self._next = time.monotonic() + self.every_s

@@ -191,9 +191,10 @@ class FakeBackend:
     def lost_hosts(self, reservations) -> list:
         return [r for r in reservations if r.host not in self.alive]
 
-    def replenish(self, members, per_host=None) -> None:
+    def replenish(self, members, per_host=None) -> bool:
         for r in members:
             self.standby_checks.setdefault(r.host, 0)
+        return True
 
     def warm(self, reservations, every=False) -> bool:
         hosts = [r.host for r in reservations]
