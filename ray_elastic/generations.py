@@ -86,7 +86,7 @@ class Generations:
         if not should_grow(self.config.mode, len(self.members), len(ready), self.config.num_slices):
             return False
         newcomers = [req.poll() for req in ready[: self.config.num_slices - len(self.members)]]
-        self.backend.replenish(newcomers)
+        self.backend.replenish(newcomers, at_once=True)  # together: none is still starting beside the grow
         return self.backend.warm(self.members + newcomers)
 
     def decide(self, survivors: list, *, timed_out: bool) -> NextWorld:

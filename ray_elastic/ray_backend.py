@@ -64,8 +64,8 @@ class RayBackend:
         """A pending slice placement group: the demand the autoscaler provisions a slice for."""
         return ReplacementRequest(self.config.slice, self.config.replacement_timeout_s)
 
-    def replenish(self, members: list, per_host: Optional[int] = None) -> bool:
-        return self.pool.replenish(members, per_host)
+    def replenish(self, members: list, per_host: Optional[int] = None, at_once: bool = False) -> bool:
+        return self.pool.replenish(members, per_host, at_once)
 
     def missing_snapshots(self, refs: list, members: list = (), timeout_s: float = 1.0) -> set[int]:
         """Indices of ``refs`` (:class:`SnapshotRef`) whose keeper answers but no longer holds them, or

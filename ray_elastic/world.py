@@ -104,17 +104,20 @@ class WorkerPool:
         s, warm = (queue.pop(0), True) if queue else (self._start(res, host), False)
         return (s.actor, s.prepared), warm
 
-    def replenish(self, reservations: list[SliceReservation], per_host: Optional[int] = None) -> bool:
+    def replenish(self, reservations: list[SliceReservation], per_host: Optional[int] = None,
+                  at_once: bool = False) -> bool:
         """Start standbys until every host of these slices has ``config.standby_workers`` of them
         (``per_host`` instead: a replacement that arrives while others are awaited starts only the
         process its first world will take, so a second one does not slow it down). True when every
         host has them all.
 
-        One at a time per host: a host whose newest standby is still starting (Python, JAX, data,
-        the trace ahead) gets the next one only when it is done (call again). Six starting at once
-        on the simulated cluster's 2 cores slowed the steps beside them by a fifth and, when a fault
-        came then, Ray's own notice of it (raylets and GCS busy starting workers): up to 1.08 s
-        to see a process kill that takes 0.03 s otherwise.
+        One at a time per host unless ``at_once``: a host whose newest standby is still starting
+        (Python, JAX, data, the trace ahead) gets the next one only when it is done (call again).
+        After faults in quick succession a world may have to take a process still starting; one
+        started beside it shared the CPUs it needed (the bench's cold chain of process kills:
+        4.1-4.5 s kill -> step, 2.0-3.2 s without). ``at_once`` is for a slice that is not yet a
+        member (the newcomers of a grow-back): nothing of the run waits on them while they start,
+        and the grow waits until one is ready on each host.
         """
         want = self.config.standby_workers if per_host is None else per_host
         hosts = [((id(res), h), res, h) for res in reservations for h in range(res.spec.num_hosts)]
@@ -124,8 +127,10 @@ class WorkerPool:
         for key, res, h in hosts:
             self.keeper(res, h)
             queue = self._standby.setdefault(key, [])
-            if len(queue) < want and (not queue or queue[-1].traced in done):
+            while len(queue) < want and (at_once or not queue or queue[-1].traced in done):
                 queue.append(self._start(res, h))
+                if not at_once:
+                    break
             full = full and len(queue) >= want
         return full
 

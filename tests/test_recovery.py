@@ -554,10 +554,10 @@ def _alive_pids(pool, res) -> set:
 
 
 def test_standbys_start_one_at_a_time_per_host(cluster):
-    """A host's next standby starts only once the one before has started (Python, JAX, data, the
-    trace ahead): several starting together slowed the steps beside them and, when a fault came
-    then, Ray's notice of it; a world that had to take a process still starting also shared the
-    CPUs with the spares started next to it (the bench's cold chain of process kills)."""
+    """A member host's next standby starts only once the one before has started (Python, JAX, data,
+    the trace ahead): a world that had to take a process still starting shared the CPUs with the
+    spare started next to it (the bench's cold chain of process kills). A grow-back's newcomers
+    start theirs together."""
     from ray_elastic.placement import SliceReservation
     from ray_elastic.world import WorkerPool
 
@@ -574,6 +574,8 @@ def test_standbys_start_one_at_a_time_per_host(cluster):
         (actor, prepared), _ = pool.take(res, 0)  # the oldest: warm
         assert ray.get(prepared, timeout=30)["pid"] == ray.get(actor.probe.remote(), timeout=30)["pid"]
         assert actor is first.actor
+        pool.discard(res)  # as a grow-back's newcomer: started together
+        assert pool.replenish([res], at_once=True) is True and len(_alive_pids(pool, res)) == 2
     finally:
         pool.shutdown()
         res.release()
