@@ -120,19 +120,22 @@ class WorkerPool:
         and the grow waits until one is ready on each host.
         """
         want = self.config.standby_workers if per_host is None else per_host
-        hosts = [((id(res), h), res, h) for res in reservations for h in range(res.spec.num_hosts)]
-        newest = [q[-1].traced for key, _, _ in hosts for q in [self._standby.get(key)] if q]
-        done = set(ray.wait(newest, num_returns=len(newest), timeout=0)[0]) if newest else set()
-        full = True
-        for key, res, h in hosts:
-            self.keeper(res, h)
-            queue = self._standby.setdefault(key, [])
-            while len(queue) < want and (at_once or not queue or queue[-1].traced in done):
-                queue.append(self._start(res, h))
-                if not at_once:
-                    break
-            full = full and len(queue) >= want
-        return full
+        queues = {}
+        for res in reservations:
+            for h in range(res.spec.num_hosts):
+                self.keeper(res, h)
+                queues[(res, h)] = self._standby.setdefault((id(res), h), [])
+        busy: set = set()  # the newest standby of hosts still short of ``want``, if still starting
+        if not at_once:
+            newest = [q[-1].traced for q in queues.values() if q and len(q) < want]
+            if newest:
+                busy = set(ray.wait(newest, num_returns=len(newest), timeout=0)[1])
+        for (res, h), queue in queues.items():
+            missing = max(0, want - len(queue))
+            if queue and queue[-1].traced in busy:
+                continue
+            queue.extend(self._start(res, h) for _ in range(missing if at_once else min(1, missing)))
+        return all(len(q) >= want for q in queues.values())
 
     def warm(self, reservations: list[SliceReservation], every: bool = False) -> bool:
         """Every host of these slices has a standby that finished starting (Python, JAX, data) and
