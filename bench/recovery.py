@@ -23,7 +23,8 @@ worst, and the grow-back pauses. The last line is one JSON object:
     {"replica_resize_recovery_s": median kill -> step over all kills (warm and cold), "replica_resize_worst_s": ...,
      "replica_resize_warm_median_s": ..., "replica_resize_warm_worst_s": ..., "replica_resize_cold_median_s": ...,
      "detection_worst_s": ..., "cascade_recovery_s": ... (replica-resize: second loss -> step), "cascade_worst_s": ...,
-     "pause_resume_cascade_s": ..., "pause_resume_cascade_after_arrival_s": ..., "grow_pause_s": ...,
+     "pause_resume_cascade_s": ..., "pause_resume_cascade_after_arrival_s": ..., "grow_pause_s": median over
+     every grow-back, "grow_pause_worst_s": ..., "grow_pause_multihost_s": median of the 2-host slices' grows,
      "pause_resume_recovery_after_arrival_s": ..., "steps_rewound_max": ...}
 
     .venv/bin/python bench/recovery.py [--repeats 2] [--multihost 1]
@@ -261,6 +262,9 @@ def main() -> None:
         "pause_resume_cascade_after_arrival_s": round(statistics.median(r["after_arrival_s"] for r in pr_cascade), 3)
         if pr_cascade else None,
         "grow_pause_s": round(statistics.median(pauses), 3) if pauses else None,
+        "grow_pause_worst_s": round(max(pauses), 3) if pauses else None,
+        "grow_pause_multihost_s": round(statistics.median(results["multihost"]["grow_pauses"]), 3)
+        if results.get("multihost", {}).get("grow_pauses") else None,
         "pause_resume_recovery_after_arrival_s": round(statistics.median(
             r["after_arrival_s"] for r in rows("pause-and-resume")), 3) if rows("pause-and-resume") else None,
         "steps_rewound_max": max((r["steps_rewound"] for r in everything), default=0),
