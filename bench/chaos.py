@@ -21,7 +21,8 @@ Each phase is compared, step by step, with the failure-free run of the same leng
 Float32 rounding makes any change of world size drift the losses a little (the drift grows with
 the steps after it), so the failure-free run is also made at ``min_slices``: its distance from the
 full-size run is the noise floor, ``world_size_noise``. Steps trained before the world first
-changed shape must match exactly (``same_shape_max_diff``). Last line, one JSON object:
+changed shape must match exactly (``same_shape_max_diff``). ``--no-noise`` skips the run at
+``min_slices`` (both noise figures null): a quick check of recovery alone. Last line, one JSON object:
 
     {"faults": N, "planned": ..., "unrecovered": ..., "steps_rewound": ..., "unexplained_rewound": ...,
      "max_rel_loss_diff": ...,
@@ -166,7 +167,7 @@ def draw_kinds(rng: random.Random, kinds, n: int) -> list[str]:
 
 def run_phase(cluster, *, steps: int, faults: int, every_s: float, kinds, hosts: int, num_slices: int,
               min_slices: int, checkpoint_every: int, gap: int, rng: random.Random, ckpt_dir: str,
-              run_dir: Optional[str] = None) -> dict:
+              run_dir: Optional[str] = None, noise: bool = True) -> dict:
     from ray_elastic import ElasticConfig, ElasticTrainer, goodput
     from ray_elastic.checkpoints import latest_checkpoint
     from ray_elastic.examples.digits_mlp import DigitsMLPTask
@@ -183,8 +184,10 @@ def run_phase(cluster, *, steps: int, faults: int, every_s: float, kinds, hosts:
     # The failure-free references start no standby processes: nothing fails there, and the losses
     # do not depend on them.
     full = ElasticTrainer(DigitsMLPTask(), cfg(num_slices, standby_workers=0), progress=False).fit(steps).losses
-    small = ElasticTrainer(DigitsMLPTask(), cfg(min_slices, standby_workers=0), progress=False).fit(steps).losses
-    print(f"  failure-free runs at {num_slices} and {min_slices} slices: {time.time() - t0:.0f}s", flush=True)
+    small = ElasticTrainer(DigitsMLPTask(), cfg(min_slices, standby_workers=0), progress=False).fit(steps).losses \
+        if noise else None
+    print(f"  failure-free run(s) at {num_slices}" + (f" and {min_slices}" if noise else "")
+          + f" slices: {time.time() - t0:.0f}s", flush=True)
 
     chaos = Chaos(cluster, rng, hosts)
     schedule = {}
@@ -238,7 +241,7 @@ def run_phase(cluster, *, steps: int, faults: int, every_s: float, kinds, hosts:
            "uncommitted_restored": uncommitted_restored,
            "final_checkpoint_committed": latest is not None and latest.step == steps,
            "by_kind": {k: sum(1 for f in chaos.fired if f["kind"] == k) for k in sorted({f["kind"] for f in chaos.fired})},
-           "world_size_noise": _max_rel(small, full)}
+           "world_size_noise": _max_rel(small, full) if noise else None}
     if result is not None:
         # Steps before the world first changed shape trained exactly as the failure-free run did.
         resized = [r.restored_from_step for r in result.recoveries if r.slices != num_slices]
@@ -283,6 +286,8 @@ def main() -> int:
                          "goodput a user gets")
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of " + ",".join(KINDS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-noise", action="store_true",
+                    help="skip the failure-free run at min_slices (no noise floor: a quick check of recovery only)")
     ap.add_argument("--run-dir", default=None,
                     help="keep each phase's event log here (<dir>/<phase>/events.jsonl; see `ray-elastic report`)")
     args = ap.parse_args()
@@ -307,7 +312,8 @@ def main() -> int:
             phases["one_host_slices"] = run_phase(
                 cluster, steps=steps, faults=args.faults, every_s=args.every_s, kinds=kinds, hosts=1, num_slices=4,
                 min_slices=2, checkpoint_every=args.checkpoint_every, gap=args.gap, rng=rng,
-                ckpt_dir=os.path.join(tmp, "one-host"), run_dir=_phase_dir(args.run_dir, "one_host_slices"))
+                ckpt_dir=os.path.join(tmp, "one-host"), run_dir=_phase_dir(args.run_dir, "one_host_slices"),
+                noise=not args.no_noise)
         print(json.dumps(phases["one_host_slices"]), flush=True)
         if mh > 0:
             steps = args.steps or args.gap * mh + 60
@@ -316,7 +322,8 @@ def main() -> int:
                 phases["two_host_slices"] = run_phase(
                     cluster, steps=steps, faults=mh, every_s=0.0, kinds=["one_host"], hosts=2, num_slices=3,
                     min_slices=2, checkpoint_every=args.checkpoint_every, gap=args.gap, rng=rng,
-                    ckpt_dir=os.path.join(tmp, "two-host"), run_dir=_phase_dir(args.run_dir, "two_host_slices"))
+                    ckpt_dir=os.path.join(tmp, "two-host"), run_dir=_phase_dir(args.run_dir, "two_host_slices"),
+                    noise=not args.no_noise)
             print(json.dumps(phases["two_host_slices"]), flush=True)
     ps = list(phases.values())
     total = {
@@ -327,9 +334,10 @@ def main() -> int:
         # rewound although a snapshot holder of the newest step survived: must be 0
         "unexplained_rewound": sum(p.get("unexplained_rewound", 0) for p in ps),
         "max_rel_loss_diff": max(p.get("max_rel_loss_diff", float("nan")) for p in ps),
-        "world_size_noise": max(p["world_size_noise"] for p in ps),
+        "world_size_noise": max(p["world_size_noise"] for p in ps) if not args.no_noise else None,
         # The goal: each phase within twice its own noise floor.
-        "loss_diff_over_noise": max(p.get("max_rel_loss_diff", float("nan")) / p["world_size_noise"] for p in ps),
+        "loss_diff_over_noise": max(p.get("max_rel_loss_diff", float("nan")) / p["world_size_noise"] for p in ps)
+        if not args.no_noise else None,
         "same_shape_max_diff": max(p.get("same_shape_max_diff", float("nan")) for p in ps),
         "uncommitted_restored": sum(p["uncommitted_restored"] for p in ps),
         "final_checkpoint_committed": all(p["final_checkpoint_committed"] for p in ps),

@@ -65,10 +65,11 @@ class Generations:
     # ------------------------------------------------------------ capacity
     def reserve(self, on_wait: Optional[Callable[[int, int], None]] = None) -> list:
         """The first world's slices, with a process started on each host while the world is
-        asked for (the pool starts one per host at a time: the one the world takes; the others
-        after its first step). ``on_wait(ready, asked)`` every few seconds while slices are missing."""
+        asked for (the pool starts one per host at a time: the one the world takes, which prepares
+        for that world only; the others after its first step). ``on_wait(ready, asked)`` every few
+        seconds while slices are missing."""
         self.members = self.backend.reserve(self.config.num_slices, on_wait=on_wait)
-        self.backend.replenish(self.members)
+        self.backend.replenish(self.members, for_world=len(self.members))
         return list(self.members)
 
     def ready_replacements(self) -> list:

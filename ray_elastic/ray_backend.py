@@ -64,8 +64,9 @@ class RayBackend:
         """A pending slice placement group: the demand the autoscaler provisions a slice for."""
         return ReplacementRequest(self.config.slice, self.config.replacement_timeout_s)
 
-    def replenish(self, members: list, per_host: Optional[int] = None, at_once: bool = False) -> bool:
-        return self.pool.replenish(members, per_host, at_once)
+    def replenish(self, members: list, per_host: Optional[int] = None, at_once: bool = False,
+                  for_world: Optional[int] = None) -> bool:
+        return self.pool.replenish(members, per_host, at_once, for_world)
 
     def missing_snapshots(self, refs: list, members: list = (), timeout_s: float = 1.0) -> set[int]:
         """Indices of ``refs`` (:class:`SnapshotRef`) whose keeper answers but no longer holds them, or
@@ -75,7 +76,10 @@ class RayBackend:
         hosts = self.pool.keepers_of(members)
         keepers = list({k._actor_id: k for k in [r.keeper for r in refs] + [k for _, k in hosts]}.values())
         dead: set[int] = set()
-        answers = ask_keepers(keepers, timeout_s, dead)  # one that does not answer: its slice's loss is decided elsewhere
+        starting = frozenset(i for i, k in enumerate(keepers) if not self.pool.answered(k))
+        # One that does not answer: its slice's loss is decided elsewhere.
+        answers = ask_keepers(keepers, timeout_s, dead, starting)
+        self.pool.confirm_keepers([keepers[i] for i in answers if i not in dead])
         dead_ids = {keepers[i]._actor_id for i in dead}
         for (res, host), k in hosts:
             if k._actor_id in dead_ids:

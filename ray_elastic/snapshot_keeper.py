@@ -178,12 +178,20 @@ class SnapshotWriter:
         return kept, seconds, not_kept
 
 
-def ask_keepers(keepers: list, timeout_s: float, dead: Optional[set] = None) -> dict[int, list[tuple[int, int]]]:
+def ask_keepers(keepers: list, timeout_s: float, dead: Optional[set] = None,
+                starting: frozenset = frozenset()) -> dict[int, list[tuple[int, int]]]:
     """Index -> (generation, step) held, for each of ``keepers`` (None skipped) that answers within
     ``timeout_s``. A keeper Ray reports dead holds nothing (``[]``; its snapshots died with it) and
-    its index goes into ``dead``; one that does not answer (a lost or hung node) is left out."""
+    its index goes into ``dead``; one that does not answer (a lost or hung node) is left out.
+
+    ``starting``: indices of keepers that have never answered (their process may still be starting,
+    and they hold nothing yet): asked, but not waited for. Every fit's first world waited the whole
+    ``timeout_s`` for its new keepers' processes to start."""
     asks = {k.held.remote(): i for i, k in enumerate(keepers) if k is not None}
-    ready, _ = ray.wait(list(asks), num_returns=len(asks), timeout=timeout_s)
+    awaited = [ref for ref, i in asks.items() if i not in starting]
+    if awaited:
+        ray.wait(awaited, num_returns=len(awaited), timeout=timeout_s)
+    ready, _ = ray.wait(list(asks), num_returns=len(asks), timeout=0)  # and what the new ones said by now
     out = {}
     for ref in ready:
         try:

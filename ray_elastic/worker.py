@@ -112,10 +112,11 @@ class SliceWorker:
         self._reported = -1  # the newest step streamed
         self._kept_early: list[int] = []  # steps kept whose metrics are not streamed yet
 
-    def prepare(self) -> dict:
+    def prepare(self, for_world: Optional[int] = None) -> dict:
         """Everything that does not need the world: import JAX, load the task's data. Then, in the
-        background, trace the step for the worlds this process may join: joining one then only
-        lowers and loads it."""
+        background, trace the step for the worlds this process may join (``for_world``: the size of
+        the one it was started for; a process joins one world only, and the others' traces took CPU
+        from the world's forming): joining one then only lowers and loads it."""
         t0 = time.perf_counter()
         try:
             from ray_elastic import jax_world
@@ -125,7 +126,7 @@ class SliceWorker:
             jax_world.enable_compilation_cache(c.compilation_cache_dir)
             self.batches = StepBatches(self.task.dataset(), c.global_batch_size, c.seed)
             tracer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trace-ahead")
-            for plan in self._likely_plans():
+            for plan in self._likely_plans(for_world):
                 self.traced[jax_world.program_key(plan)] = tracer.submit(
                     jax_world.trace_ahead, self.task, plan, c.seed, c.fsdp_min_size, self.batches,
                     scale_updates=c.lr_rule is not None)
@@ -143,11 +144,12 @@ class SliceWorker:
         self._prepared.wait()
         concurrent.futures.wait(self._tracing)
 
-    def _likely_plans(self) -> list[WorldPlan]:
-        """Layouts of the largest worlds this run may form (``ElasticConfig.world_plan``, as forming does)."""
+    def _likely_plans(self, for_world: Optional[int] = None) -> list[WorldPlan]:
+        """Layouts of the largest worlds this run may form (``ElasticConfig.world_plan``, as forming does),
+        or of the one world of ``for_world`` slices."""
         c = self.config
-        return [c.world_plan(0, [f"s{i}" for i in range(n)])
-                for n in sorted(c.world_sizes(), reverse=True)[:TRACE_AHEAD_WORLDS]]
+        sizes = [for_world] if for_world else sorted(c.world_sizes(), reverse=True)[:TRACE_AHEAD_WORLDS]
+        return [c.world_plan(0, [f"s{i}" for i in range(n)]) for n in sizes]
 
     def host_info(self) -> dict:
         """Where this process really runs (for placement checks and event logs)."""

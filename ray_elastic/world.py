@@ -68,6 +68,7 @@ class WorkerPool:
         # (id(reservation), host) -> standbys, oldest first
         self._standby: dict[tuple[int, int], list[Standby]] = {}
         self._keepers: dict[tuple[int, int], ray.actor.ActorHandle] = {}  # (id(reservation), host) -> keeper
+        self._answered: set = set()  # actor ids of keepers that have answered a call: their process is up
         self.relays = RelayPool()  # fan chunks out to many quiet processes (large worlds)
 
     def keeper(self, res: SliceReservation, host: int) -> ray.actor.ActorHandle:
@@ -84,6 +85,13 @@ class WorkerPool:
         return [((res, h), self._keepers[(id(res), h)]) for res in reservations
                 for h in range(res.spec.num_hosts) if (id(res), h) in self._keepers]
 
+    def answered(self, keeper: ray.actor.ActorHandle) -> bool:
+        """The keeper has answered a call (a new one may still be starting, and holds nothing yet)."""
+        return keeper._actor_id in self._answered
+
+    def confirm_keepers(self, keepers: list) -> None:
+        self._answered.update(k._actor_id for k in keepers)
+
     def renew_keeper(self, res: SliceReservation, host: int) -> ray.actor.ActorHandle:
         """A new, empty keeper for a host whose keeper died (its snapshots died with it)."""
         old = self._keepers.pop((id(res), host), None)
@@ -91,21 +99,24 @@ class WorkerPool:
             _kill(old)
         return self.keeper(res, host)
 
-    def _start(self, res: SliceReservation, host: int) -> Standby:
+    def _start(self, res: SliceReservation, host: int, for_world: Optional[int] = None) -> Standby:
+        """A new slice process; ``for_world``: the size (slices) of the world it is started for, the
+        only one whose step it then traces ahead (else the likely ones: see ``SliceWorker.prepare``)."""
         options = {"num_cpus": 0, "scheduling_strategy": res.host_strategy(host)}
         if self.env:
             options["runtime_env"] = {"env_vars": self.env}
         actor = SliceWorker.options(**options).remote(self.task_ref, self.config)
-        return Standby(actor, actor.prepare.remote(), actor.traced_ahead.remote())
+        return Standby(actor, actor.prepare.remote(for_world), actor.traced_ahead.remote())
 
-    def take(self, res: SliceReservation, host: int) -> tuple[tuple, bool]:
-        """An actor and its prepare ref for (slice, host): the warm standby if there is one, else a new process."""
+    def take(self, res: SliceReservation, host: int, for_world: Optional[int] = None) -> tuple[tuple, bool]:
+        """An actor and its prepare ref for (slice, host): the warm standby if there is one, else a
+        new process, started for a world of ``for_world`` slices."""
         queue = self._standby.get((id(res), host))
-        s, warm = (queue.pop(0), True) if queue else (self._start(res, host), False)
+        s, warm = (queue.pop(0), True) if queue else (self._start(res, host, for_world), False)
         return (s.actor, s.prepared), warm
 
     def replenish(self, reservations: list[SliceReservation], per_host: Optional[int] = None,
-                  at_once: bool = False) -> bool:
+                  at_once: bool = False, for_world: Optional[int] = None) -> bool:
         """Start standbys until every host of these slices has ``config.standby_workers`` of them
         (``per_host`` instead: a replacement that arrives while others are awaited starts only the
         process its first world will take, so a second one does not slow it down). True when every
@@ -117,7 +128,8 @@ class WorkerPool:
         started beside it shared the CPUs it needed (the bench's cold chain of process kills:
         4.1-4.5 s kill -> step, 2.0-3.2 s without). ``at_once`` is for a slice that is not yet a
         member (the newcomers of a grow-back): nothing of the run waits on them while they start,
-        and the grow waits until one is ready on each host.
+        and the grow waits until one is ready on each host. ``for_world``: the processes started
+        now are for a world of that many slices (the first world's), see ``_start``.
         """
         want = self.config.standby_workers if per_host is None else per_host
         queues = {}
@@ -134,7 +146,7 @@ class WorkerPool:
             missing = max(0, want - len(queue))
             if queue and queue[-1].traced in busy:
                 continue
-            queue.extend(self._start(res, h) for _ in range(missing if at_once else min(1, missing)))
+            queue.extend(self._start(res, h, for_world) for _ in range(missing if at_once else min(1, missing)))
         return all(len(q) >= want for q in queues.values())
 
     def warm(self, reservations: list[SliceReservation], every: bool = False) -> bool:
@@ -280,7 +292,7 @@ class World:
         """
         spec = config.slice
         t0 = time.perf_counter()
-        taken = [[pool.take(res, h) for h in range(spec.num_hosts)] for res in reservations]
+        taken = [[pool.take(res, h, len(reservations)) for h in range(spec.num_hosts)] for res in reservations]
         actors = [[a for (a, _), _ in sa] for sa in taken]
         prepared = [[p for (_, p), _ in sa] for sa in taken]
         flat_prepared = [p for sp in prepared for p in sp]
@@ -326,6 +338,7 @@ class World:
                         checkpoint_step=checkpoint_step, checkpoint_dir=checkpoint_dir, keeper=keepers[s][h]))
             owners = [n for n in names for _ in range(spec.num_hosts)]  # slice of each process, plan order
             _gather(begun, owners, config.jax_init_timeout_s, watch=watch)
+            pool.confirm_keepers([k for ks in keepers for k in ks])
             joins = _gather(joins, owners, config.jax_init_timeout_s * 2, watch=watch)
             host_infos = [ray.get(sp, timeout=config.jax_init_timeout_s) for sp in host_prepared]
             times.jax_init_s = max(j["init_s"] for j in joins)

@@ -191,7 +191,7 @@ class FakeBackend:
     def lost_hosts(self, reservations) -> list:
         return [r for r in reservations if r.host not in self.alive]
 
-    def replenish(self, members, per_host=None, at_once=False) -> bool:
+    def replenish(self, members, per_host=None, at_once=False, for_world=None) -> bool:
         for r in members:
             self.standby_checks.setdefault(r.host, 0)
         return True

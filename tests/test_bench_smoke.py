@@ -77,7 +77,7 @@ def _chaos(args, timeout):
 def test_chaos_bench_recovers_every_fault():
     """A short chaos soak: four faults of the kinds that combine failures (two at once, a second
     during a recovery, one while a world forms, a replacement lost on arrival)."""
-    out = _chaos(["--faults", "4", "--multihost-faults", "0", "--steps", "100", "--gap", "20",
+    out = _chaos(["--faults", "4", "--multihost-faults", "0", "--steps", "100", "--gap", "20", "--no-noise",
                   "--kinds", "two_at_once,during_recovery,while_forming,dies_on_arrival"], timeout=900)
     assert out["faults"] == 4 and out["max_rel_loss_diff"] <= 1e-4, out
     gp = out["goodput_breakdown"]  # where the badput went: the seconds add up to the run's wall time
