@@ -15,14 +15,15 @@ Faults fire one at a time, each once the world is at full size again:
 - plus ``cascade``: a second slice lost while the first recovery runs.
 
 A 2-host-slice variant (``--multihost``) loses one host of a slice per position. Per fault the
-bench prints detection (kill -> the controller sees the failure; the drain after it, collecting
+bench prints, for node losses, when Ray's node table marks the node dead (``node_dead_s``, its
+health checks), then detection (kill -> the controller sees the failure; the drain after it, collecting
 what the survivors streamed and their keepers hold, is its own column) and kill -> first step
 afterwards, with the controller's own phase split; then per kind and position the median and
 worst, and the grow-back pauses. The last line is one JSON object:
 
     {"replica_resize_recovery_s": median kill -> step over all kills (warm and cold), "replica_resize_worst_s": ...,
      "replica_resize_warm_median_s": ..., "replica_resize_warm_worst_s": ..., "replica_resize_cold_median_s": ...,
-     "detection_worst_s": ..., "cascade_recovery_s": ... (replica-resize: second loss -> step), "cascade_worst_s": ...,
+     "detection_worst_s": ..., "node_dead_worst_s": ..., "cascade_recovery_s": ... (replica-resize: second loss -> step), "cascade_worst_s": ...,
      "pause_resume_cascade_s": ..., "pause_resume_cascade_after_arrival_s": ..., "grow_pause_s": median over
      every grow-back, "grow_pause_worst_s": ..., "grow_pause_multihost_s": median of the 2-host slices' grows,
      "pause_resume_recovery_after_arrival_s": ..., "steps_rewound_max": ...}
@@ -40,7 +41,7 @@ import statistics
 import threading
 import time
 
-PHASES = ("detection_s", "drain_s", "classify_s", "teardown_s", "wait_for_capacity_s", "world_formation_s", "jax_init_s",
+PHASES = ("node_dead_s", "detection_s", "drain_s", "classify_s", "teardown_s", "wait_for_capacity_s", "world_formation_s", "jax_init_s",
           "state_load_s", "compile_s", "trace_s", "load_s", "first_step_s", "kill_to_step_s", "after_arrival_s")
 
 
@@ -70,11 +71,14 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
     todo = list(faults)
     box: dict = {"quiet_from": gap, "quiet_until": time.time() + gap_s}
 
-    def kill(t, kind: str, pos: int) -> None:
+    def kill(t, kind: str, pos: int, row: dict) -> None:
         name = t.world.plan.slice_names[pos]
         if kind == "process":
             os.kill(t.world.host_infos[pos * hosts]["pid"], signal.SIGKILL)
-        elif hosts > 1:
+            return
+        threading.Thread(target=watch_node_death, args=(cluster.slice_by_name(name).node_ids[hosts - 1], row),
+                         daemon=True).start()
+        if hosts > 1:
             threading.Thread(target=cluster.kill_host, args=(name, hosts - 1), daemon=True).start()
         else:
             threading.Thread(target=cluster.kill_slice, args=(name,), daemon=True).start()
@@ -105,7 +109,7 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
                "step": m["step"], "cold": cold}
         box["cold_world"] = t.world  # a cold fault needs a newer world than this one
         fired.append(row)
-        kill(t, "node" if kind == "cascade" else kind, pos)
+        kill(t, "node" if kind == "cascade" else kind, pos, row)
         if kind == "cascade":
             box["cascade"] = row
         box["quiet_from"], box["quiet_until"] = m["step"] + gap, time.time() + gap_s
@@ -150,6 +154,7 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
                                                             "steps_rewound")},
                      **{k: trainer.worlds[rec.generation].times[k] for k in ("jax_init_s", "trace_s", "load_s",
                                                                              "processes_starting")},
+                     "node_dead_s": row.get("node_dead_s", float("nan")),
                      "detection_s": detected[0][0] - row["at"] if detected else float("nan"),
                      "drain_s": detected[0][1] if detected else float("nan"),
                      "first_step_s": first - rec.ready_at, "kill_to_step_s": first - t_kill,
@@ -171,6 +176,18 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
                     detail = {k: e[k] for k in ("lost_slices", "restore_source", "steps_rewound", "reason") if k in e}
                     print(f"   {e['ts'] - t_kill:7.3f} {e['kind']} {detail}")
     return {"rows": rows, "grow_pauses": pauses, "skipped": box.get("skipped", [])}
+
+
+def watch_node_death(node_id: str, row: dict, timeout_s: float = 30.0) -> None:
+    """``row["node_dead_s"]``: seconds from the kill until Ray's node table marks the node dead (the GCS's
+    health checks), beside the controller's own detection: a late detection is Ray's, or ours."""
+    import ray
+
+    while time.time() < row["at"] + timeout_s:
+        if not any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+            row["node_dead_s"] = time.time() - row["at"]
+            return
+        time.sleep(0.05)
 
 
 def report(title: str, out: dict) -> None:
@@ -247,6 +264,7 @@ def main() -> None:
     pr_cascade = rows("pause-and-resume", ("cascade",))
     pauses = [p for out in results.values() for p in out["grow_pauses"]]
     everything = [r for out in results.values() for r in out["rows"]]
+    dead = [r["node_dead_s"] for r in everything if r["node_dead_s"] == r["node_dead_s"]]  # not NaN
     summary = {
         "replica_resize_recovery_s": round(statistics.median(rr), 3) if rr else None,
         "replica_resize_worst_s": round(max(rr), 3) if rr else None,
@@ -254,6 +272,8 @@ def main() -> None:
         "replica_resize_warm_worst_s": round(max(warm), 3) if warm else None,
         "replica_resize_cold_median_s": round(statistics.median(cold), 3) if cold else None,
         "detection_worst_s": round(max(r["detection_s"] for r in everything), 3) if everything else None,
+        # kill -> Ray's node table says the node is dead (node losses): Ray's share of a late detection
+        "node_dead_worst_s": round(max(dead), 3) if dead else None,
         # second loss -> first step; in pause-and-resume also from the second replacement's arrival
         "cascade_recovery_s": round(statistics.median(cascade), 3) if cascade else None,
         "cascade_worst_s": round(max(cascade), 3) if cascade else None,
