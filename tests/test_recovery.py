@@ -266,6 +266,24 @@ def test_a_keeper_holds_the_newest_step_its_driver_acknowledged_however_far_the_
         ray.kill(keeper)
 
 
+def test_a_keeper_still_starting_is_asked_but_not_waited_for(cluster):
+    """A keeper that has never answered holds nothing: every fit's first world waited the whole
+    answer timeout (1 s) for its new keepers' processes to start before forming. It is asked, and
+    what it says by the time the others have answered counts; it is not waited for."""
+    from ray_elastic.snapshot_keeper import SnapshotKeeper, ask_keepers
+
+    known = SnapshotKeeper.options(num_cpus=0).remote()
+    assert ray.get(known.held.remote(), timeout=60) == []  # up: it has answered once
+    new = SnapshotKeeper.options(num_cpus=0).remote()  # its process starts now
+    try:
+        answers = ask_keepers([known, new], 30.0, starting=frozenset({1}))
+        assert answers == {0: []}, answers  # the starting one was not waited for (30 s)
+        assert ray.get(new.held.remote(), timeout=60) == []  # and it was alive all along
+    finally:
+        ray.kill(known)
+        ray.kill(new)
+
+
 def test_a_keeper_lost_while_its_host_lives_is_replaced_and_costs_no_step(cluster, baseline):
     """A snapshot holder whose keeper actor died (its host and process live) keeps nothing more:
     the steps go on, every snapshot it could not hand over is reported (``snapshot_not_kept``), and
