@@ -42,6 +42,11 @@ class HostLost(RuntimeError):
     """A host of a slice lost its node while a world formed (seen from its placement group)."""
 
 
+class RayletGone(HostLost):
+    """A host's raylet refuses connections: its Ray node is dead, though Ray's health checks may
+    not have said so yet (they decide on the same refusal, a few checks later)."""
+
+
 class ProcessFailed(RuntimeError):
     """A call on every process of a world failed on process ``process`` (``cause``: what it raised)."""
 

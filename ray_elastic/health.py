@@ -10,7 +10,7 @@ import time
 
 import ray
 
-from ray_elastic.errors import FormingError, HostLost, SliceDownError, StorageError
+from ray_elastic.errors import FormingError, HostLost, RayletGone, SliceDownError, StorageError
 from ray_elastic.plan import ErrorKind
 
 
@@ -18,6 +18,8 @@ def error_kind(exc: BaseException) -> ErrorKind:
     """What an exception from a slice actor says about its slice."""
     if isinstance(exc, FormingError):
         return error_kind(exc.cause)
+    if isinstance(exc, RayletGone):
+        return ErrorKind.NODE_DIED  # proof, not suspicion: nothing listens where its raylet did
     if isinstance(exc, HostLost):
         return ErrorKind.ACTOR_DIED  # its process is gone or never came: the node table decides
     if isinstance(exc, TimeoutError):
@@ -46,20 +48,40 @@ def error_kind(exc: BaseException) -> ErrorKind:
     return ErrorKind.TASK_ERROR
 
 
+REFUSAL_PROBE_S = 0.05  # a refusal comes back at once; a silent host proves nothing either way
+
+
+def raylet_addresses(node_ids) -> dict[str, tuple[str, int]]:
+    """Where each live node's raylet listens (nodes the table has marked dead are left out)."""
+    nodes = {n["NodeID"]: n for n in ray.nodes()}
+    return {i: (nodes[i]["NodeManagerAddress"], nodes[i]["NodeManagerPort"])
+            for i in node_ids if i in nodes and nodes[i]["Alive"]}
+
+
+def _raylet_state(address: tuple[str, int], timeout_s: float) -> str:
+    """'answers', 'refuses' (nothing listens: the raylet process is gone, so is its Ray node) or
+    'silent' (no answer in time: a host that is unreachable, or only slow)."""
+    try:
+        with socket.create_connection(address, timeout=timeout_s):
+            return "answers"
+    except ConnectionRefusedError:
+        return "refuses"
+    except OSError:
+        return "silent"
+
+
 def raylets_answer(node_ids: list[str], timeout_s: float) -> bool:
     """True when the raylet of every node accepts a TCP connection: the hosts are up, whatever
     happened to a process on them. A lost host refuses (its raylet died with it) or stays silent."""
-    nodes = {n["NodeID"]: n for n in ray.nodes()}
-    for node_id in node_ids:
-        n = nodes.get(node_id)
-        if n is None or not n["Alive"]:
-            return False
-        try:
-            with socket.create_connection((n["NodeManagerAddress"], n["NodeManagerPort"]), timeout=timeout_s):
-                pass
-        except OSError:
-            return False
-    return bool(node_ids)
+    addresses = raylet_addresses(node_ids)
+    return bool(node_ids) and all(n in addresses and _raylet_state(addresses[n], timeout_s) == "answers"
+                                  for n in node_ids)
+
+
+def refusing(addresses: dict[str, tuple[str, int]], timeout_s: float = REFUSAL_PROBE_S) -> set[str]:
+    """The nodes whose raylet refuses a connection: dead Ray nodes, seen before Ray's health checks
+    have failed often enough to mark them (three checks apart, or one that runs into its timeout)."""
+    return {n for n, addr in addresses.items() if _raylet_state(addr, timeout_s) == "refuses"}
 
 
 def alive_nodes() -> set[str]:
@@ -67,17 +89,21 @@ def alive_nodes() -> set[str]:
 
 
 def dead_slices(slice_nodes: dict[str, list[str]], suspects: set[str], grace_s: float, poll_s: float = 0.05) -> set[str]:
-    """Slices with a dead host.
+    """Slices with a dead host: marked dead in the node table, or (for a suspect) its raylet refusing.
 
     A suspect slice (one whose process failed and whose host nothing vouches for) whose
     hosts all still look alive is watched for ``grace_s``: when a host is killed its
-    processes die first and Ray marks the node dead a health-check period later. With
-    no suspects this is one look at the node table.
+    processes die first and Ray marks the node dead a health-check period later; a refusing
+    raylet says so sooner. With no suspects this is one look at the node table.
     """
     deadline = time.monotonic() + grace_s
     while True:
         alive = alive_nodes()
         dead = {s for s, nodes in slice_nodes.items() if any(n not in alive for n in nodes)}
+        pending = [n for s in suspects - dead for n in slice_nodes.get(s, ())]
+        if pending:
+            gone = refusing(raylet_addresses(pending))
+            dead |= {s for s in suspects if any(n in gone for n in slice_nodes.get(s, ()))}
         if suspects <= dead or time.monotonic() >= deadline:
             return dead
         time.sleep(poll_s)

@@ -24,6 +24,7 @@ import ray
 
 from ray_elastic import health
 from ray_elastic.config import ElasticConfig
+from ray_elastic.errors import RayletGone
 from ray_elastic.plan import (MAX_SNAPSHOT_EVERY, chunk_steps, newest_snapshot_step, snapshot_cost_in_steps,
                               snapshot_interval, watchdog_timeout)
 from ray_elastic.snapshot_keeper import ask_keepers
@@ -37,6 +38,13 @@ POLL_S = 0.25
 # gathered for up to GATHER_S and read in one ``ray.get``.
 GATHER_S = 0.005
 WATCH_S = 1.0  # a FirstReady thread's longest single wait (it waits again on the same refs)
+# A world whose steps stop for SUSPECT_FACTOR step times (at least SUSPECT_MIN_S, past the
+# streams' FLUSH_S) has its hosts' raylets looked at: a refusing one is a lost node, seen before
+# Ray's health checks mark it (until then no call of ours fails: the lost host's tasks wait on
+# its node's death, its peers in a collective). Looked at again after NODE_CHECK_S, doubling up
+# to NODE_CHECK_MAX_S while the stall lasts; a few loopback or LAN connects, no Ray call.
+SUSPECT_FACTOR, SUSPECT_MIN_S = 1.5, 0.25
+NODE_CHECK_S, NODE_CHECK_MAX_S = 0.05, 1.0
 
 KEEPER_POLL_S = 0.05
 STEP_COST_WINDOW = 10  # snapshot intervals of step times the auto interval reads
@@ -77,6 +85,7 @@ class StepStreams:
         self._timed: list[tuple[int, float]] = []  # (step, seconds) of this world's steps, first run only
         self._step_cost: Optional[float] = None  # a snapshot's cost read from the step times (auto interval)
         self._reported = self._snapshot_reported = -1
+        self._raylets: Optional[dict] = None  # node id -> where its raylet listens (health.raylet_addresses)
 
     def take_snapshot_steps(self) -> list[int]:
         """Steps snapshotted since the last call (for the event log)."""
@@ -127,6 +136,7 @@ class StepStreams:
         last_progress = time.monotonic()
         last_progress_wall = time.time()
         probed = -1  # the newest step a health probe found finished
+        node_check_every, next_node_check = NODE_CHECK_S, 0.0
         holders = [c for c in range(len(self.queues)) if self.streaming[c]]
         quiet = [c for c in range(len(self.queues)) if not self.streaming[c]]
         while True:
@@ -153,7 +163,9 @@ class StepStreams:
                     self.sync_with_keepers()  # the bigger world restores from what they hold
                 return RunOutcome(kind, {}, last_progress_wall)
             limit = watchdog_timeout(self.step_times, self.config.hang_timeout_factor, self.config.hang_timeout_min_s)
-            wake.wait(POLL_S)
+            suspect = watchdog_timeout(self.step_times, SUSPECT_FACTOR, SUSPECT_MIN_S)
+            check_at = max(last_progress + suspect, next_node_check)
+            wake.wait(min(POLL_S, max(0.0, check_at - time.monotonic())))
             wake.clear()
             if quiet_waiter.fired():
                 # Quiet chunks ended (or one failed): every one that has, in one batch.
@@ -174,7 +186,15 @@ class StepStreams:
                         return RunOutcome(OutcomeKind.FAILURE, {self.channels[c][0]: e}, last_progress_wall)
                     if progressed:
                         last_progress, last_progress_wall = time.monotonic(), time.time()
+                        node_check_every, next_node_check = NODE_CHECK_S, 0.0
                 stream_waiter.watch(self._heads(holders))
+            now = time.monotonic()
+            if now - last_progress > suspect and now >= next_node_check:
+                gone = self._lost_hosts()
+                if gone:
+                    return RunOutcome(OutcomeKind.FAILURE, gone, last_progress_wall)
+                next_node_check = now + node_check_every
+                node_check_every = min(2 * node_check_every, NODE_CHECK_MAX_S)
             if time.monotonic() - last_progress > limit:
                 answers = health.probe(self.world.workers, self.config.probe_timeout_s)
                 if not health.busy(answers, max(self._reported, probed)):
@@ -183,6 +203,15 @@ class StepStreams:
                     return RunOutcome(OutcomeKind.HANG, silent, last_progress_wall)
                 probed = max(probed, health.newest_step(answers))
                 last_progress = time.monotonic()  # slow, not hung: watch again from now
+
+    def _lost_hosts(self) -> dict[int, BaseException]:
+        """The processes whose host's raylet refuses connections (its Ray node is dead), by process."""
+        if self._raylets is None:  # where the world's raylets listen: nodes do not move during a world
+            self._raylets = health.raylet_addresses({i["node_id"] for i in self.world.host_infos})
+        gone = health.refusing(self._raylets)
+        return {p: RayletGone(f"the raylet of host {p % self.world.plan.hosts_per_slice} of slice "
+                              f"{self.world.slice_of(p)} (node {info['node_id'][:12]}) refuses connections: its node is gone")
+                for p, info in enumerate(self.world.host_infos) if info["node_id"] in gone}
 
     def _heads(self, channels: list[int]) -> list:
         return [self.queues[c][0] for c in channels if self.queues[c]]

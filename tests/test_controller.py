@@ -404,3 +404,23 @@ def test_check_transition(old, new):
     else:
         with pytest.raises(InvalidTransition, match=f"from {old.value} to {new.value}"):
             check_transition(old, new)
+
+
+def test_a_raylet_port_nothing_listens_on_is_proof_of_a_lost_node_and_a_listening_one_is_not():
+    """What the step loop decides on when steps stall (``health.refusing``), on real sockets: a port
+    with a listener answers, the same port once closed refuses; a refusal is a node death."""
+    import socket
+
+    from ray_elastic import health
+    from ray_elastic.errors import RayletGone
+    from ray_elastic.plan import ErrorKind
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    addresses = {"live": ("127.0.0.1", port)}
+    assert health.refusing(addresses) == set()
+    listener.close()
+    assert health.refusing(addresses) == {"live"}
+    assert health.error_kind(RayletGone("refuses")) is ErrorKind.NODE_DIED
