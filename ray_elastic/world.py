@@ -17,7 +17,8 @@ from typing import Callable, NamedTuple, Optional
 import ray
 
 from ray_elastic.config import ElasticConfig
-from ray_elastic.errors import FormingError, HostLost, ProcessFailed
+from ray_elastic import health
+from ray_elastic.errors import FormingError, HostLost, ProcessFailed, RayletGone
 from ray_elastic.placement import SLICE_NAME_LABEL, SliceReservation
 from ray_elastic.plan import WorldPlan
 from ray_elastic.relay import RelayPool
@@ -237,10 +238,14 @@ def _placed(reservations: list[SliceReservation], names: list[str]) -> Callable[
     hosts = [res.node_ids() for res in reservations]  # where the processes are: Ray may move a bundle
 
     def check() -> None:
-        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}  # UNPLACED never is
+        raylets = health.raylet_addresses({n for nodes in hosts for n in nodes})  # alive in the table; UNPLACED never is
+        gone = health.refusing(raylets)  # dead, though the table may not say so yet
         for nodes, name in zip(hosts, names):
-            if not alive.issuperset(nodes):
+            if not set(nodes) <= raylets.keys():
                 raise FormingError([name], HostLost(f"a host of slice {name} lost its node while the world formed"))
+            if gone & set(nodes):
+                raise FormingError([name], RayletGone(f"the raylet of a host of slice {name} refuses connections "
+                                                      "while the world forms: its node is gone"))
     return check
 
 
