@@ -16,6 +16,7 @@ boundary to grow.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from typing import Callable, Optional
@@ -32,6 +33,7 @@ from ray_elastic.snapshots import SnapshotRef, SnapshotStore
 from ray_elastic.states import OutcomeKind, RunOutcome
 from ray_elastic.world import World
 
+logger = logging.getLogger(__name__)
 CHUNKS_IN_FLIGHT = 2
 POLL_S = 0.25
 # When one quiet chunk has ended, the rest of its batch (processes end a chunk together) is
@@ -207,7 +209,11 @@ class StepStreams:
     def _lost_hosts(self) -> dict[int, BaseException]:
         """The processes whose host's raylet refuses connections (its Ray node is dead), by process."""
         if self._raylets is None:  # where the world's raylets listen: nodes do not move during a world
-            self._raylets = health.raylet_addresses({i["node_id"] for i in self.world.host_infos})
+            try:
+                self._raylets = health.raylet_addresses({i["node_id"] for i in self.world.host_infos})
+            except Exception as e:  # noqa: BLE001 - the GCS unreachable for a moment: no evidence, look again
+                logger.debug("raylet addresses: %r", e)
+                return {}
         gone = health.refusing(self._raylets)
         return {p: RayletGone(f"the raylet of host {p % self.world.plan.hosts_per_slice} of slice "
                               f"{self.world.slice_of(p)} (node {info['node_id'][:12]}) refuses connections: its node is gone")
