@@ -49,6 +49,7 @@ def error_kind(exc: BaseException) -> ErrorKind:
 
 
 REFUSAL_PROBE_S = 0.05  # a refusal comes back at once; a silent host proves nothing either way
+ANSWER_S = 0.3  # a live raylet accepts a connection in milliseconds
 
 
 def raylet_addresses(node_ids) -> dict[str, tuple[str, int]]:
@@ -70,12 +71,16 @@ def _raylet_state(address: tuple[str, int], timeout_s: float) -> str:
         return "silent"
 
 
-def raylets_answer(node_ids: list[str], timeout_s: float) -> bool:
-    """True when the raylet of every node accepts a TCP connection: the hosts are up, whatever
-    happened to a process on them. A lost host refuses (its raylet died with it) or stays silent."""
-    addresses = raylet_addresses(node_ids)
-    return bool(node_ids) and all(n in addresses and _raylet_state(addresses[n], timeout_s) == "answers"
-                                  for n in node_ids)
+def answering(addresses: dict[str, tuple[str, int]], timeout_s: float = ANSWER_S) -> set[str]:
+    """The nodes whose raylet accepts a TCP connection: hosts that are up, whatever happened to a
+    process on them."""
+    return {n for n, addr in addresses.items() if _raylet_state(addr, timeout_s) == "answers"}
+
+
+def raylets_answer(node_ids: list[str], timeout_s: float = ANSWER_S) -> bool:
+    """True when the raylet of every node accepts a TCP connection. A lost host refuses (its raylet
+    died with it) or stays silent."""
+    return bool(node_ids) and answering(raylet_addresses(node_ids), timeout_s) >= set(node_ids)
 
 
 def refusing(addresses: dict[str, tuple[str, int]], timeout_s: float = REFUSAL_PROBE_S) -> set[str]:

@@ -26,7 +26,6 @@ from ray_elastic.task import TrainTask
 from ray_elastic.world import World, WorkerPool
 
 logger = logging.getLogger(__name__)
-VOUCH_TIMEOUT_S = 0.3  # a live raylet accepts a connection in milliseconds
 
 
 class RayBackend:
@@ -110,7 +109,7 @@ class RayBackend:
 
     def hosts_answer(self, reservation) -> bool:
         """Every host of the slice answers (its raylet accepts a connection): the hosts are alive."""
-        return health.raylets_answer(reservation.node_ids(), VOUCH_TIMEOUT_S)
+        return health.raylets_answer(reservation.node_ids())
 
     def lost_hosts(self, reservations: list) -> list:
         """The reservations with a host Ray's node table has marked dead (one look, no grace)."""

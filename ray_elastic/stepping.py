@@ -87,7 +87,8 @@ class StepStreams:
         self._timed: list[tuple[int, float]] = []  # (step, seconds) of this world's steps, first run only
         self._step_cost: Optional[float] = None  # a snapshot's cost read from the step times (auto interval)
         self._reported = self._snapshot_reported = -1
-        self._raylets: Optional[dict] = None  # node id -> where its raylet listens (health.raylet_addresses)
+        self._raylets: Optional[dict] = None  # node id -> where its raylet listens, if it answered (_learn_raylets)
+        self._learning: Optional[threading.Thread] = None
 
     def take_snapshot_steps(self) -> list[int]:
         """Steps snapshotted since the last call (for the event log)."""
@@ -122,6 +123,9 @@ class StepStreams:
         return every
 
     def run(self, start_step: int, end_step: int, grow_requested: Callable[[], bool]) -> RunOutcome:
+        if self._raylets is None and self._learning is None:
+            self._learning = threading.Thread(target=self._learn_raylets, name="ray-elastic-raylets", daemon=True)
+            self._learning.start()
         wake = threading.Event()
         waiters = FirstReady(wake), FirstReady(wake)  # snapshot holders' streams, the others' results
         try:
@@ -206,14 +210,23 @@ class StepStreams:
                 probed = max(probed, health.newest_step(answers))
                 last_progress = time.monotonic()  # slow, not hung: watch again from now
 
+    def _learn_raylets(self) -> None:
+        """Where the world's raylets listen, keeping those that answer now (off the step loop, once
+        per world: nodes do not move during a world). Only a raylet this driver has reached can
+        later prove its node dead by refusing: one it cannot reach at all (a firewall, a driver
+        outside the cluster's network) proves nothing."""
+        try:
+            addresses = health.raylet_addresses({i["node_id"] for i in self.world.host_infos})
+        except Exception as e:  # noqa: BLE001 - the GCS unreachable for a moment: no evidence this world
+            logger.debug("raylet addresses: %r", e)
+            addresses = {}
+        reached = health.answering(addresses)
+        self._raylets = {n: a for n, a in addresses.items() if n in reached}
+
     def _lost_hosts(self) -> dict[int, BaseException]:
         """The processes whose host's raylet refuses connections (its Ray node is dead), by process."""
-        if self._raylets is None:  # where the world's raylets listen: nodes do not move during a world
-            try:
-                self._raylets = health.raylet_addresses({i["node_id"] for i in self.world.host_infos})
-            except Exception as e:  # noqa: BLE001 - the GCS unreachable for a moment: no evidence, look again
-                logger.debug("raylet addresses: %r", e)
-                return {}
+        if not self._raylets:  # not learnt yet (the world's first moments) or none reachable
+            return {}
         gone = health.refusing(self._raylets)
         return {p: RayletGone(f"the raylet of host {p % self.world.plan.hosts_per_slice} of slice "
                               f"{self.world.slice_of(p)} (node {info['node_id'][:12]}) refuses connections: its node is gone")
