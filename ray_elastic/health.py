@@ -59,11 +59,18 @@ def raylet_addresses(node_ids) -> dict[str, tuple[str, int]]:
             for i in node_ids if i in nodes and nodes[i]["Alive"]}
 
 
-def _raylet_state(address: tuple[str, int], timeout_s: float) -> str:
+# Raylets this driver has connected to. Only such a raylet proves its node dead by refusing: one
+# that refused from the start may be behind a firewall or out of this driver's network. Node ids
+# are never reused, so a record never goes stale.
+_reached: set[str] = set()
+
+
+def _raylet_state(node_id: str, address: tuple[str, int], timeout_s: float) -> str:
     """'answers', 'refuses' (nothing listens: the raylet process is gone, so is its Ray node) or
     'silent' (no answer in time: a host that is unreachable, or only slow)."""
     try:
         with socket.create_connection(address, timeout=timeout_s):
+            _reached.add(node_id)
             return "answers"
     except ConnectionRefusedError:
         return "refuses"
@@ -74,7 +81,7 @@ def _raylet_state(address: tuple[str, int], timeout_s: float) -> str:
 def answering(addresses: dict[str, tuple[str, int]], timeout_s: float = ANSWER_S) -> set[str]:
     """The nodes whose raylet accepts a TCP connection: hosts that are up, whatever happened to a
     process on them."""
-    return {n for n, addr in addresses.items() if _raylet_state(addr, timeout_s) == "answers"}
+    return {n for n, addr in addresses.items() if _raylet_state(n, addr, timeout_s) == "answers"}
 
 
 def raylets_answer(node_ids: list[str], timeout_s: float = ANSWER_S) -> bool:
@@ -84,13 +91,10 @@ def raylets_answer(node_ids: list[str], timeout_s: float = ANSWER_S) -> bool:
 
 
 def refusing(addresses: dict[str, tuple[str, int]], timeout_s: float = REFUSAL_PROBE_S) -> set[str]:
-    """The nodes whose raylet refuses a connection: dead Ray nodes, seen before Ray's health checks
-    have failed often enough to mark them (three checks apart, or one that runs into its timeout)."""
-    return {n for n, addr in addresses.items() if _raylet_state(addr, timeout_s) == "refuses"}
-
-
-def alive_nodes() -> set[str]:
-    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    """The nodes whose raylet, reached by this driver before, now refuses a connection: dead Ray
+    nodes, seen before Ray's health checks have failed often enough to mark them (three checks
+    apart, or one that runs into its timeout)."""
+    return {n for n, addr in addresses.items() if _raylet_state(n, addr, timeout_s) == "refuses" and n in _reached}
 
 
 def dead_slices(slice_nodes: dict[str, list[str]], suspects: set[str], grace_s: float, poll_s: float = 0.05) -> set[str]:
@@ -103,12 +107,10 @@ def dead_slices(slice_nodes: dict[str, list[str]], suspects: set[str], grace_s: 
     """
     deadline = time.monotonic() + grace_s
     while True:
-        alive = alive_nodes()
-        dead = {s for s, nodes in slice_nodes.items() if any(n not in alive for n in nodes)}
-        pending = [n for s in suspects - dead for n in slice_nodes.get(s, ())]
-        if pending:
-            gone = refusing(raylet_addresses(pending))
-            dead |= {s for s in suspects if any(n in gone for n in slice_nodes.get(s, ()))}
+        raylets = raylet_addresses({n for nodes in slice_nodes.values() for n in nodes})  # the live ones
+        dead = {s for s, nodes in slice_nodes.items() if not raylets.keys() >= set(nodes)}
+        gone = refusing({n: raylets[n] for s in suspects - dead for n in slice_nodes.get(s, ()) if n in raylets})
+        dead |= {s for s in suspects if gone.intersection(slice_nodes.get(s, ()))}
         if suspects <= dead or time.monotonic() >= deadline:
             return dead
         time.sleep(poll_s)

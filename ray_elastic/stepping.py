@@ -87,7 +87,7 @@ class StepStreams:
         self._timed: list[tuple[int, float]] = []  # (step, seconds) of this world's steps, first run only
         self._step_cost: Optional[float] = None  # a snapshot's cost read from the step times (auto interval)
         self._reported = self._snapshot_reported = -1
-        self._raylets: Optional[dict] = None  # node id -> where its raylet listens, if it answered (_learn_raylets)
+        self._raylets: Optional[dict] = None  # node id -> where its raylet listens (_learn_raylets)
         self._learning: Optional[threading.Thread] = None
 
     def take_snapshot_steps(self) -> list[int]:
@@ -123,7 +123,7 @@ class StepStreams:
         return every
 
     def run(self, start_step: int, end_step: int, grow_requested: Callable[[], bool]) -> RunOutcome:
-        if self._raylets is None and self._learning is None:
+        if self._learning is None:
             self._learning = threading.Thread(target=self._learn_raylets, name="ray-elastic-raylets", daemon=True)
             self._learning.start()
         wake = threading.Event()
@@ -211,17 +211,16 @@ class StepStreams:
                 last_progress = time.monotonic()  # slow, not hung: watch again from now
 
     def _learn_raylets(self) -> None:
-        """Where the world's raylets listen, keeping those that answer now (off the step loop, once
-        per world: nodes do not move during a world). Only a raylet this driver has reached can
-        later prove its node dead by refusing: one it cannot reach at all (a firewall, a driver
-        outside the cluster's network) proves nothing."""
+        """Where the world's raylets listen, each connected to once (off the step loop, once per
+        world: nodes do not move during a world): only a raylet this driver has reached can later
+        prove its node dead by refusing (``health.refusing``), so reach them before any dies."""
         try:
             addresses = health.raylet_addresses({i["node_id"] for i in self.world.host_infos})
         except Exception as e:  # noqa: BLE001 - the GCS unreachable for a moment: no evidence this world
             logger.debug("raylet addresses: %r", e)
             addresses = {}
-        reached = health.answering(addresses)
-        self._raylets = {n: a for n, a in addresses.items() if n in reached}
+        health.answering(addresses)
+        self._raylets = addresses
 
     def _lost_hosts(self) -> dict[int, BaseException]:
         """The processes whose host's raylet refuses connections (its Ray node is dead), by process."""

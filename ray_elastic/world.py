@@ -237,12 +237,9 @@ def _placed(reservations: list[SliceReservation], names: list[str]) -> Callable[
     never have started (Ray places the bundle again instead of failing the actor)."""
     hosts = [res.node_ids() for res in reservations]  # where the processes are: Ray may move a bundle
 
-    reached: set = set()  # raylets this driver has reached: only those prove a death by refusing
-
     def check() -> None:
         raylets = health.raylet_addresses({n for nodes in hosts for n in nodes})  # alive in the table; UNPLACED never is
-        gone = health.refusing({n: a for n, a in raylets.items() if n in reached})  # dead, the table may lag
-        reached.update(health.answering({n: a for n, a in raylets.items() if n not in reached}))
+        gone = health.refusing(raylets)  # dead, though the table may not say so yet
         for nodes, name in zip(hosts, names):
             if not set(nodes) <= raylets.keys():
                 raise FormingError([name], HostLost(f"a host of slice {name} lost its node while the world formed"))

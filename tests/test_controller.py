@@ -408,7 +408,8 @@ def test_check_transition(old, new):
 
 def test_a_raylet_port_nothing_listens_on_is_proof_of_a_lost_node_and_a_listening_one_is_not():
     """What the step loop decides on when steps stall (``health.refusing``), on real sockets: a port
-    with a listener answers, the same port once closed refuses; a refusal is a node death."""
+    with a listener answers, the same port once closed refuses; a refusal is a node death, but only
+    from a raylet this driver has reached before."""
     import socket
 
     from ray_elastic import health
@@ -423,4 +424,6 @@ def test_a_raylet_port_nothing_listens_on_is_proof_of_a_lost_node_and_a_listenin
     assert health.refusing(addresses) == set()
     listener.close()
     assert health.refusing(addresses) == {"live"}
+    # A raylet never reached (a firewall, another network) proves nothing by refusing.
+    assert health.refusing({"never-reached": ("127.0.0.1", port)}) == set()
     assert health.error_kind(RayletGone("refuses")) is ErrorKind.NODE_DIED
