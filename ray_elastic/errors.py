@@ -47,6 +47,11 @@ class RayletGone(HostLost):
     not have said so yet (they decide on the same refusal, a few checks later)."""
 
 
+class ProcessGone(RuntimeError):
+    """A slice process's liveness connection closed: the process is dead (its host may be too;
+    the node check decides). See :mod:`ray_elastic.liveness`."""
+
+
 class ProcessFailed(RuntimeError):
     """A call on every process of a world failed on process ``process`` (``cause``: what it raised)."""
 

@@ -10,7 +10,7 @@ import time
 
 import ray
 
-from ray_elastic.errors import FormingError, HostLost, RayletGone, SliceDownError, StorageError
+from ray_elastic.errors import FormingError, HostLost, ProcessGone, RayletGone, SliceDownError, StorageError
 from ray_elastic.plan import ErrorKind
 
 
@@ -20,6 +20,8 @@ def error_kind(exc: BaseException) -> ErrorKind:
         return error_kind(exc.cause)
     if isinstance(exc, RayletGone):
         return ErrorKind.NODE_DIED  # proof, not suspicion: nothing listens where its raylet did
+    if isinstance(exc, ProcessGone):
+        return ErrorKind.PROCESS_DIED  # its connection closed: the process is gone; is its host? (vouching)
     if isinstance(exc, HostLost):
         return ErrorKind.ACTOR_DIED  # its process is gone or never came: the node table decides
     if isinstance(exc, TimeoutError):

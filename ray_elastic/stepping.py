@@ -25,7 +25,8 @@ import ray
 
 from ray_elastic import health
 from ray_elastic.config import ElasticConfig
-from ray_elastic.errors import RayletGone
+from ray_elastic.errors import ProcessGone, RayletGone
+from ray_elastic.liveness import DeathWatch
 from ray_elastic.plan import (MAX_SNAPSHOT_EVERY, chunk_steps, newest_snapshot_step, snapshot_cost_in_steps,
                               snapshot_interval, watchdog_timeout)
 from ray_elastic.snapshot_keeper import ask_keepers
@@ -89,6 +90,7 @@ class StepStreams:
         self._reported = self._snapshot_reported = -1
         self._raylets: Optional[dict] = None  # node id -> where its raylet listens (_learn_raylets)
         self._learning: Optional[threading.Thread] = None
+        self._deaths: Optional[DeathWatch] = None  # the world's processes' beacons, while ``run`` runs
 
     def take_snapshot_steps(self) -> list[int]:
         """Steps snapshotted since the last call (for the event log)."""
@@ -128,11 +130,16 @@ class StepStreams:
             self._learning.start()
         wake = threading.Event()
         waiters = FirstReady(wake), FirstReady(wake)  # snapshot holders' streams, the others' results
+        self._deaths = DeathWatch(self._beacons(), lambda p: wake.set())
         try:
             return self._run(start_step, end_step, grow_requested, wake, *waiters)
         finally:
+            self._deaths.stop()
             for w in waiters:
                 w.stop()
+
+    def _beacons(self) -> list:
+        return [(i["ip"], i["beacon_port"]) if i.get("beacon_port") else None for i in self.world.host_infos]
 
     def _run(self, start_step: int, end_step: int, grow_requested: Callable[[], bool], wake: threading.Event,
              stream_waiter: "FirstReady", quiet_waiter: "FirstReady") -> RunOutcome:
@@ -173,6 +180,9 @@ class StepStreams:
             check_at = max(last_progress + suspect, next_node_check)
             wake.wait(min(POLL_S, max(0.0, check_at - time.monotonic())))
             wake.clear()
+            gone = self._deaths.dead()
+            if gone:  # before Ray has said so (its signal comes through the GCS, late on a loaded host)
+                return RunOutcome(OutcomeKind.FAILURE, self._gone(gone), last_progress_wall)
             if quiet_waiter.fired():
                 # Quiet chunks ended (or one failed): every one that has, in one batch.
                 heads = {self.queues[c][0]: c for c in quiet if self.queues[c]}
@@ -222,11 +232,24 @@ class StepStreams:
         health.answering(addresses)
         self._raylets = addresses
 
-    def _lost_hosts(self) -> dict[int, BaseException]:
-        """The processes whose host's raylet refuses connections (its Ray node is dead), by process."""
+    def _gone(self, processes: set[int]) -> dict[int, BaseException]:
+        """Processes whose liveness connection closed, by process: with its host (a refusing raylet:
+        the node died, every process there is gone) or alone (the node check decides later)."""
+        errors: dict[int, BaseException] = {p: RayletGone(f"{e} (and the liveness connection of its process {p} closed)"
+                                                          if p in processes else str(e))
+                                             for p, e in self._lost_hosts(processes).items()}
+        for p in sorted(processes - set(errors)):
+            errors[p] = ProcessGone(f"process {p} of slice {self.world.slice_of(p)} "
+                                    f"(pid {self.world.host_infos[p]['pid']}) is gone: its liveness connection closed")
+        return errors
+
+    def _lost_hosts(self, of: Optional[set[int]] = None) -> dict[int, BaseException]:
+        """The processes (of ``of``, default all) whose host's raylet refuses connections (its Ray
+        node is dead), by process: every process on such a host, not only those of ``of``."""
         if not self._raylets:  # not learnt yet (the world's first moments) or none reachable
             return {}
-        gone = health.refusing(self._raylets)
+        nodes = None if of is None else {self.world.host_infos[p]["node_id"] for p in of}
+        gone = health.refusing({n: a for n, a in self._raylets.items() if nodes is None or n in nodes})
         return {p: RayletGone(f"the raylet of host {p % self.world.plan.hosts_per_slice} of slice "
                               f"{self.world.slice_of(p)} (node {info['node_id'][:12]}) refuses connections: its node is gone")
                 for p, info in enumerate(self.world.host_infos) if info["node_id"] in gone}
@@ -349,8 +372,10 @@ class StepStreams:
                     self._consume(c)
                 except Exception as e:  # noqa: BLE001
                     errors[self.channels[c][0]] = e
-        # Every holder's keeper, a failed process's too: its host may live, and its keeper with it.
-        holders = self._holder_processes()
+        # Every holder's keeper, a failed process's too: its host may live, and its keeper with it;
+        # not one on a host whose raylet refuses (its keeper died with it and would only be waited for).
+        lost = self._lost_hosts(set(errors))
+        holders = [p for p in self._holder_processes() if p not in lost]
         newest = newest_snapshot_step(self._reported, self.interval_at(self._reported))
         deadline = time.monotonic() + newest_s
         while holders:

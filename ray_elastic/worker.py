@@ -23,6 +23,7 @@ from typing import Optional
 import ray
 
 from ray_elastic.errors import SliceDownError
+from ray_elastic.liveness import Beacon
 from ray_elastic.plan import WorldPlan, is_checkpoint_step, is_snapshot_step
 from ray_elastic.snapshot_keeper import SnapshotWriter
 from ray_elastic.snapshots import SnapshotRef
@@ -94,6 +95,11 @@ class SliceWorker:
 
     def __init__(self, task, config):
         set_niceness(config.worker_niceness)
+        try:  # the driver's connection to it ends when this process does (liveness.DeathWatch)
+            self._beacon: Optional[Beacon] = Beacon(ray.util.get_node_ip_address())
+        except OSError as e:
+            logger.warning("no liveness beacon (its death is then seen through Ray only): %r", e)
+            self._beacon = None
         self.task = task
         self.config = config
         self.plan: Optional[WorldPlan] = None
@@ -159,6 +165,7 @@ class SliceWorker:
             "tpu_worker_id": os.environ.get("TPU_WORKER_ID", ""),
             "pid": os.getpid(),
             "ip": ray.util.get_node_ip_address(),
+            "beacon_port": self._beacon.port if self._beacon is not None else None,
         }
 
     @ray.method(concurrency_group="health")

@@ -6,6 +6,7 @@ effects are scripted (``fake_backend.py``). The real-cluster fault tests in
 """
 
 import itertools
+import time
 import warnings
 
 import pytest
@@ -427,3 +428,62 @@ def test_a_raylet_port_nothing_listens_on_is_proof_of_a_lost_node_and_a_listenin
     # A raylet never reached (a firewall, another network) proves nothing by refusing.
     assert health.refusing({"never-reached": ("127.0.0.1", port)}) == set()
     assert health.error_kind(RayletGone("refuses")) is ErrorKind.NODE_DIED
+
+
+_BEACON_CHILD = """
+import sys, time
+from ray_elastic.liveness import Beacon
+b = Beacon("127.0.0.1")
+print(b.port, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_process_death_closes_its_beacon_connection_and_a_stopped_process_does_not():
+    """What the step loop sees a process's death by (``liveness.DeathWatch``), on real processes: a
+    SIGKILL ends the connection within milliseconds, a SIGSTOP does not (a hang is the watchdog's),
+    and a beacon never reached proves nothing."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from ray_elastic import health
+    from ray_elastic.errors import ProcessGone
+    from ray_elastic.liveness import DeathWatch
+    from ray_elastic.plan import ErrorKind
+
+    children = [subprocess.Popen([sys.executable, "-c", _BEACON_CHILD], stdout=subprocess.PIPE, text=True)
+                for _ in range(2)]
+    try:
+        ports = [int(c.stdout.readline()) for c in children]
+        unreached = _port_nobody_listens_on()
+        seen = threading.Event()
+        watch = DeathWatch([("127.0.0.1", ports[0]), ("127.0.0.1", ports[1]), ("127.0.0.1", unreached), None],
+                           lambda p: seen.set())
+        time.sleep(0.3)  # connected
+        children[1].send_signal(signal.SIGSTOP)
+        time.sleep(0.3)
+        assert watch.dead() == set() and not seen.is_set()
+        killed_at = time.monotonic()
+        children[0].kill()
+        assert seen.wait(5.0), "the killed process's connection never ended"
+        assert time.monotonic() - killed_at < 2.0
+        assert watch.dead() == {0}  # not the stopped one, not the one never reached
+        watch.stop()
+    finally:
+        for c in children:
+            c.send_signal(signal.SIGCONT)
+            c.kill()
+            c.wait()
+    assert health.error_kind(ProcessGone("closed")) is ErrorKind.PROCESS_DIED
+
+
+def _port_nobody_listens_on() -> int:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port

@@ -61,9 +61,10 @@ def test_a_slice_that_lost_one_host_while_training_is_lost(sim_cluster):
     trainer, result = _two_host_run(sim_cluster, {15: kill_one_host})
     (failure,) = [e for e in result.events if e["kind"] == "failure"]
     assert failure["lost_slices"] == [victim["name"]], failure
-    # Seen by the lost host's raylet refusing connections once the steps stalled, not when Ray's
-    # health checks got round to marking the node dead (no call of ours fails before that, and
-    # the survivors wait in their collective).
+    # Seen by its process's liveness connection closing, the lost host's raylet refusing connections
+    # (or, without the first, by the raylet once the steps stalled), not when Ray's health checks got
+    # round to marking the node dead (no call of ours fails before that, and the survivors wait in
+    # their collective).
     assert {k: v.value for k, v in failure["kinds"].items()} == {victim["name"]: "node_died"} and "refuses connections" in failure["error"], failure
     assert trainer.worlds[-1].slices == [slice_name(trainer, 0)] and result.summary["mesh"] == {"replica": 1, "fsdp": 4}
 
