@@ -50,22 +50,32 @@ class Beacon:
 
 class DeathWatch:
     """The driver's side, for one world: ``addresses[p]`` is process ``p``'s beacon (None: it has
-    none). Connects to each from a thread of its own, then calls ``on_death(p)`` once for every
-    process whose connection ends (and sets nothing else); :meth:`dead` lists them."""
+    none). Connects to each from a thread of its own, started while the world forms so that it is
+    connected before the first step (a process killed then was seen through Ray, 0.5-0.9 s later,
+    when the watch only started with the steps); :meth:`dead` lists the processes whose connection
+    ended, and the callback given to :meth:`notify` is called at each."""
 
-    def __init__(self, addresses: list[Optional[tuple[str, int]]], on_death: Callable[[int], None]):
+    def __init__(self, addresses: list[Optional[tuple[str, int]]]):
         self._addresses = addresses
-        self._on_death = on_death
+        self._on_death: Optional[Callable[[], None]] = None
         self._dead: set[int] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._selector = selectors.DefaultSelector()
-        self._thread = threading.Thread(target=self._run, name="ray-elastic-death-watch", daemon=True)
-        self._thread.start()
+        if any(a is not None for a in addresses):
+            threading.Thread(target=self._run, name="ray-elastic-death-watch", daemon=True).start()
 
     def dead(self) -> set[int]:
         with self._lock:
             return set(self._dead)
+
+    def notify(self, on_death: Optional[Callable[[], None]]) -> None:
+        """Call ``on_death()`` at every death from now on (at once if one was seen already)."""
+        with self._lock:
+            self._on_death = on_death
+            seen = bool(self._dead)
+        if seen and on_death is not None:
+            on_death()
 
     def stop(self) -> None:
         """Closes the connections (the processes do not mind) once the thread is out of its wait."""
@@ -107,4 +117,6 @@ class DeathWatch:
         key.fileobj.close()
         with self._lock:
             self._dead.add(key.data)
-        self._on_death(key.data)
+            on_death = self._on_death
+        if on_death is not None:
+            on_death()

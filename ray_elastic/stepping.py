@@ -26,7 +26,6 @@ import ray
 from ray_elastic import health
 from ray_elastic.config import ElasticConfig
 from ray_elastic.errors import ProcessGone, RayletGone
-from ray_elastic.liveness import DeathWatch
 from ray_elastic.plan import (MAX_SNAPSHOT_EVERY, chunk_steps, newest_snapshot_step, snapshot_cost_in_steps,
                               snapshot_interval, watchdog_timeout)
 from ray_elastic.snapshot_keeper import ask_keepers
@@ -90,7 +89,6 @@ class StepStreams:
         self._reported = self._snapshot_reported = -1
         self._raylets: Optional[dict] = None  # node id -> where its raylet listens (_learn_raylets)
         self._learning: Optional[threading.Thread] = None
-        self._deaths: Optional[DeathWatch] = None  # the world's processes' beacons, while ``run`` runs
 
     def take_snapshot_steps(self) -> list[int]:
         """Steps snapshotted since the last call (for the event log)."""
@@ -130,16 +128,13 @@ class StepStreams:
             self._learning.start()
         wake = threading.Event()
         waiters = FirstReady(wake), FirstReady(wake)  # snapshot holders' streams, the others' results
-        self._deaths = DeathWatch(self._beacons(), lambda p: wake.set())
+        self.world.deaths.notify(wake.set)
         try:
             return self._run(start_step, end_step, grow_requested, wake, *waiters)
         finally:
-            self._deaths.stop()
+            self.world.deaths.notify(None)
             for w in waiters:
                 w.stop()
-
-    def _beacons(self) -> list:
-        return [(i["ip"], i["beacon_port"]) if i.get("beacon_port") else None for i in self.world.host_infos]
 
     def _run(self, start_step: int, end_step: int, grow_requested: Callable[[], bool], wake: threading.Event,
              stream_waiter: "FirstReady", quiet_waiter: "FirstReady") -> RunOutcome:
@@ -180,7 +175,7 @@ class StepStreams:
             check_at = max(last_progress + suspect, next_node_check)
             wake.wait(min(POLL_S, max(0.0, check_at - time.monotonic())))
             wake.clear()
-            gone = self._deaths.dead()
+            gone = self.world.deaths.dead()
             if gone:  # before Ray has said so (its signal comes through the GCS, late on a loaded host)
                 return RunOutcome(OutcomeKind.FAILURE, self._gone(gone), last_progress_wall)
             if quiet_waiter.fired():

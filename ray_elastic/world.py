@@ -18,7 +18,8 @@ import ray
 
 from ray_elastic.config import ElasticConfig
 from ray_elastic import health
-from ray_elastic.errors import FormingError, HostLost, ProcessFailed, RayletGone
+from ray_elastic.errors import FormingError, HostLost, ProcessFailed, ProcessGone, RayletGone
+from ray_elastic.liveness import DeathWatch
 from ray_elastic.placement import SLICE_NAME_LABEL, SliceReservation
 from ray_elastic.plan import WorldPlan
 from ray_elastic.relay import RelayPool
@@ -249,6 +250,18 @@ def _placed(reservations: list[SliceReservation], names: list[str]) -> Callable[
     return check
 
 
+def _alive(watch: Callable[[], None], deaths: DeathWatch, owners: list[str]) -> Callable[[], None]:
+    """``watch``, and a process whose liveness connection closed ends the wait too."""
+    def check() -> None:
+        gone = deaths.dead()
+        if gone:
+            p = min(gone)
+            raise FormingError([owners[p]], ProcessGone(f"process {p} of slice {owners[p]} is gone while the world "
+                                                        "forms: its liveness connection closed"))
+        watch()
+    return check
+
+
 def _kill(actor) -> None:
     try:
         ray.kill(actor, no_restart=True)
@@ -261,8 +274,10 @@ class World:
 
     def __init__(self, plan: WorldPlan, workers: list, host_infos: list[dict], times: FormationTimes,
                  join_infos: list[dict], reservations: list[SliceReservation], keepers: list,
-                 channels: Optional[list[list[int]]] = None, relays: Optional[list] = None):
+                 channels: Optional[list[list[int]]] = None, relays: Optional[list] = None,
+                 deaths: Optional[DeathWatch] = None):
         self.plan = plan
+        self.deaths = deaths or DeathWatch([])  # the driver's connections to its processes' beacons
         # How the driver reaches the processes: one channel per process, or a relay per group of
         # quiet ones (relay.channels); ``relays[c]`` serves channel c when it is a group.
         self.channels = channels or [[p] for p in range(len(workers))]
@@ -304,6 +319,7 @@ class World:
         started, _ = ray.wait(flat_prepared, num_returns=len(flat_prepared), timeout=0)
         times = FormationTimes(standbys_used=sum(warm for sa in taken for _, warm in sa),
                                processes_starting=len(flat_prepared) - len(started))
+        deaths: Optional[DeathWatch] = None
         try:
             # Slice names and host order come from the nodes' TPU labels when Ray has them, so a
             # new process that is still starting does not hold the others back: they begin
@@ -346,15 +362,19 @@ class World:
             pool.confirm_keepers([k for ks in keepers for k in ks])
             joins = _gather(joins, owners, config.jax_init_timeout_s * 2, watch=watch)
             host_infos = [ray.get(sp, timeout=config.jax_init_timeout_s) for sp in host_prepared]
+            flat_infos = [i for hi in host_infos for i in hi]
+            deaths = DeathWatch([(i["ip"], i["beacon_port"]) if i.get("beacon_port") else None for i in flat_infos])
             times.jax_init_s = max(j["init_s"] for j in joins)
             times.state_load_s = max(j["snapshot_fetch_s"] + j["state_s"] for j in joins)
             flat = [w for sw in workers for w in sw]
             compiles = _gather([w.compile.remote(start_step) for w in flat], owners, config.jax_init_timeout_s * 2,
-                               watch=watch)
+                               watch=_alive(watch, deaths, owners))
             for phase in ("trace_s", "lower_s", "load_s", "compile_s"):
                 setattr(times, phase, max(c[phase] for c in compiles))
             times.total_s = time.perf_counter() - t0
         except BaseException:
+            if deaths is not None:
+                deaths.stop()
             for sa in actors:
                 for a in sa:
                     _kill(a)
@@ -363,8 +383,8 @@ class World:
                                           [p for p in range(len(flat)) if not plan.takes_snapshots(p)],
                                           lambda p: (flat[p], "run_chunk_quiet", ()))
         logger.info("world %d formed in %.2fs: %s", generation, times.total_s, plan.mesh_shape)
-        return cls(plan, flat, [i for hi in host_infos for i in hi], times, joins, list(reservations),
-                   [k for ks in keepers for k in ks], chans, relays)
+        return cls(plan, flat, flat_infos, times, joins, list(reservations),
+                   [k for ks in keepers for k in ks], chans, relays, deaths)
 
     def slice_of(self, process_id: int) -> str:
         return self.plan.slice_names[process_id // self.plan.hosts_per_slice]
@@ -406,6 +426,7 @@ class World:
         ``confirm_s`` > 0 waits up to that long until the processes are really gone, so
         nothing they still write (a checkpoint commit) can land after this returns.
         """
+        self.deaths.stop()
         for w in self.workers:
             _kill(w)
         if confirm_s > 0:

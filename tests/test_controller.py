@@ -459,8 +459,8 @@ def test_a_process_death_closes_its_beacon_connection_and_a_stopped_process_does
         ports = [int(c.stdout.readline()) for c in children]
         unreached = _port_nobody_listens_on()
         seen = threading.Event()
-        watch = DeathWatch([("127.0.0.1", ports[0]), ("127.0.0.1", ports[1]), ("127.0.0.1", unreached), None],
-                           lambda p: seen.set())
+        watch = DeathWatch([("127.0.0.1", ports[0]), ("127.0.0.1", ports[1]), ("127.0.0.1", unreached), None])
+        watch.notify(seen.set)
         time.sleep(0.3)  # connected
         children[1].send_signal(signal.SIGSTOP)
         time.sleep(0.3)
