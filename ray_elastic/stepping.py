@@ -230,9 +230,9 @@ class StepStreams:
     def _gone(self, processes: set[int]) -> dict[int, BaseException]:
         """Processes whose liveness connection closed, by process: with its host (a refusing raylet:
         the node died, every process there is gone) or alone (the node check decides later)."""
-        errors: dict[int, BaseException] = {p: RayletGone(f"{e} (and the liveness connection of its process {p} closed)"
-                                                          if p in processes else str(e))
-                                             for p, e in self._lost_hosts(processes).items()}
+        errors = self._lost_hosts(processes)  # every process of such a host, not only the closed ones
+        for p in processes & set(errors):
+            errors[p] = RayletGone(f"{errors[p]} (and the liveness connection of its process {p} closed)")
         for p in sorted(processes - set(errors)):
             errors[p] = ProcessGone(f"process {p} of slice {self.world.slice_of(p)} "
                                     f"(pid {self.world.host_infos[p]['pid']}) is gone: its liveness connection closed")
