@@ -48,7 +48,9 @@ def baseline_long(sim_cluster):
     """The failure-free run every recovery is compared with (long enough for the cases that must
     outlast a slice's provisioning; the others compare with its first ``STEPS``)."""
     ensure_slices(sim_cluster, 3)
-    result = ElasticTrainer(DigitsMLPTask(), config(sim_cluster, standby_workers=0), progress=False).fit(LONG_STEPS)
+    # Neither standbys nor snapshots: nothing fails here, and a snapshot never changes a step's result.
+    cfg = config(sim_cluster, standby_workers=0, snapshot_every=0, allow_restart_from_scratch=True)
+    result = ElasticTrainer(DigitsMLPTask(), cfg, progress=False).fit(LONG_STEPS)
     assert result.summary["recoveries"] == 0
     return result.losses
 
@@ -69,45 +71,61 @@ def run(cluster, faults: dict, steps: int = STEPS, **cfg_kw):
     return trainer, result
 
 
-KILLS = {
-    "process": lambda cluster, t, i: kill_process_of_slice(t, i),  # SIGKILL of the JAX process; host lives
-    "node": lambda cluster, t, i: in_thread(cluster.kill_slice, slice_name(t, i)),  # host lost
-}
+def _seen_by_its_signal(failure: dict, kind: str) -> None:
+    """Ray's death signal, not the watchdog (hang_timeout_min_s=3 here), whoever the victim: seen
+    by the kernel closing the dead process's connection to the driver (liveness.py); on loaded
+    cores the dead process's exit can come late, and then a lost host's raylet refusing (once the
+    steps stall) or, for a process alone, Ray's actor death may come first. Never Ray's health checks."""
+    assert failure["cause"] == "failure", failure
+    assert failure["since_last_progress_s"] < 3.0 and failure["detection_latency_s"] < 3.0, json.dumps(failure, default=str)
+    seen_by = ("liveness connection", "refuses connections") if kind == "node" else ("liveness connection", "died")
+    assert any(s in failure["error"] for s in seen_by), failure["error"]
+
+
+def test_every_process_death_is_seen_by_its_signal(cluster, baseline):
+    """The JAX process of each position of a 3-slice world SIGKILLed in turn, its host alive (0 holds
+    a snapshot and the JAX coordinator, 1 a snapshot, 2 neither), in one run: each is seen by its
+    signal, costs no grace period, and the same three slices go on with the same losses."""
+    victims = []
+
+    def kill(position):
+        def fault(t):
+            victims.append(slice_name(t, position))
+            kill_process_of_slice(t, position)
+        return fault
+
+    trainer, result = run(cluster, {10: kill(0), 20: kill(1), 30: kill(2)})
+    failures = [e for e in result.events if e["kind"] == "failure"]
+    assert len(failures) == 3, "\n".join(json.dumps(e, default=str) for e in result.events if e["kind"] != "step")
+    for victim, failure in zip(victims, failures):
+        _seen_by_its_signal(failure, "process")
+        # The host is healthy (its raylet answers): no grace period, the same three slices go on.
+        assert failure["lost_slices"] == [] and victim in failure["crashed_slices"], failure
+        assert victim in failure["vouched_slices"] and failure["classify_s"] < 1.0, \
+            {k: failure[k] for k in ("kinds", "vouched_slices", "crashed_slices", "classify_s", "error")}
+    assert [(r.slices, r.added_slices) for r in result.recoveries] == [(3, 0)] * 3
+    assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
 
 
 @pytest.mark.parametrize("position", [0, 1, 2])  # 0 and 1 hold snapshots (and 0 the JAX coordinator)
-@pytest.mark.parametrize("kind", ["process", "node"])
-def test_every_death_is_seen_by_its_signal(cluster, baseline, kind, position):
+def test_every_node_loss_is_seen_by_its_signal(cluster, baseline, position):
+    """A slice's host lost (node removed and its processes killed) at each position of a 3-slice
+    world: seen by its signal, the run goes on replica-resized on the other two."""
     victim = {}
 
     def kill(t):
         victim["name"] = slice_name(t, position)
-        KILLS[kind](cluster, t, position)
+        in_thread(cluster.kill_slice, victim["name"])
 
     trainer, result = run(cluster, {20: kill})
     failures = [e for e in result.events if e["kind"] == "failure"]
     assert len(failures) == 1, "\n".join(json.dumps(e, default=str) for e in result.events if e["kind"] != "step")
     (failure,) = failures
-    # Ray's death signal, not the watchdog (hang_timeout_min_s=3 here), whoever the victim.
-    assert failure["cause"] == "failure", failure
-    assert failure["since_last_progress_s"] < 3.0 and failure["detection_latency_s"] < 3.0, json.dumps(failure, default=str)
+    _seen_by_its_signal(failure, "node")
+    assert failure["lost_slices"] == [victim["name"]]
     (rec,) = result.recoveries
-    # Seen by the kernel closing the dead process's connection to the driver (liveness.py); on loaded
-    # cores the dead process's exit can come late, and then a lost host's raylet refusing (once the
-    # steps stall) or, for a process alone, Ray's actor death may come first. Never Ray's health checks.
-    seen_by = ("liveness connection", "refuses connections") if kind == "node" else ("liveness connection", "died")
-    assert any(s in failure["error"] for s in seen_by), failure["error"]
-    if kind == "process":
-        # The host is healthy (its raylet answers): no grace period, the same three slices go on.
-        assert failure["lost_slices"] == [] and victim["name"] in failure["crashed_slices"]
-        assert victim["name"] in failure["vouched_slices"] and failure["classify_s"] < 1.0, \
-            {k: failure[k] for k in ("kinds", "vouched_slices", "crashed_slices", "classify_s", "error")}
-        assert rec.slices == 3 and rec.added_slices == 0
-        assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
-    else:
-        assert failure["lost_slices"] == [victim["name"]]
-        assert rec.slices == 2 and result.summary["mesh"] == {"replica": 2, "fsdp": 2}
-        assert max_rel_err(result.losses, baseline) <= RESIZED
+    assert rec.slices == 2 and result.summary["mesh"] == {"replica": 2, "fsdp": 2}
+    assert max_rel_err(result.losses, baseline) <= RESIZED
 
 
 def test_a_death_behind_a_relay_is_seen_by_its_signal(cluster, baseline, monkeypatch):
