@@ -60,6 +60,18 @@ def baseline(baseline_long):
     return baseline_long[:STEPS]  # the same steps as a run of STEPS: nothing in a step depends on the run's length
 
 
+def head_keeper():
+    """A snapshot keeper on the driver's (head) node, which lives through the module: the slice
+    nodes come and go between tests (an unpinned keeper once took over 60 s to answer in a
+    fresh-clone run on loaded cores; where it had been placed was not recorded)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from ray_elastic.snapshot_keeper import SnapshotKeeper
+
+    node = ray.get_runtime_context().get_node_id()
+    return SnapshotKeeper.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+
+
 def run(cluster, faults: dict, steps: int = STEPS, **cfg_kw):
     plan = FaultPlan(faults)
     trainer = ElasticTrainer(DigitsMLPTask(), config(cluster, **cfg_kw), progress=False, on_step=plan.on_step)
@@ -192,11 +204,10 @@ def _drain_after_process_1_died(late_keep_s=None, node_lost: bool = False) -> tu
 
     import numpy as np
 
-    from ray_elastic.snapshot_keeper import SnapshotKeeper
     from ray_elastic.snapshots import SnapshotRef, SnapshotStore
     from ray_elastic.stepping import StepStreams
 
-    keepers = [SnapshotKeeper.options(num_cpus=0).remote() for _ in range(3)]
+    keepers = [head_keeper() for _ in range(3)]
     snap = {"leaves": [np.zeros(4, np.float32)], "ranges": [[(0, 4)]]}
     ray.get([k.keep.remote(0, s, snap) for k in keepers for s in (8, 9)])
     ray.get([keepers[p].keep.remote(0, 10, snap) for p in ((1,) if node_lost else (0, 1))])
@@ -270,9 +281,9 @@ def test_a_keeper_holds_the_newest_step_its_driver_acknowledged_however_far_the_
     steps beyond the run's record."""
     import numpy as np
 
-    from ray_elastic.snapshot_keeper import KEEP_STEPS, SnapshotKeeper
+    from ray_elastic.snapshot_keeper import KEEP_STEPS
 
-    keeper = SnapshotKeeper.options(num_cpus=0).remote()
+    keeper = head_keeper()
     snap = {"leaves": [np.zeros(4, np.float32)], "ranges": [[(0, 4)]]}
     try:
         ray.get([keeper.keep.remote(3, s, snap) for s in range(100, 106)])
@@ -293,11 +304,11 @@ def test_a_keeper_still_starting_is_asked_but_not_waited_for(cluster):
     """A keeper that has never answered holds nothing: every fit's first world waited the whole
     answer timeout (1 s) for its new keepers' processes to start before forming. It is asked, and
     what it says by the time the others have answered counts; it is not waited for."""
-    from ray_elastic.snapshot_keeper import SnapshotKeeper, ask_keepers
+    from ray_elastic.snapshot_keeper import ask_keepers
 
-    known = SnapshotKeeper.options(num_cpus=0).remote()
+    known = head_keeper()
     assert ray.get(known.held.remote(), timeout=60) == []  # up: it has answered once
-    new = SnapshotKeeper.options(num_cpus=0).remote()  # its process starts now
+    new = head_keeper()  # its process starts now
     try:
         answers = ask_keepers([known, new], 30.0, starting=frozenset({1}))
         assert answers == {0: []}, answers  # the starting one was not waited for (30 s)
@@ -381,14 +392,19 @@ def test_a_survivor_lost_while_waiting_for_a_replacement_is_replaced_at_once(clu
     """Pause-and-resume waits for the first slice's replacement; a survivor's node dies meanwhile.
     The wait sees it in Ray's node table and asks for its replacement at once: one more world, not
     a world that fails to form on the dead slice first."""
-    prov = cluster.provisioner(delay_s=4.0)
-    second = {}
+    second, prov = {}, []
 
     def kill_a_survivor_while_waiting(t):
         deadline = time.time() + 60
         while t.state.value != "waiting_for_capacity" and time.time() < deadline:
             time.sleep(0.05)
+        nodes = {h.node_id for h in cluster.slice_by_name(second["name"]).hosts}
         cluster.kill_slice(second["name"])
+        # Capacity only once Ray's node table shows the loss: the wait cannot end before it sees it,
+        # however slow the kill (a replacement 4 s after the first loss came first on loaded cores).
+        while any(n["Alive"] for n in ray.nodes() if n["NodeID"] in nodes) and time.time() < deadline:
+            time.sleep(0.05)
+        prov.append(cluster.provisioner(delay_s=0.5))
 
     def first_fault(t):
         second["name"] = slice_name(t, 2)
@@ -398,7 +414,8 @@ def test_a_survivor_lost_while_waiting_for_a_replacement_is_replaced_at_once(clu
     try:
         trainer, result = run(cluster, {20: first_fault}, mode="pause-and-resume")
     finally:
-        prov.stop()
+        for p in prov:
+            p.stop()
     lost = [e for e in trainer.events.events if e["kind"] == "failure" and e["cause"] == "lost_while_waiting"]
     assert [e["lost_slices"] for e in lost] == [[second["name"]]]
     causes = [e["cause"] for e in trainer.events.events if e["kind"] == "failure"]
