@@ -4,7 +4,9 @@ Each slice process listens on a port of its node's address (:class:`Beacon`) and
 writes or closes what it accepts. The driver connects to every process of a world once
 (:class:`DeathWatch`) and waits for its connections to become readable: one that does is
 at its end, because the process that held it is gone (the kernel closes every socket of a
-process that exits, however it dies). Ray says the same through the actor's death, but only
+process that exits, however it dies, once its last thread has exited: each thread's exit runs at
+the process's niceness, and at Ray's 15 on saturated cores that took up to ~1 s after a SIGKILL;
+with ``worker_niceness=0`` 0.05-0.10 s). Ray says the same through the actor's death, but only
 after the raylet, the GCS and the owner have passed it on: 0.03-0.1 s on an idle machine,
 0.4-1 s measured on 2 loaded cores (``bench/recovery.py``, cold process kills). A stopped
 (SIGSTOP) or hung process keeps its connections open: hangs stay the watchdog's. A host
