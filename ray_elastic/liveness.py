@@ -1,12 +1,10 @@
 """A process's death seen by the driver in milliseconds: a TCP connection that only the kernel closes.
 
-Each slice process listens on a port of its node's address (:class:`Beacon`) and never
-writes or closes what it accepts. The driver connects to every process of a world once
-(:class:`DeathWatch`) and waits for its connections to become readable: one that does is
-at its end, because the process that held it is gone (the kernel closes every socket of a
-process that exits, however it dies, once its last thread has exited: each thread's exit runs at
-the process's niceness, and at Ray's 15 on saturated cores that took up to ~1 s after a SIGKILL;
-with ``worker_niceness=0`` 0.05-0.10 s). Ray says the same through the actor's death, but only
+Each slice process has a port of its node's address listened on (:class:`Beacon`; on Linux by a
+tiny child that dies with it) and never writes or closes what it accepts. The driver connects to
+every process of a world once (:class:`DeathWatch`) and waits for its connections to become
+readable: one that does is at its end, because the process that held it is gone (the kernel
+closes every socket of a process that exits, however it dies). Ray says the same through the actor's death, but only
 after the raylet, the GCS and the owner have passed it on: 0.03-0.1 s on an idle machine,
 0.4-1 s measured on 2 loaded cores (``bench/recovery.py``, cold process kills). A stopped
 (SIGSTOP) or hung process keeps its connections open: hangs stay the watchdog's. A host
@@ -20,8 +18,13 @@ could not reach (a firewall, a driver outside the cluster's network) is left to 
 from __future__ import annotations
 
 import logging
+import os
+import queue
+import select
 import selectors
 import socket
+import subprocess
+import sys
 import threading
 from typing import Callable, Optional
 
@@ -31,15 +34,70 @@ WATCH_S = 1.0  # the watch thread's longest single wait (it checks for stop betw
 MAX_WATCHED = 4096  # beyond that many processes the driver's file descriptors are left to Ray's signal
 
 
+# The process that holds a beacon's connections (Linux): it dies by PR_SET_PDEATHSIG when the thread
+# that started it does, which happens at once when its parent is killed, whatever the others do.
+_HOLDER = r"""
+import ctypes, os, signal, socket, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[2]):
+    sys.exit(0)  # the parent died before the line above
+server = socket.create_server((sys.argv[1], 0), backlog=16)
+sys.stdout.write(f"{server.getsockname()[1]}\n")
+sys.stdout.flush()
+held = []
+while True:
+    held.append(server.accept()[0])
+"""
+HOLDER_START_S = 10.0  # a bare interpreter starts in tens of milliseconds, on loaded cores in a few seconds
+
+
 class Beacon:
     """The slice process's side: a listening socket on ``host`` whose accepted connections stay open
-    (and silent) until the process dies. ``port`` is what the driver connects to."""
+    (and silent) until the process dies. ``port`` is what the driver connects to.
+
+    On Linux the socket belongs to a tiny child process (a bare interpreter, ~10 MB), not to the
+    slice process: a process's sockets close only once its last thread has exited, and a slice
+    process's 50-60 threads exit at its niceness (Ray's 15); on two saturated cores that took up
+    to ~1 s after a SIGKILL. The child is killed (``PR_SET_PDEATHSIG``) when the thread that
+    started it exits, which among the dying threads is as early as any. The thread lives as long
+    as the process, waiting on the child. Elsewhere, or if the child cannot start, the slice
+    process listens itself."""
 
     def __init__(self, host: str):
-        self._server = socket.create_server((host, 0), backlog=16)
-        self.port = self._server.getsockname()[1]
         self._held: list[socket.socket] = []  # referenced so they are never collected (that would close them)
-        threading.Thread(target=self._accept, name="ray-elastic-beacon", daemon=True).start()
+        self.port = self._start_holder(host) if sys.platform.startswith("linux") else None
+        if self.port is None:
+            self._server = socket.create_server((host, 0), backlog=16)
+            self.port = self._server.getsockname()[1]
+            threading.Thread(target=self._accept, name="ray-elastic-beacon", daemon=True).start()
+
+    def _start_holder(self, host: str) -> Optional[int]:
+        started: queue.Queue = queue.Queue()
+
+        def own() -> None:  # the child's death signal is tied to this thread: it must not end
+            try:
+                child = subprocess.Popen([sys.executable, "-S", "-c", _HOLDER, host, str(os.getpid())],
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, text=True)
+            except OSError as e:
+                started.put(e)
+                return
+            started.put(child)
+            child.wait()  # reaps it should it ever die first (its connections end: seen as a death)
+
+        threading.Thread(target=own, name="ray-elastic-beacon", daemon=True).start()
+        child = started.get()
+        if isinstance(child, OSError):
+            logger.warning("beacon holder not started (the process listens itself): %r", child)
+            return None
+        ready, _, _ = select.select([child.stdout], [], [], HOLDER_START_S)
+        line = child.stdout.readline() if ready else ""
+        if not line.strip().isdigit():
+            logger.warning("beacon holder did not start in %.0f s (the process listens itself)", HOLDER_START_S)
+            child.kill()
+            return None
+        self._child = child
+        return int(line)
 
     def _accept(self) -> None:
         while True:

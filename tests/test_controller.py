@@ -457,6 +457,12 @@ def test_a_process_death_closes_its_beacon_connection_and_a_stopped_process_does
                 for _ in range(2)]
     try:
         ports = [int(c.stdout.readline()) for c in children]
+        holders = []
+        if sys.platform.startswith("linux"):  # the socket is a child's, which dies with the thread that started it
+            import psutil
+
+            holders = psutil.Process(children[0].pid).children()
+            assert any(c.status == "LISTEN" and c.laddr.port == ports[0] for h in holders for c in h.net_connections("tcp"))
         unreached = _port_nobody_listens_on()
         seen = threading.Event()
         watch = DeathWatch([("127.0.0.1", ports[0]), ("127.0.0.1", ports[1]), ("127.0.0.1", unreached), None])
@@ -471,6 +477,8 @@ def test_a_process_death_closes_its_beacon_connection_and_a_stopped_process_does
         assert time.monotonic() - killed_at < 2.0
         assert watch.dead() == {0}  # not the stopped one, not the one never reached
         watch.stop()
+        if holders:
+            assert not psutil.wait_procs(holders, timeout=5)[1], "the killed process's beacon holder outlived it"
     finally:
         for c in children:
             c.send_signal(signal.SIGCONT)
