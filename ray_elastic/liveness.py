@@ -35,7 +35,9 @@ MAX_WATCHED = 4096  # beyond that many processes the driver's file descriptors a
 
 
 # The process that holds a beacon's connections (Linux): it dies by PR_SET_PDEATHSIG when the thread
-# that started it does, which happens at once when its parent is killed, whatever the others do.
+# that started it exits: when the parent is killed, one of its ~55 threads (only if it were the last,
+# the one that tears the address space down, would the child die as late as the parent's sockets close).
+# close_fds (Popen's default): it holds no other socket of the slice process.
 _HOLDER = r"""
 import ctypes, os, signal, socket, sys
 ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
