@@ -4,8 +4,8 @@ Each slice process has a port of its node's address listened on (:class:`Beacon`
 tiny child that dies with it) and never writes or closes what it accepts. The driver connects to
 every process of a world once (:class:`DeathWatch`) and waits for its connections to become
 readable: one that does is at its end, because the process that held it is gone (the kernel
-closes every socket of a process that exits, however it dies). Ray says the same through the actor's death, but only
-after the raylet, the GCS and the owner have passed it on: 0.03-0.1 s on an idle machine,
+closes every socket of a process that exits, however it dies). Ray says the same through the
+actor's death, but only after the raylet, the GCS and the owner have passed it on: 0.03-0.1 s on an idle machine,
 0.4-1 s measured on 2 loaded cores (``bench/recovery.py``, cold process kills). A stopped
 (SIGSTOP) or hung process keeps its connections open: hangs stay the watchdog's. A host
 that vanishes without closing anything (a VM gone) closes nothing either: that is the
@@ -61,14 +61,14 @@ class Beacon:
     slice process: a process's sockets close only once its last thread has exited, and a slice
     process's 50-60 threads exit at its niceness (Ray's 15); on two saturated cores that took up
     to ~1 s after a SIGKILL. The child is killed (``PR_SET_PDEATHSIG``) when the thread that
-    started it exits, which among the dying threads is as early as any. The thread lives as long
+    started it exits, one of the ~55 dying threads (see ``_HOLDER``). That thread lives as long
     as the process, waiting on the child. Elsewhere, or if the child cannot start, the slice
     process listens itself."""
 
     def __init__(self, host: str):
-        self._held: list[socket.socket] = []  # referenced so they are never collected (that would close them)
         self.port = self._start_holder(host) if sys.platform.startswith("linux") else None
         if self.port is None:
+            self._held: list[socket.socket] = []  # referenced so they are never collected (that would close them)
             self._server = socket.create_server((host, 0), backlog=16)
             self.port = self._server.getsockname()[1]
             threading.Thread(target=self._accept, name="ray-elastic-beacon", daemon=True).start()
