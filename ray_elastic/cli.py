@@ -64,6 +64,9 @@ def _add_training_args(p: argparse.ArgumentParser, default_slices: int) -> None:
                         "the smallest interval costing at most --snapshot-budget of the step time)")
     p.add_argument("--snapshot-budget", type=float, default=ElasticConfig.snapshot_budget,
                    help="share of the step time snapshots may cost with --snapshot-every auto")
+    p.add_argument("--standby-workers", type=int, default=ElasticConfig.standby_workers,
+                   help="warm processes kept on every slice host for the next generations (0: none; a "
+                        "recovery then starts its processes cold, seconds more)")
     p.add_argument("--allow-restart-from-scratch", action="store_true",
                    help="when every snapshot holder is lost and there is no checkpoint, restart from step 0 "
                         "instead of failing")
@@ -87,6 +90,7 @@ def _config(args, spec: SliceSpec) -> ElasticConfig:
         max_to_keep=args.max_to_keep,
         snapshot_every=args.snapshot_every,
         snapshot_budget=args.snapshot_budget,
+        standby_workers=args.standby_workers,
         allow_restart_from_scratch=args.allow_restart_from_scratch,
     )
 

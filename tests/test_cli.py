@@ -35,15 +35,31 @@ def test_demo_kills_a_slice_and_recovers():
     assert summary["final_loss"] < summary["first_loss"]
 
 
+def _slice_processes_started() -> int:
+    """Slice actors the cluster has ever had, dead ones included (Ray's actor table; the state API
+    needs the dashboard, which the test cluster does not run)."""
+    from ray._private.state import actors
+
+    return sum(a["ActorClassName"].endswith("SliceWorker") for a in actors().values())
+
+
 def test_train_connects_to_an_existing_cluster_via_ray_address(sim_cluster):
     env = {**os.environ, "RAY_ADDRESS": sim_cluster.address}
+    before = _slice_processes_started()
     proc = _run(
         ["train", "--example", "mlp", "--num-slices", "2", "--topology", "2x2x1", "--devices-per-host", "2",
-         "--steps", "12", "--global-batch", "8", "--json", "--no-progress"],
+         "--steps", "12", "--global-batch", "8", "--standby-workers", "0", "--json", "--no-progress"],
         env=env,
     )
     summary = _summary(proc)
     assert summary["steps"] == 12 and summary["slices"] == 2
+    assert _slice_processes_started() - before == 2  # --standby-workers 0: one process per slice, no spare
+
+
+def test_train_refuses_a_bad_standby_count_before_taking_anything():
+    proc = subprocess.run([BIN, "train", "--example", "mlp", "--standby-workers", "-1", "--address", "127.0.0.1:1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "standby_workers must be an integer >= 0" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_train_reports_missing_capacity_clearly(sim_cluster):

@@ -26,13 +26,16 @@ SIM_CLUSTER = {"num_slices": 3}
 STEPS = 40
 LONG_STEPS = 300
 SAME_SHAPE, RESIZED = 1e-6, 1e-4
+WARM = {"standby_workers": 1}  # the path users meet with the default standbys: recovery takes warm processes
 
 
 def config(cluster, **kw) -> ElasticConfig:
-    """One warm standby per host (the default is 2): a recovery here still takes warm processes,
-    and each test starts three fewer processes on the machine's two cores."""
+    """No warm standbys unless a test says so (``WARM``): a recovery here then starts its processes
+    cold, and the fit starts three fewer processes on the machine's two cores (the suite's time is
+    its number of process starts, README *Test suite time*). The tests of the death signals, the
+    grow-back and the standbys' own paths keep one warm standby per host (the default is 2)."""
     base = dict(num_slices=3, global_batch_size=48, slice=cluster.slice_spec, steps_per_chunk=10, seed=0,
-                hang_timeout_min_s=3.0, slice_timeout_s=60.0, replacement_timeout_s=90.0, standby_workers=1,
+                hang_timeout_min_s=3.0, slice_timeout_s=60.0, replacement_timeout_s=90.0, standby_workers=0,
                 snapshot_every=1)  # a snapshot after every step: zero rewind is what these tests check
     return ElasticConfig(**{**base, **kw})
 
@@ -48,8 +51,8 @@ def baseline_long(sim_cluster):
     """The failure-free run every recovery is compared with (long enough for the cases that must
     outlast a slice's provisioning; the others compare with its first ``STEPS``)."""
     ensure_slices(sim_cluster, 3)
-    # Neither standbys nor snapshots: nothing fails here, and a snapshot never changes a step's result.
-    cfg = config(sim_cluster, standby_workers=0, snapshot_every=0, allow_restart_from_scratch=True)
+    # No snapshots: nothing fails here, and a snapshot never changes a step's result.
+    cfg = config(sim_cluster, snapshot_every=0, allow_restart_from_scratch=True)
     result = ElasticTrainer(DigitsMLPTask(), cfg, progress=False).fit(LONG_STEPS)
     assert result.summary["recoveries"] == 0
     return result.losses
@@ -106,7 +109,7 @@ def test_every_process_death_is_seen_by_its_signal(cluster, baseline):
             kill_process_of_slice(t, position)
         return fault
 
-    trainer, result = run(cluster, {10: kill(0), 20: kill(1), 30: kill(2)})
+    trainer, result = run(cluster, {10: kill(0), 20: kill(1), 30: kill(2)}, **WARM)
     failures = [e for e in result.events if e["kind"] == "failure"]
     assert len(failures) == 3, "\n".join(json.dumps(e, default=str) for e in result.events if e["kind"] != "step")
     for victim, failure in zip(victims, failures):
@@ -129,7 +132,7 @@ def test_every_node_loss_is_seen_by_its_signal(cluster, baseline, position):
         victim["name"] = slice_name(t, position)
         in_thread(cluster.kill_slice, victim["name"])
 
-    trainer, result = run(cluster, {20: kill})
+    trainer, result = run(cluster, {20: kill}, **WARM)
     failures = [e for e in result.events if e["kind"] == "failure"]
     assert len(failures) == 1, "\n".join(json.dumps(e, default=str) for e in result.events if e["kind"] != "step")
     (failure,) = failures
@@ -456,7 +459,7 @@ def test_replica_resize_to_min_then_grow_back(cluster, baseline_long):
     prov = cluster.provisioner(delay_s=1.0)
     try:
         trainer, result = run(cluster, {15: lambda t: in_thread(cluster.kill_slice, slice_name(t, 2))},
-                              steps=LONG_STEPS, min_slices=2)
+                              steps=LONG_STEPS, min_slices=2, **WARM)
     finally:
         prov.stop()
     (rec,) = result.recoveries
@@ -531,7 +534,7 @@ def test_a_host_that_fails_in_every_generation_is_dropped(cluster, baseline, tmp
         kill_process_of_slice(t, 1)
 
     plan = FaultPlan({20: break_host})
-    trainer = ElasticTrainer(DiesOnOneHost(marker=str(marker)), config(cluster), progress=False, on_step=plan.on_step)
+    trainer = ElasticTrainer(DiesOnOneHost(marker=str(marker)), config(cluster, **WARM), progress=False, on_step=plan.on_step)
     plan.trainer = trainer
     result = trainer.fit(STEPS)
     assert result.steps == list(range(STEPS)) and result.summary["steps_rewound"] == 0
@@ -559,7 +562,7 @@ def test_a_process_hanging_in_jax_distributed_initialize_is_a_fault_not_a_bug(cl
     plan = FaultPlan({20: lambda t: kill_process_of_slice(t, 1)})
     # 10 s: the hang is found by this timeout; with 5 s, worlds formed on a loaded 2-core machine
     # (standbys starting beside them) timed out too, six times in a row once in a full-suite run.
-    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster, jax_init_timeout_s=10.0), progress=False,
+    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster, jax_init_timeout_s=10.0, **WARM), progress=False,
                              on_step=plan.on_step, on_event=on_event)
     plan.trainer = trainer
     result = trainer.fit(STEPS)

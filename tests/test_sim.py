@@ -82,6 +82,29 @@ def test_hang_and_resume_slice(sim_cluster):
     ray.kill(probe)
 
 
+def test_only_a_raylet_that_answers_vouches_for_its_host(sim_cluster):
+    """A host vouches for a crashed process (no grace period spent on its node) only when its raylet
+    answers a request: the port of a stopped, or killed and still exiting, raylet accepts
+    connections all the same, which proves nothing."""
+    import socket
+
+    from ray_elastic import health
+
+    sl = sim_cluster.alive_slices()[0]
+    address = health.raylet_addresses(sl.node_ids)[sl.node_ids[0]]
+    assert health.raylets_answer(sl.node_ids)
+    sim_cluster.hang_slice(sl.name)
+    try:
+        with socket.create_connection(address, timeout=1.0):
+            pass  # the kernel still accepts
+        t0 = time.monotonic()
+        assert not health.raylets_answer(sl.node_ids)
+        assert time.monotonic() - t0 < 2.0  # bounded by the answer timeout
+    finally:
+        sim_cluster.resume_slice(sl.name)
+    assert health.raylets_answer(sl.node_ids)
+
+
 def test_kill_slice_kills_its_processes_and_node(sim_cluster):
     sl = sim_cluster.alive_slices()[-1]
     probe = _probe_on(sl)
