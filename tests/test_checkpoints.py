@@ -29,14 +29,16 @@ SLOW_SAVE_WATCHDOG_S = 1.0  # far above a step (~0.02 s)
 SLOW_BUCKET_DELAY_S = 0.03  # per request; a save makes ~70 in sequence: ~4 s here, far over the watchdog
 
 
-def _config(cluster, num_slices=3, **kw) -> ElasticConfig:
+def _config(cluster, num_slices=2, **kw) -> ElasticConfig:
     """No warm standbys: nothing here measures recovery speed, and each would be one more process
-    importing JAX and tracing steps on the machine's cores (a recovery here starts new processes)."""
+    importing JAX and tracing steps on the machine's cores (a recovery here starts new processes).
+    Two slices unless a test is about the world's size (a third is one more process and keeper
+    per fit, and the suite's time is its number of process starts)."""
     return ElasticConfig(num_slices=num_slices, global_batch_size=GBS, slice=cluster.slice_spec, seed=SEED,
                          steps_per_chunk=5, **{"standby_workers": 0, **kw})
 
 
-def _fit(cluster, directory: str, steps: int, num_slices: int = 3, every: int = 10):
+def _fit(cluster, directory: str, steps: int, num_slices: int = 2, every: int = 10):
     cfg = _config(cluster, num_slices=num_slices, checkpoint_dir=directory, checkpoint_every=every)
     return ElasticTrainer(DigitsMLPTask(), cfg, progress=False).fit(steps)
 
@@ -88,7 +90,7 @@ def test_round_trip_values_equal_and_resume_on_fewer_slices(where, sim_cluster, 
     ensure_slices(sim_cluster, 4)
     ref_losses, ref_state20 = reference
     directory = str(tmp_path / "ckpt") if where == "local" else f"gs://{_bucket(local_gcs)}/run"
-    result = _fit(sim_cluster, directory, 20)
+    result = _fit(sim_cluster, directory, 20, num_slices=3)
     assert result.summary["checkpoints_committed"] == 2
     info = latest_checkpoint(directory)
     assert info.step == 20 and info.metadata["data_position"] == 20 * GBS
@@ -114,7 +116,7 @@ def test_save_on_three_slices_restore_on_two_and_four(sim_cluster, local_gcs, re
     ref_losses, _ = reference
     bucket = _bucket(local_gcs)
     src = f"gs://{bucket}/three"
-    _fit(sim_cluster, src, 10)
+    _fit(sim_cluster, src, 10, num_slices=3)
     for n in (2, 4):
         # A copy of the 3-slice checkpoint per target world, so each restores the same step.
         dst = f"gs://{bucket}/on{n}"
@@ -161,7 +163,7 @@ def test_slice_killed_during_a_save(sim_cluster, local_gcs, reference):
     ensure_slices(sim_cluster, 4)
     ref_losses, _ = reference
     bucket = _bucket(local_gcs)
-    cfg = _config(sim_cluster, checkpoint_dir=f"gs://{bucket}/run", checkpoint_every=5, snapshot_every=0)
+    cfg = _config(sim_cluster, num_slices=3, checkpoint_dir=f"gs://{bucket}/run", checkpoint_every=5, snapshot_every=0)
     trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False)
     seen: dict = {}
     done = threading.Event()
@@ -213,7 +215,7 @@ def test_the_final_checkpoint_survives_a_failure_while_it_is_written(sim_cluster
     and ``fit`` returns only once it is committed."""
     ensure_slices(sim_cluster, 4)
     directory = str(tmp_path / "ckpt")
-    plan = FaultPlan({29: lambda t: kill_process_of_slice(t, 2)})
+    plan = FaultPlan({29: lambda t: kill_process_of_slice(t, 1)})
     trainer = ElasticTrainer(DigitsMLPTask(), _config(sim_cluster, checkpoint_dir=directory, checkpoint_every=1000),
                              progress=False, on_step=plan.on_step)
     plan.trainer = trainer
@@ -314,8 +316,9 @@ def test_transient_storage_errors_are_retried_not_failures(sim_cluster, local_gc
 
 
 def _train_cmd(address_env, directory, run_dir):
-    return [BIN, "train", "--example", "mlp", "--num-slices", "3", "--topology", "2x2x1", "--devices-per-host", "2",
+    return [BIN, "train", "--example", "mlp", "--num-slices", "2", "--topology", "2x2x1", "--devices-per-host", "2",
             "--steps", "80", "--global-batch", str(GBS), "--seed", str(SEED), "--steps-per-chunk", "5",
+            "--standby-workers", "0",
             "--checkpoint-dir", directory, "--checkpoint-every", "10", "--run-dir", run_dir, "--json", "--no-progress"]
 
 
