@@ -37,8 +37,9 @@ def run(sim_cluster, tmp_path_factory):
             killed.update(name=victim, at=time.time())
             threading.Thread(target=sim_cluster.kill_slice, args=(victim,), daemon=True).start()
 
+    # One warm standby per host (the default is 2): the recovery is still warm, three fewer processes start.
     cfg = ElasticConfig(num_slices=3, global_batch_size=48, slice=sim_cluster.slice_spec, steps_per_chunk=5, seed=1,
-                        snapshot_every=1)
+                        snapshot_every=1, standby_workers=1)
     trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=True, on_step=on_step, run_dir=run_dir, name=RUN_NAME)
     box["t"] = trainer
     err, out = io.StringIO(), io.StringIO()
