@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import time
+import warnings
 
 import pytest
 import ray
@@ -78,11 +79,25 @@ def head_keeper():
     return SnapshotKeeper.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
 
 
+SLOW_FIT_S = 60.0  # far above any of these fits (12-35 s on this machine's 2 busy cores)
+
+
+def timeline(events: list) -> str:
+    """The run's events but its steps, seconds from its start: what a slow fit waited for."""
+    t0 = events[0]["ts"] if events else 0.0
+    keys = ("cause", "reason", "lost_slices", "error", "slices")
+    return "\n".join(f"{e['ts'] - t0:8.2f} {e['kind']} {str({k: e[k] for k in keys if k in e})[:300]}"
+                     for e in events if e["kind"] not in ("step", "steps", "chunk_run"))
+
+
 def run(cluster, faults: dict, steps: int = STEPS, **cfg_kw):
     plan = FaultPlan(faults)
     trainer = ElasticTrainer(DigitsMLPTask(), config(cluster, **cfg_kw), progress=False, on_step=plan.on_step)
     plan.trainer = trainer
+    t0 = time.monotonic()
     result = trainer.fit(steps)
+    if time.monotonic() - t0 > SLOW_FIT_S:  # passes, but says why in the warnings summary (seen once: 104 s)
+        warnings.warn(f"a fit took {time.monotonic() - t0:.0f} s:\n{timeline(result.events)}")
     assert not plan.faults, f"faults never fired: {plan.faults}"
     assert result.steps == list(range(steps))
     assert result.summary["steps_rewound"] == 0, result.recoveries
