@@ -119,8 +119,10 @@ def main() -> None:
     ap.add_argument("--snapshot-every", default=None, help="override ElasticConfig.snapshot_every (default: its default)")
     args = ap.parse_args()
 
+    from machine import cpu_probe_s, hour
     from ray_elastic.sim import SimulatedTPUCluster
 
+    probes = [cpu_probe_s()]
     snap = {} if args.snapshot_every is None else {
         "snapshot_every": args.snapshot_every if args.snapshot_every == "auto" else int(args.snapshot_every)}
     runs = {  # name -> (model, what runs it)
@@ -149,6 +151,8 @@ def main() -> None:
             for name, (model, fn) in runs.items():
                 got[name].append(fn(cluster, args.large_steps if model == "large" else args.steps))
                 print(f"rep {rep} {name:<22} {got[name][-1]['step_s'] * 1e3:8.2f} ms/step", flush=True)
+    probes.append(cpu_probe_s())
+    print(f"machine: {hour(probes)}", flush=True)
     med = {k: statistics.median(r["step_s"] for r in v) for k, v in got.items()}
     ratio = lambda k, base: round(med[k] / med[base], 4)  # noqa: E731
     print("median ms/step: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in med.items()))
@@ -169,7 +173,8 @@ def main() -> None:
         "step_ms": {k: round(v * 1e3, 2) for k, v in med.items()},
         "steady_steps": {k: [r["steady_steps"] for r in v] for k, v in got.items() if "steady_steps" in v[0]},
         "steps": args.steps,
-        "large_steps": args.large_steps, "reps": args.reps}))
+        "large_steps": args.large_steps, "reps": args.reps,
+        "cpu_probe_s": probes}))  # this hour's speed (bench/machine.py)
 
 
 if __name__ == "__main__":

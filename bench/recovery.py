@@ -232,8 +232,10 @@ def main() -> None:
                     help="replica-resize: seconds until a lost slice comes back (after the recovery being measured)")
     args = ap.parse_args()
 
+    from machine import cpu_probe_s, hour
     from ray_elastic.sim import SimulatedTPUCluster
 
+    probes = [cpu_probe_s()]
     results = {}
     faults = faults_for(args.positions, args.kinds, args.repeats, args.cascades, args.cold)
     with SimulatedTPUCluster(num_slices=3, log_to_driver=False) as cluster:
@@ -290,7 +292,9 @@ def main() -> None:
         "steps_rewound_max": max((r["steps_rewound"] for r in everything), default=0),
         "faults": len(everything),
         "faults_not_fired": sum(len(out["skipped"]) for out in results.values()),
+        "cpu_probe_s": probes + [cpu_probe_s()],  # this hour's speed (bench/machine.py)
     }
+    print(f"machine: {hour(summary['cpu_probe_s'])}", flush=True)
     print(json.dumps(summary))
 
 

@@ -26,6 +26,7 @@ def test_overhead_bench_prints_ratio():
     assert out["overhead_ratio"] > 0 and out["overhead_ratio_large"] > 0 and out["overhead_ratio_no_snapshots"] > 0
     assert out["snapshot_every_chosen"] >= 1
     assert out["state_bytes_per_process_large"] >= 50 * out["state_bytes_per_process"]
+    assert len(out["cpu_probe_s"]) == 2 and min(out["cpu_probe_s"]) > 0
 
 
 @pytest.mark.bench
@@ -47,6 +48,7 @@ def test_recovery_bench_prints_recovery_times():
     assert out["steps_rewound_max"] == 0 and out["faults"] == 2
     assert 0 < out["replica_resize_recovery_s"] <= out["replica_resize_worst_s"] < 60
     assert 0 < out["detection_worst_s"] < 60 and 0 < out["pause_resume_recovery_after_arrival_s"] < 60
+    assert len(out["cpu_probe_s"]) == 2 and min(out["cpu_probe_s"]) > 0  # the hour's speed, at start and end
 
 
 @pytest.mark.bench

@@ -1,0 +1,29 @@
+"""How fast this machine is right now, recorded beside a bench's figures.
+
+The machine the benches run on is shared: the same pure-Python loop has taken 0.8-0.97 s in
+normal hours and 1.6-3.4 s in slow ones, and every multi-process figure moves with it. A bench
+that prints ``cpu_probe_s`` (seconds for that loop, at its start and at its end) says which
+kind of hour its other figures come from, so two runs are compared only when it agrees.
+"""
+
+from __future__ import annotations
+
+import time
+
+PROBE_LOOP = 20_000_000  # the loop of the README's calibrations: 0.8-0.97 s in a normal hour here
+NORMAL_S = 0.97  # the slowest probe seen in a normal hour
+
+
+def cpu_probe_s(loops: int = PROBE_LOOP) -> float:
+    """Wall seconds of a pure-Python loop in this process (one core, no Ray, no JAX): the README's
+    ``python3 -c "s=0\nfor i in range(20_000_000): s+=i"``, run the same way (module-level names,
+    which a function's locals would make ~2x faster)."""
+    t0 = time.perf_counter()
+    exec(f"s = 0\nfor i in range({loops}): s += i", {})
+    return round(time.perf_counter() - t0, 3)
+
+
+def hour(probes: list[float]) -> str:
+    """'normal' when every probe was within a normal hour's range, else 'slow (x N)'."""
+    worst = max(probes)
+    return "normal" if worst <= NORMAL_S else f"slow (x{worst / NORMAL_S:.1f} of a normal hour's slowest probe)"
