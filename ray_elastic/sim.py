@@ -517,15 +517,23 @@ class SimulatedTPUCluster:
         hosts = []
         for worker_id in range(spec.num_hosts):
             host = tpu_host(spec, name, worker_id, self.devices_per_host)
-            node = self._cluster.add_node(
-                num_cpus=2,
-                node_ip_address=LOOPBACK,
-                resources=host.resources,
-                labels=host.labels,
-                env_vars=host.env,
-                dashboard_agent_listen_port=free_port(),
-                object_store_memory=self._object_store_bytes,
-            )
+            try:
+                node = self._cluster.add_node(
+                    num_cpus=2,
+                    node_ip_address=LOOPBACK,
+                    resources=host.resources,
+                    labels=host.labels,
+                    env_vars=host.env,
+                    dashboard_agent_listen_port=free_port(),
+                    object_store_memory=self._object_store_bytes,
+                )
+            except Exception:
+                # A node that did not start in time (seen on loaded cores: "The current node timed out
+                # during startup", its raylet then declared dead by the GCS and exiting on its own):
+                # the slice's hosts already up are stopped too, so no half slice is left behind.
+                for h in hosts:
+                    self._kill_host(h, name)
+                raise
             hosts.append(SimulatedHost(node_id=node.node_id, node=node, worker_id=worker_id))
         sl = SimulatedSlice(name=name, hosts=hosts)
         with self._lock:
@@ -697,7 +705,11 @@ class Provisioner:
     It watches the placement group table for PENDING groups that ask for TPU
     resources (what the Ray autoscaler reacts to), waits ``delay_s`` (how long a
     real TPU slice takes to come up, scaled down), then adds one slice per
-    pending group. ``max_slices`` bounds the slices it will ever add.
+    pending group. ``max_slices`` bounds the slices it will ever add. A launch that fails (a node
+    that does not start in time on loaded cores) is retried at the next poll, as a cloud
+    autoscaler retries a failed instance launch: a provisioner thread that died with it left a
+    pause-and-resume run waiting out its whole ``replacement_timeout_s`` (``bench/recovery.py``,
+    2026-12-04).
     """
 
     def __init__(self, cluster: SimulatedTPUCluster, delay_s: float, poll_s: float, max_slices: Optional[int]):
@@ -706,6 +718,7 @@ class Provisioner:
         self.poll_s = poll_s
         self.max_slices = max_slices
         self.added: list[str] = []
+        self.failed_launches: list[str] = []  # why each launch that failed did (it was retried)
         self._first_seen: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ray-elastic-provisioner", daemon=True)
@@ -748,7 +761,12 @@ class Provisioner:
             for pg_id in pending:
                 first = self._first_seen.setdefault(pg_id, now)
                 if now - first >= self.delay_s:
-                    sl = self._cluster.add_slice()
+                    try:
+                        sl = self._cluster.add_slice()
+                    except Exception as e:  # noqa: BLE001 - like a cloud's failed launch: try again
+                        self.failed_launches.append(repr(e)[:300])
+                        logger.warning("simulated slice launch failed (%s); retrying", repr(e)[:200])
+                        break  # the group stays pending: the next poll launches again
                     self.added.append(sl.name)
                     # The new slice satisfies this group; forget it either way.
                     self._first_seen.pop(pg_id, None)

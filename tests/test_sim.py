@@ -146,6 +146,36 @@ def test_provisioner_adds_a_slice_for_a_pending_reservation(sim_cluster):
     assert new.isdisjoint(before) and new <= {s.name for s in sim_cluster.alive_slices()}
 
 
+def test_a_failed_slice_launch_is_retried(sim_cluster, monkeypatch):
+    """A node that fails to start (Ray's own error when a raylet does not register in time on loaded
+    cores) costs one launch, not the provisioner: the pending reservation is still served."""
+    from ray.cluster_utils import Cluster
+
+    real_add_node, calls = Cluster.add_node, []
+
+    def add_node_failing_once(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise Exception("The current node timed out during startup.")  # Ray's text (ray/_private/node.py)
+        return real_add_node(self, *args, **kwargs)
+
+    monkeypatch.setattr(Cluster, "add_node", add_node_failing_once)
+    before = {s.name for s in sim_cluster.alive_slices()}
+    held = [SliceReservation(sim_cluster.slice_spec) for _ in before]
+    for r in held:
+        assert r.wait(30)
+    pending = SliceReservation(sim_cluster.slice_spec)
+    prov = sim_cluster.provisioner(delay_s=0.0)
+    try:
+        assert pending.wait(60), f"not served after a failed launch; provisioner alive: {prov._thread.is_alive()}"
+    finally:
+        prov.stop()
+        for r in held + [pending]:
+            r.release()
+    assert len(prov.failed_launches) == 1 and "timed out during startup" in prov.failed_launches[0]
+    assert len(prov.added) == 1 and len(calls) == 2
+
+
 def test_add_slice_registers_new_node(sim_cluster):
     n = len(sim_cluster.alive_slices())
     sl = sim_cluster.add_slice()
