@@ -78,10 +78,12 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
             return
         threading.Thread(target=watch_node_death, args=(cluster.slice_by_name(name).node_ids[hosts - 1], row),
                          daemon=True).start()
-        if hosts > 1:
-            threading.Thread(target=cluster.kill_host, args=(name, hosts - 1), daemon=True).start()
-        else:
-            threading.Thread(target=cluster.kill_slice, args=(name,), daemon=True).start()
+
+        def lose_node() -> None:  # the loss happens at the first SIGKILL, not when the bench asked for it
+            row["asked_at"] = row["at"]
+            row["at"] = cluster.kill_host(name, hosts - 1) if hosts > 1 else cluster.kill_slice(name)
+
+        threading.Thread(target=lose_node, daemon=True).start()
 
     def on_step(m: dict) -> None:
         arrivals.append(m.get("finished_at", time.time()))  # steps arrive in batches: when each finished
@@ -118,9 +120,13 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
         row = box.pop("cascade", None)
         if row is not None and e["kind"] == "failure":  # the first recovery is under way: lose another slice
             victim = next(n for n in box["t"].gens.members[0:1] if n.slice_name)
-            row["second_at"] = time.time() + 0.3
-            threading.Thread(target=lambda: (time.sleep(0.3), cluster.kill_slice(victim.slice_name)),
-                             daemon=True).start()
+            row["second_at"] = time.time() + 0.3  # until the kill says when its first SIGKILL went out
+
+            def second_loss() -> None:
+                time.sleep(0.3)
+                row["second_at"] = cluster.kill_slice(victim.slice_name)
+
+            threading.Thread(target=second_loss, daemon=True).start()
         elif row is not None:
             box["cascade"] = row
         if e["kind"] in ("recovered", "scale_up"):
@@ -170,7 +176,8 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
     if timeline:  # the controller's events around each fault, in seconds after the kill
         for row in fired:
             t_kill = row.get("second_at", row["at"])
-            print(f"--- {row['kind']} {row['position']}")
+            late = f" (first SIGKILL {row['at'] - row['asked_at']:.3f} s after it was asked for)" if "asked_at" in row else ""
+            print(f"--- {row['kind']} {row['position']}{late}")
             for e in events:
                 if t_kill - 0.1 < e["ts"] < t_kill + 12 and e["kind"] not in ("steps",):
                     detail = {k: e[k] for k in ("lost_slices", "restore_source", "steps_rewound", "reason") if k in e}

@@ -157,16 +157,24 @@ class SimulatedHost:
         roots = []
         if self.node is not None:
             roots = [info.process.pid for infos in self.node.all_processes.values() for info in infos]
-        procs = []
+        children: dict[int, list[psutil.Process]] = {}  # one scan of the process table for every root
+        for p in psutil.process_iter(["ppid"]):
+            children.setdefault(p.info["ppid"], []).append(p)
+        procs, seen = [], set()
         for pid in roots or [p for p, _ in self.pids]:
             try:
                 p = psutil.Process(pid)
                 if not roots and abs(p.create_time() - dict(self.pids)[pid]) > 0.01:
                     continue  # the pid was reused: not ours
-                procs.append(p)
-                procs.extend(p.children(recursive=True))
             except psutil.NoSuchProcess:
-                pass
+                continue
+            todo = [p]
+            while todo:
+                q = todo.pop()
+                if q.pid not in seen:
+                    seen.add(q.pid)
+                    procs.append(q)
+                    todo.extend(children.get(q.pid, []))
         return procs
 
 
@@ -546,32 +554,42 @@ class SimulatedTPUCluster:
         head = SimulatedHost(node_id=self._cluster.head_node.node_id, node=self._cluster.head_node)
         return [p for h in [head] + [h for sl in self.alive_slices() for h in sl.hosts] for p in h.processes()]
 
-    def kill_slice(self, name: str) -> None:
-        """A lost slice: SIGKILL every process of its hosts (and remove the nodes this process started)."""
+    def kill_slice(self, name: str) -> float:
+        """A lost slice: SIGKILL every process of its hosts (and remove the nodes this process started).
+        Returns the wall time of the first SIGKILL: when the loss happened, for whoever times its detection."""
         sl = self.slice_by_name(name)
-        for host in sl.hosts:
-            self._kill_host(host, name)
+        killed_at = [self._kill_host(host, name) for host in sl.hosts]
         sl.alive = False
         logger.info("simulated slice %s killed", name)
+        return min(killed_at)
 
-    def kill_host(self, name: str, worker_id: int) -> None:
-        """One host of a multi-host slice lost (the slice is unusable; ``reap_dead_slices`` clears the rest)."""
-        self._kill_host(self.slice_by_name(name).hosts[worker_id], name)
+    def kill_host(self, name: str, worker_id: int) -> float:
+        """One host of a multi-host slice lost (the slice is unusable; ``reap_dead_slices`` clears the rest).
+        Returns the wall time of the first SIGKILL."""
+        killed_at = self._kill_host(self.slice_by_name(name).hosts[worker_id], name)
         logger.info("simulated host %d of slice %s killed", worker_id, name)
+        return killed_at
 
-    def _kill_host(self, host: SimulatedHost, name: str) -> None:
-        for p in host.processes():
+    def _kill_host(self, host: SimulatedHost, name: str) -> float:
+        """SIGKILL the host's processes, all found first (one read of the process table) so the kills
+        follow each other at once, as in a real host loss. Returns when the first SIGKILL went out:
+        on loaded cores that can be long after the caller asked (once ~1.5 s in ``bench/recovery.py``,
+        which timed detection from the asking until it used this)."""
+        procs = host.processes()
+        killed_at = time.time()
+        for p in procs:
             try:
                 p.send_signal(signal.SIGKILL)
             except psutil.NoSuchProcess:
                 pass
         if host.node is None:
-            return  # an autoscaled host: the autoscaler retires its instance
+            return killed_at  # an autoscaled host: the autoscaler retires its instance
         try:
             self._cluster.remove_node(host.node, allow_graceful=False)
         except Exception as e:  # already dead processes make remove_node's checks noisy
             logger.debug("remove_node(%s): %s", name, e)
             self._cluster.worker_nodes.discard(host.node)
+        return killed_at
 
     def reap_dead_slices(self) -> list[str]:
         """Kill and remove slices that Ray has declared dead (for example hung ones); returns their names."""
