@@ -16,7 +16,7 @@ Faults fire one at a time, each once the world is at full size again:
 
 A 2-host-slice variant (``--multihost``) loses one host of a slice per position. Per fault the
 bench prints, for node losses, when Ray's node table marks the node dead (``node_dead_s``, its
-health checks), then detection (kill -> the controller sees the failure; the drain after it, collecting
+health checks), then detection (kill, i.e. the simulated host's first SIGKILL, -> the controller sees the failure; the drain after it, collecting
 what the survivors streamed and their keepers hold, is its own column) and kill -> first step
 afterwards, with the controller's own phase split; then per kind and position the median and
 worst, and the grow-back pauses. The last line is one JSON object:
