@@ -1,13 +1,42 @@
-"""ray-elastic: multi-slice JAX training that survives lost TPU slices, driven by one Ray controller."""
+"""ray-elastic: multi-slice JAX training that survives lost TPU slices, driven by one Ray controller.
 
-from ray_elastic.config import ElasticConfig, SliceSpec
-from ray_elastic.controller import ElasticTrainer
-from ray_elastic.errors import (CapacityTimeoutError, ElasticRuntimeError, RetriesExhaustedError, StateLostError,
-                                TrainingCodeError)
-from ray_elastic.results import FitResult, RecoveryRecord
-from ray_elastic.task import TrainTask
+The names below are imported on first use (PEP 562), not with the package: every slice and keeper
+process imports ``ray_elastic`` to unpickle its actor class, and it needs none of the controller
+(that import cost each new process ~0.1 CPU-s, paid again at every recovery).
+"""
 
-__all__ = ["ElasticConfig", "SliceSpec", "ElasticTrainer", "FitResult", "RecoveryRecord", "TrainTask",
-           "ElasticRuntimeError", "TrainingCodeError", "RetriesExhaustedError", "CapacityTimeoutError",
-           "StateLostError"]
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "ElasticConfig": "ray_elastic.config", "SliceSpec": "ray_elastic.config",
+    "ElasticTrainer": "ray_elastic.controller",
+    "FitResult": "ray_elastic.results", "RecoveryRecord": "ray_elastic.results",
+    "TrainTask": "ray_elastic.task",
+    "ElasticRuntimeError": "ray_elastic.errors", "TrainingCodeError": "ray_elastic.errors",
+    "RetriesExhaustedError": "ray_elastic.errors", "CapacityTimeoutError": "ray_elastic.errors",
+    "StateLostError": "ray_elastic.errors",
+}
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from ray_elastic.config import ElasticConfig, SliceSpec
+    from ray_elastic.controller import ElasticTrainer
+    from ray_elastic.errors import (CapacityTimeoutError, ElasticRuntimeError, RetriesExhaustedError,
+                                    StateLostError, TrainingCodeError)
+    from ray_elastic.results import FitResult, RecoveryRecord
+    from ray_elastic.task import TrainTask
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ray_elastic' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once imported, a plain attribute
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(__all__))
