@@ -138,6 +138,24 @@ def tpu_host(spec, slice_name: str, worker_id: int, devices_per_host: int) -> TP
     return TPUHost(resources, labels, env)
 
 
+def process_children() -> dict[int, list[psutil.Process]]:
+    """The process table, read once, by parent pid: what :meth:`SimulatedHost.processes` walks (one
+    read serves every host of a call, so their processes are found at one moment)."""
+    children: dict[int, list[psutil.Process]] = {}
+    for p in psutil.process_iter(["ppid"]):
+        children.setdefault(p.info["ppid"], []).append(p)
+    return children
+
+
+def send_signal(procs: list[psutil.Process], sig: int) -> None:
+    """``sig`` to each of ``procs``, those already gone skipped."""
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
 @dataclasses.dataclass
 class SimulatedHost:
     """One slice host: its Ray node id and the processes that make it (raylet, agents, ...).
@@ -152,14 +170,14 @@ class SimulatedHost:
     instance_id: Optional[str] = None  # the autoscaler's cloud instance id
     worker_id: int = 0
 
-    def processes(self) -> list[psutil.Process]:
-        """The host's own processes and everything they started (Ray workers: slice actors)."""
+    def processes(self, children: Optional[dict[int, list[psutil.Process]]] = None) -> list[psutil.Process]:
+        """The host's own processes and everything they started (Ray workers: slice actors).
+        ``children``: a :func:`process_children` already read (else it is read here)."""
         roots = []
         if self.node is not None:
             roots = [info.process.pid for infos in self.node.all_processes.values() for info in infos]
-        children: dict[int, list[psutil.Process]] = {}  # one scan of the process table for every root
-        for p in psutil.process_iter(["ppid"]):
-            children.setdefault(p.info["ppid"], []).append(p)
+        if children is None:
+            children = process_children()
         procs, seen = [], set()
         for pid in roots or [p for p, _ in self.pids]:
             try:
@@ -539,8 +557,7 @@ class SimulatedTPUCluster:
                 # A node that did not start in time (seen on loaded cores: "The current node timed out
                 # during startup", its raylet then declared dead by the GCS and exiting on its own):
                 # the slice's hosts already up are stopped too, so no half slice is left behind.
-                for h in hosts:
-                    self._kill_host(h, name)
+                self._kill_hosts(hosts, name)
                 raise
             hosts.append(SimulatedHost(node_id=node.node_id, node=node, worker_id=worker_id))
         sl = SimulatedSlice(name=name, hosts=hosts)
@@ -552,43 +569,43 @@ class SimulatedTPUCluster:
     def processes(self) -> list[psutil.Process]:
         """Every live process of the cluster: the head's and each live slice host's, with children."""
         head = SimulatedHost(node_id=self._cluster.head_node.node_id, node=self._cluster.head_node)
-        return [p for h in [head] + [h for sl in self.alive_slices() for h in sl.hosts] for p in h.processes()]
+        table = process_children()
+        return [p for h in [head] + [h for sl in self.alive_slices() for h in sl.hosts] for p in h.processes(table)]
 
     def kill_slice(self, name: str) -> float:
         """A lost slice: SIGKILL every process of its hosts (and remove the nodes this process started).
         Returns the wall time of the first SIGKILL: when the loss happened, for whoever times its detection."""
         sl = self.slice_by_name(name)
-        killed_at = [self._kill_host(host, name) for host in sl.hosts]
+        killed_at = self._kill_hosts(sl.hosts, name)
         sl.alive = False
         logger.info("simulated slice %s killed", name)
-        return min(killed_at)
+        return killed_at
 
     def kill_host(self, name: str, worker_id: int) -> float:
         """One host of a multi-host slice lost (the slice is unusable; ``reap_dead_slices`` clears the rest).
         Returns the wall time of the first SIGKILL."""
-        killed_at = self._kill_host(self.slice_by_name(name).hosts[worker_id], name)
+        killed_at = self._kill_hosts([self.slice_by_name(name).hosts[worker_id]], name)
         logger.info("simulated host %d of slice %s killed", worker_id, name)
         return killed_at
 
-    def _kill_host(self, host: SimulatedHost, name: str) -> float:
-        """SIGKILL the host's processes, all found first (one read of the process table) so the kills
-        follow each other at once, as in a real host loss. Returns when the first SIGKILL went out:
-        on loaded cores that can be long after the caller asked (once ~1.5 s in ``bench/recovery.py``,
-        which timed detection from the asking until it used this)."""
-        procs = host.processes()
+    def _kill_hosts(self, hosts: list[SimulatedHost], name: str) -> float:
+        """SIGKILL these hosts' processes, all found first (one read of the process table) so the
+        kills follow each other at once, as in a real host or slice loss; then remove the nodes this
+        process started. Returns when the first SIGKILL went out: on loaded cores that can be long
+        after the caller asked (once ~1.5 s in ``bench/recovery.py``, which timed detection from the
+        asking until it used this)."""
+        table = process_children()
+        procs = [p for host in hosts for p in host.processes(table)]
         killed_at = time.time()
-        for p in procs:
+        send_signal(procs, signal.SIGKILL)
+        for host in hosts:
+            if host.node is None:
+                continue  # an autoscaled host: the autoscaler retires its instance
             try:
-                p.send_signal(signal.SIGKILL)
-            except psutil.NoSuchProcess:
-                pass
-        if host.node is None:
-            return killed_at  # an autoscaled host: the autoscaler retires its instance
-        try:
-            self._cluster.remove_node(host.node, allow_graceful=False)
-        except Exception as e:  # already dead processes make remove_node's checks noisy
-            logger.debug("remove_node(%s): %s", name, e)
-            self._cluster.worker_nodes.discard(host.node)
+                self._cluster.remove_node(host.node, allow_graceful=False)
+            except Exception as e:  # already dead processes make remove_node's checks noisy
+                logger.debug("remove_node(%s): %s", name, e)
+                self._cluster.worker_nodes.discard(host.node)
         return killed_at
 
     def reap_dead_slices(self) -> list[str]:
@@ -611,18 +628,15 @@ class SimulatedTPUCluster:
 
     @staticmethod
     def _signal_slice(sl: SimulatedSlice, sig: int) -> None:
-        for host in sl.hosts:
-            for p in host.processes():
-                try:
-                    p.send_signal(sig)
-                except psutil.NoSuchProcess:
-                    pass
+        table = process_children()
+        send_signal([p for host in sl.hosts for p in host.processes(table)], sig)
 
     def worker_pids(self, name: str) -> list[int]:
         """PIDs of the Ray worker processes (actors) running on a slice's hosts."""
         pids = []
+        table = process_children()
         for host in self.slice_by_name(name).hosts:
-            for p in host.processes():
+            for p in host.processes(table):
                 try:
                     if p.name().startswith("ray::") or "default_worker.py" in " ".join(p.cmdline()):
                         pids.append(p.pid)
@@ -645,14 +659,11 @@ class SimulatedTPUCluster:
         except Exception as e:  # noqa: BLE001 - it may be gone already
             logger.debug("kill monitor: %s", e)
         self._sync()
-        procs = [p for sl in self.slices for host in sl.hosts for p in host.processes()]
-        head = {p.pid for p in SimulatedHost(node_id="", node=cluster.head_node).processes()}
+        table = process_children()
+        procs = [p for sl in self.slices for host in sl.hosts for p in host.processes(table)]
+        head = {p.pid for p in SimulatedHost(node_id="", node=cluster.head_node).processes(table)}
         procs += [p for p in self.stray_processes() if p.pid not in head]  # missed by the records
-        for p in procs:
-            try:
-                p.send_signal(signal.SIGKILL)
-            except psutil.NoSuchProcess:
-                pass
+        send_signal(procs, signal.SIGKILL)
 
     def stray_processes(self) -> list[psutil.Process]:
         """Processes of this cluster's slice hosts that are still running: their environment has our

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import threading
 import time
 
@@ -50,7 +51,7 @@ from ray.autoscaler.tags import (  # noqa: E402
     NODE_KIND_WORKER, STATUS_UP_TO_DATE, TAG_RAY_NODE_KIND, TAG_RAY_NODE_NAME, TAG_RAY_NODE_STATUS,
     TAG_RAY_USER_NODE_TYPE)
 
-from ray_elastic.sim import SimulatedHost  # noqa: E402 - a node's processes, as kill_slice finds them
+from ray_elastic.sim import SimulatedHost, send_signal  # noqa: E402 - a node's processes, as kill_slice finds them
 
 HEAD_NODE_TYPE = "ray.head.default"  # the name FakeMultiNodeProvider gives the head
 EVENTS_FILE = "events.jsonl"
@@ -237,10 +238,6 @@ class TPUSliceProvider(FakeMultiNodeProvider):
                     entry["node"].kill_all_processes(check_alive=False, allow_graceful=False)
                 except Exception as e:  # noqa: BLE001 - its processes may be dead already
                     logger.debug("kill %s: %s", i, e)
-                for p in procs:
-                    try:
-                        p.kill()
-                    except psutil.NoSuchProcess:
-                        pass
+                send_signal(procs, signal.SIGKILL)
             record_event(self._state_dir, event="terminate", instance=i, slice=slice_name,
                          asked=i == node_id)
