@@ -231,6 +231,8 @@ def summarize(*, ledger: StepLedger, worlds: list[WorldRecord], recoveries: list
         return sum(1 for e in events if e["kind"] == kind)
 
     intervals = [e["every"] for e in events if e["kind"] == "snapshot_interval"]
+    # Steps run twice, by recoveries and by grow-backs alike (a grow-back should rewind none).
+    rewound = sum(r.steps_rewound for r in recoveries) + sum(e["steps_rewound"] for e in events if e["kind"] == "scale_up")
 
     summary = RunSummary(
         steps=len(steps), num_steps=num_steps, wall_s=round(wall_s, 3), resumed_from_checkpoint=first_step or None,
@@ -238,7 +240,7 @@ def summarize(*, ledger: StepLedger, worlds: list[WorldRecord], recoveries: list
         global_batch_size=last.global_batch_size, first_loss=losses[0], final_loss=losses[-1],
         generations=len(worlds), failures=count("failure"), recoveries=len(recoveries), scale_ups=count("scale_up"),
         checkpoints_saved=count("checkpoint_save"), checkpoints_committed=count("checkpoint_committed"),
-        checkpoint_restores=count("checkpoint_restore"), steps_rewound=sum(r.steps_rewound for r in recoveries),
+        checkpoint_restores=count("checkpoint_restore"), steps_rewound=rewound,
         max_recovery_s=round(max((r.recovery_s for r in recoveries), default=0.0), 3), startup_s=round(startup_s, 3),
         compile_s=round(worlds[0].times["compile_s"], 3), median_step_s=steady[len(steady) // 2],
         snapshot_every=intervals[-1] if intervals else None,

@@ -117,6 +117,7 @@ class SliceWorker:
         self._extra: dict[int, dict] = {}  # step -> what its metrics carry besides the loss (checkpoint)
         self._reported = -1  # the newest step streamed
         self._kept_early: list[int] = []  # steps kept whose metrics are not streamed yet
+        self._snapshot_step = -1  # the newest step handed to the writer
 
     def prepare(self, for_world: Optional[int] = None) -> dict:
         """Everything that does not need the world: import JAX, load the task's data. Then, in the
@@ -291,9 +292,7 @@ class SliceWorker:
                         blocking = self.loop.save_checkpoint(step + 1, self._metadata(step + 1))
                     self._extra[step] = {"checkpoint_step": step + 1, "checkpoint_blocking_s": blocking}
                 if self.writer is not None and is_snapshot_step(step, every):
-                    copy = self.loop.snapshot_copy()
-                    self.writer.submit(step, functools.partial(jax_world_host_blocks, copy),
-                                       functools.partial(_block_until_ready, copy))
+                    self._snapshot(step)
                 while self.loop.in_flight() > IN_FLIGHT:
                     self._finish_one()
             if streams and time.monotonic() >= flush_at:
@@ -305,9 +304,21 @@ class SliceWorker:
             with _world_errors(f"step {end - 1}"):
                 while self.loop.in_flight():
                     self._finish_one()
+                if num_steps == 0 and self.writer is not None and self.last_step > self._snapshot_step:
+                    # A planned stop (the world grows at this boundary): the bigger world starts from
+                    # this very step, not from the interval's last snapshot (``snapshot_every`` > 1).
+                    self._snapshot(self.last_step)
                 if self.writer is not None:
                     self.writer.wait()
         yield self._report()
+
+    def _snapshot(self, step: int) -> None:
+        """Hand the state after ``step`` (the newest dispatched) to the writer: copied on the device
+        now, to the host and the keeper in the writer's thread."""
+        copy = self.loop.snapshot_copy()
+        self.writer.submit(step, functools.partial(jax_world_host_blocks, copy),
+                           functools.partial(_block_until_ready, copy))
+        self._snapshot_step = step
 
     def run_chunk_quiet(self, start_step: int, num_steps: int, final_step: int,
                         snapshot_every: Optional[int] = None) -> None:

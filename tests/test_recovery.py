@@ -486,16 +486,21 @@ def test_replacement_dying_on_arrival(cluster, baseline):
 
 
 def test_replica_resize_to_min_then_grow_back(cluster, baseline_long):
+    """With the default ``snapshot_every="auto"``: a world takes a snapshot after every step for its
+    first steps (so the loss at step 5 rewinds nothing), then every few; the grow-back stops at a
+    step between two snapshots and must still rewind nothing."""
     prov = cluster.provisioner(delay_s=1.0)
     try:
-        trainer, result = run(cluster, {15: lambda t: in_thread(cluster.kill_slice, slice_name(t, 2))},
-                              steps=LONG_STEPS, min_slices=2, **WARM)
+        trainer, result = run(cluster, {5: lambda t: in_thread(cluster.kill_slice, slice_name(t, 2))},
+                              steps=LONG_STEPS, min_slices=2, snapshot_every="auto", **WARM)
     finally:
         prov.stop()
     (rec,) = result.recoveries
     assert rec.slices == 2
     ups = [e for e in result.events if e["kind"] == "scale_up"]
-    assert len(ups) == 1 and ups[0]["to_slices"] == 3 and ups[0]["steps_rewound"] == 0
+    intervals = [e["every"] for e in result.events if e["kind"] == "snapshot_interval" and e["ts"] < ups[0]["ts"]]
+    assert intervals[-1] > 1, intervals  # the smaller world stopped between snapshots
+    assert len(ups) == 1 and ups[0]["to_slices"] == 3 and ups[0]["steps_rewound"] == 0, ups
     assert 0 < ups[0]["pause_s"] < ups[0]["ready_at"] - rec.ready_at  # a pause, not the whole wait for the slice
     # The newcomer's process started while the smaller world trained: every host joined warm.
     assert trainer.worlds[-1].times["standbys_used"] == 3
