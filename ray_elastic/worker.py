@@ -304,7 +304,8 @@ class SliceWorker:
             with _world_errors(f"step {end - 1}"):
                 while self.loop.in_flight():
                     self._finish_one()
-                if num_steps == 0 and self.writer is not None and self.last_step > self._snapshot_step:
+                if num_steps == 0 and start_step <= final_step and self.writer is not None \
+                        and self.last_step > self._snapshot_step:
                     # A planned stop (the world grows at this boundary): the bigger world starts from
                     # this very step, not from the interval's last snapshot (``snapshot_every`` > 1).
                     self._snapshot(self.last_step)
