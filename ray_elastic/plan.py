@@ -206,6 +206,20 @@ def newest_snapshot_step(step: int, every: int) -> int:
     return step - (step + 1) % every if every > 0 else -1
 
 
+def newest_due_snapshot(step: int, intervals: list[tuple[int, int]]) -> int:
+    """The newest step at or before ``step`` after which a snapshot was due, given the intervals
+    a world ran with (``(first step, interval)`` from each change on, oldest first; -1: none).
+
+    Each interval counts from step 0 (``is_snapshot_step``) but holds only from its first step:
+    after a change from 11 to 8 at step 60, step 60's newest is 54, not 55."""
+    for i in range(len(intervals) - 1, -1, -1):
+        first, every = intervals[i]
+        last = step if i + 1 == len(intervals) else min(step, intervals[i + 1][0] - 1)
+        if last >= first and (due := newest_snapshot_step(last, every)) >= first:
+            return due
+    return -1
+
+
 def is_checkpoint_step(step: int, every: int, final_step: int) -> bool:
     """Checkpoint after steps every-1, 2*every-1, ... and after the run's last step."""
     return (step + 1) % every == 0 or step == final_step

@@ -26,7 +26,7 @@ import ray
 from ray_elastic import health
 from ray_elastic.config import ElasticConfig
 from ray_elastic.errors import ProcessGone, RayletGone
-from ray_elastic.plan import (MAX_SNAPSHOT_EVERY, chunk_steps, newest_snapshot_step, snapshot_cost_in_steps,
+from ray_elastic.plan import (MAX_SNAPSHOT_EVERY, chunk_steps, newest_due_snapshot, snapshot_cost_in_steps,
                               snapshot_interval, watchdog_timeout)
 from ray_elastic.snapshot_keeper import ask_keepers
 from ray_elastic.snapshots import SnapshotRef, SnapshotStore
@@ -94,14 +94,6 @@ class StepStreams:
         """Steps snapshotted since the last call (for the event log)."""
         out, self._snapshot_steps = self._snapshot_steps, []
         return out
-
-    def interval_at(self, step: int) -> int:
-        """The snapshot interval the chunk running ``step`` used."""
-        every = self._intervals[0][1] if self._intervals else 0
-        for first, e in self._intervals:
-            if first <= step:
-                every = e
-        return every
 
     def _next_interval(self, step: int) -> int:
         c = self.config
@@ -371,7 +363,7 @@ class StepStreams:
         # not one on a host whose raylet refuses (its keeper died with it and would only be waited for).
         lost = self._lost_hosts(set(errors))
         holders = [p for p in self._holder_processes() if p not in lost]
-        newest = newest_snapshot_step(self._reported, self.interval_at(self._reported))
+        newest = newest_due_snapshot(self._reported, self._intervals)
         deadline = time.monotonic() + newest_s
         while holders:
             dead: set[int] = set()

@@ -197,6 +197,23 @@ def test_newest_snapshot_step_follows_the_snapshot_rule():
     assert newest_snapshot_step(10, 0) == -1
 
 
+def test_the_newest_due_snapshot_follows_each_interval_where_it_held():
+    """``snapshot_every="auto"`` changes the interval as a world runs; each holds from its first step."""
+    from ray_elastic.plan import is_snapshot_step, newest_due_snapshot
+
+    # The interval changes of a 2-host demo run (10 -> 8 at step 60): its drain waited the whole 3 s
+    # bound for step 55, which no process had snapshotted (the newest was 54).
+    demo = [(0, 1), (20, 7), (40, 11), (60, 8)]
+    assert newest_due_snapshot(60, demo) == 54 and newest_due_snapshot(63, demo) == 63
+    for intervals in (demo, [(5, 1)], [(0, 4), (6, 0)], [(0, 0), (10, 3)], [(0, 3), (4, 5), (7, 2)]):
+        firsts = [f for f, _ in intervals] + [10**6]
+        every_at = {s: e for (f, e), nxt in zip(intervals, firsts[1:]) for s in range(f, nxt)}
+        for step in range(-1, 80):
+            want = max([s for s in range(step + 1) if s in every_at and is_snapshot_step(s, every_at[s])], default=-1)
+            assert newest_due_snapshot(step, intervals) == want, (intervals, step)
+    assert newest_due_snapshot(10, []) == -1
+
+
 def test_snapshot_interval_keeps_the_cost_under_the_budget():
     from ray_elastic.plan import snapshot_interval
 

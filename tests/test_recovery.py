@@ -226,12 +226,13 @@ def test_two_slices_lost_at_once(cluster, baseline):
     assert max_rel_err(result.losses, baseline) <= RESIZED
 
 
-def _drain_after_process_1_died(late_keep_s=None, node_lost: bool = False) -> tuple:
+def _drain_after_process_1_died(late_keep_s=None, node_lost: bool = False, intervals=((0, 1),)) -> tuple:
     """The real drain over three real keepers (one process per slice, all holders): every keeper
     holds steps 8 and 9, process 1 streamed step 10 and died, process 0's keeper holds 10 too, and
     process 2's gets it ``late_keep_s`` into the drain (``None``: never). ``node_lost``: process 1's
     node is gone (its keeper, stopped, never answers; the store still lists its step 10) and
-    process 0's keeper does not hold 10. Returns (store, seconds)."""
+    process 0's keeper does not hold 10. ``intervals``: the snapshot intervals the world ran with.
+    Returns (store, seconds)."""
     import threading
     import types
 
@@ -249,7 +250,7 @@ def _drain_after_process_1_died(late_keep_s=None, node_lost: bool = False) -> tu
                                   slice_of=lambda p: f"slice-{p}")
     cfg = ElasticConfig(num_slices=3, global_batch_size=48, snapshot_every=1)
     streams = StepStreams(world, cfg, SnapshotStore(hosts_per_slice=1), lambda m: None, [])
-    streams._reported, streams._intervals = 10, [(0, 1)]  # step 10 streamed by process 1, which then died
+    streams._reported, streams._intervals = 10, list(intervals)  # step 10 streamed by process 1, which then died
     stopped = None
     if node_lost:
         streams.store.hold_only("slice-1", 0, {s: SnapshotRef(keepers[1], 0, s) for s in (8, 9, 10)})
@@ -291,6 +292,16 @@ def test_a_surviving_holder_that_never_keeps_the_newest_step_costs_the_recovery_
     store, waited = _drain_after_process_1_died(late_keep_s=None)
     assert store.latest_complete(["slice-0", "slice-2"]) == {"slice-0": 10, "slice-2": 9}
     assert OTHER_HOLDERS_S <= waited < OTHER_HOLDERS_S + 1.0, waited
+
+
+def test_after_an_interval_change_the_drain_waits_for_the_step_that_was_due(cluster):
+    """``snapshot_every="auto"``: the interval went from 2 to 4 at step 10, so the newest snapshot
+    due by step 10 is step 9's, which every surviving keeper holds: nothing to wait for. (The drain
+    used to apply the newest interval to every step, asked for step 7, which no keeper holds, and
+    waited the whole 3 s bound: +3 s on most recoveries of a default run with a changing interval.)"""
+    store, waited = _drain_after_process_1_died(late_keep_s=None, intervals=[(0, 1), (8, 2), (10, 4)])
+    assert store.latest_complete(["slice-0", "slice-2"]) == {"slice-0": 10, "slice-2": 9}
+    assert waited < 1.0, waited
 
 
 def test_a_lost_nodes_keeper_does_not_shorten_the_wait_for_the_surviving_holders(cluster):
