@@ -59,7 +59,7 @@ def faults_for(positions: list[int], kinds: list[str], repeats: int, cascades: i
 
 
 def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s: float, hosts: int,
-             timeline: bool = False, settle_timeout_s: float = 180.0) -> dict:
+             timeline: bool = False, settle_timeout_s: float = 180.0, snapshot_every="1") -> dict:
     """One run that fires ``faults`` in order; returns per-fault rows, grow pauses and rewinds."""
     from ray_elastic import ElasticConfig, ElasticTrainer
     from ray_elastic.errors import ElasticRuntimeError
@@ -135,7 +135,8 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
             box["quiet_until"] = max(box["quiet_until"], time.time() + gap_s)
 
     cfg = ElasticConfig(num_slices=3, global_batch_size=48, slice=cluster.slice_spec, steps_per_chunk=10, mode=mode,
-                        min_slices=1, snapshot_every=1)  # a snapshot after every step: any rewind is a bug here
+                        min_slices=1,  # a snapshot after every step by default: any rewind is a bug then
+                        snapshot_every="auto" if snapshot_every == "auto" else int(snapshot_every))
     trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=on_step, on_event=on_event)
     box["t"] = trainer
     try:
@@ -237,6 +238,9 @@ def main() -> None:
                     help="pause-and-resume: seconds until a replacement slice arrives")
     ap.add_argument("--regrow-delay", type=float, default=8.0,
                     help="replica-resize: seconds until a lost slice comes back (after the recovery being measured)")
+    ap.add_argument("--snapshot-every", default="1",
+                    help='snapshot interval (1: zero rewind, the figures below; "auto": the default users get, '
+                         'whose recoveries may rewind up to the interval it picks)')
     args = ap.parse_args()
 
     from machine import cpu_probe_s, hour
@@ -249,7 +253,7 @@ def main() -> None:
         for mode in args.modes:
             prov = cluster.provisioner(delay_s=args.regrow_delay if mode == "replica-resize" else args.arrival_delay)
             results[mode] = run_mode(cluster, mode, faults, args.gap, args.gap_s, hosts=1, timeline=args.timeline,
-                                     settle_timeout_s=args.settle_timeout)
+                                     settle_timeout_s=args.settle_timeout, snapshot_every=args.snapshot_every)
             prov.stop()
             report(mode, results[mode])
             cluster.reap_dead_slices()
@@ -258,7 +262,7 @@ def main() -> None:
             prov = cluster.provisioner(delay_s=args.regrow_delay)
             results["multihost"] = run_mode(cluster, "replica-resize", faults_for(args.positions, ["node"], 1, 0),
                                             args.gap, args.gap_s, hosts=2, timeline=args.timeline,
-                                            settle_timeout_s=args.settle_timeout)
+                                            settle_timeout_s=args.settle_timeout, snapshot_every=args.snapshot_every)
             prov.stop()
             report("replica-resize, 2-host slices (one host lost)", results["multihost"])
 
@@ -299,6 +303,7 @@ def main() -> None:
         "steps_rewound_max": max((r["steps_rewound"] for r in everything), default=0),
         "faults": len(everything),
         "faults_not_fired": sum(len(out["skipped"]) for out in results.values()),
+        "snapshot_every": args.snapshot_every,
         "cpu_probe_s": probes + [cpu_probe_s()],  # this hour's speed (bench/machine.py)
     }
     print(f"machine: {hour(summary['cpu_probe_s'])}", flush=True)
