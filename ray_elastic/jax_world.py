@@ -34,6 +34,7 @@ def enable_compilation_cache(cache_dir: Optional[str]) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     _share_cpu_cache_entries()
+    _count_cache_hits()
 
 
 def _share_cpu_cache_entries() -> None:
@@ -119,18 +120,44 @@ def build_mesh(plan: WorldPlan) -> Mesh:
     (ICI x DCN) helper lays them out; on CPU processes are grouped by process id,
     which ``plan`` numbers slice-major.
     """
-    devices = jax.devices()
+    return Mesh(_device_grid(plan), (REPLICA_AXIS, FSDP_AXIS))
+
+
+def _device_grid(plan: WorldPlan):
+    """The devices of ``plan``'s mesh, laid out (replica, fsdp), from this world's first
+    ``plan.num_slices`` slices: all of them for this world's own plan; for a smaller layout,
+    the devices (and so the device ids) a world of that many slices will have."""
     shape = plan.mesh_shape
+    devices = jax.devices()
     if devices[0].platform == "tpu" and plan.num_slices > 1:
         from jax.experimental import mesh_utils
 
-        grid = mesh_utils.create_hybrid_device_mesh(
-            (1, shape[FSDP_AXIS]), (shape[REPLICA_AXIS], 1), devices=devices
-        )
-    else:
-        ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
-        grid = np.array(ordered).reshape(shape[REPLICA_AXIS], shape[FSDP_AXIS])
-    return Mesh(grid, (REPLICA_AXIS, FSDP_AXIS))
+        devices = [d for d in devices if getattr(d, "slice_index", 0) < shape[REPLICA_AXIS]]
+        return mesh_utils.create_hybrid_device_mesh((1, shape[FSDP_AXIS]), (shape[REPLICA_AXIS], 1), devices=devices)
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))[: shape[REPLICA_AXIS] * shape[FSDP_AXIS]]
+    return np.array(ordered).reshape(shape[REPLICA_AXIS], shape[FSDP_AXIS])
+
+
+def compile_ahead(traced: jax.stages.Traced, plan: WorldPlan) -> None:
+    """Compile the step traced for a smaller layout (``plan``) for the devices a world of that
+    layout will have, so that the persistent cache holds it before that world exists: its
+    first forming then loads the executable instead of compiling it (measured on CPU, the
+    digits MLP: 0.07-0.11 s against 0.6 s cold). Run in process 0 (JAX writes cache entries
+    from process 0 only); with no persistent cache it would be wasted work."""
+    grid = _device_grid(plan)
+    traced.lower(lowering_platforms=(grid.flat[0].platform,)).compile(device_assignment=tuple(grid.flat))
+
+
+_cache_hits = [0]  # persistent-cache hits in this process (jax.monitoring), for :meth:`TrainLoop.compile`
+
+
+def _count_cache_hits() -> None:
+    if getattr(_count_cache_hits, "registered", False):
+        return
+    jax.monitoring.register_event_listener(
+        lambda event, **kw: _cache_hits.__setitem__(0, _cache_hits[0] + 1)
+        if event == "/jax/compilation_cache/cache_hits" else None)
+    _count_cache_hits.registered = True
 
 
 def _abstract_state(task, seed: int, update_scale: Optional[float]):
@@ -313,16 +340,20 @@ class TrainLoop:
         if traced is not None:
             lowered = traced.lower(lowering_platforms=(self.mesh.devices.flat[0].platform,))
             t1 = time.perf_counter()
+            hits = _cache_hits[0]
             self._step = lowered.compile(device_assignment=tuple(self.mesh.devices.flat))
             t2 = time.perf_counter()
-            return {"trace_s": 0.0, "lower_s": t1 - t0, "load_s": t2 - t1, "compile_s": t2 - t0, "traced_ahead": True}
+            return {"trace_s": 0.0, "lower_s": t1 - t0, "load_s": t2 - t1, "compile_s": t2 - t0, "traced_ahead": True,
+                    "from_cache": _cache_hits[0] > hits}
         traced = self._step.trace(self.state, self.global_batch_array(step))
         t1 = time.perf_counter()
         lowered = traced.lower()
         t2 = time.perf_counter()
+        hits = _cache_hits[0]
         self._step = lowered.compile()
         t3 = time.perf_counter()
-        return {"trace_s": t1 - t0, "lower_s": t2 - t1, "load_s": t3 - t2, "compile_s": t3 - t0, "traced_ahead": False}
+        return {"trace_s": t1 - t0, "lower_s": t2 - t1, "load_s": t3 - t2, "compile_s": t3 - t0, "traced_ahead": False,
+                "from_cache": _cache_hits[0] > hits}
 
     def dispatch(self, step: int) -> None:
         """Start step ``step`` and return before it has run (JAX dispatches asynchronously);

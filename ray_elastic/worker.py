@@ -118,6 +118,7 @@ class SliceWorker:
         self._reported = -1  # the newest step streamed
         self._kept_early: list[int] = []  # steps kept whose metrics are not streamed yet
         self._snapshot_step = -1  # the newest step handed to the writer
+        self._compiling_ahead: Optional[threading.Thread] = None
 
     def prepare(self, for_world: Optional[int] = None) -> dict:
         """Everything that does not need the world: import JAX, load the task's data. Then, in the
@@ -311,7 +312,34 @@ class SliceWorker:
                     self._snapshot(self.last_step)
                 if self.writer is not None:
                     self.writer.wait()
+        if num_steps and self._compiling_ahead is None:
+            self._compile_ahead()
         yield self._report()
+
+    def _compile_ahead(self) -> None:
+        """After this world's first chunk, process 0 compiles the step of the next smaller world
+        the run may form into the persistent cache, in the background: a replica-resize recovery
+        then loads it instead of compiling a layout never seen (5 s for the transformer demo's
+        first recovery here). Once per world; nothing to do without a persistent cache."""
+        c, plan = self.config, self.plan
+        smaller = plan.num_slices - 1
+        if self.process_id != 0 or not c.compilation_cache_dir or smaller not in c.world_sizes():
+            self._compiling_ahead = threading.Thread()  # nothing to compile: never asked again
+            return
+
+        def run():
+            from ray_elastic import jax_world
+
+            target = c.world_plan(plan.generation + 1, plan.slice_names[:smaller])
+            try:
+                traced = jax_world.trace_ahead(self.task, target, c.seed, c.fsdp_min_size, self.batches,
+                                               scale_updates=c.lr_rule is not None)
+                jax_world.compile_ahead(traced, target)
+            except Exception as e:  # noqa: BLE001 - an optimisation: the world that needs it compiles it
+                logger.warning("compiling ahead for %d slices failed: %r", smaller, e)
+
+        self._compiling_ahead = threading.Thread(target=run, name="compile-ahead", daemon=True)
+        self._compiling_ahead.start()
 
     def _snapshot(self, step: int) -> None:
         """Hand the state after ``step`` (the newest dispatched) to the writer: copied on the device

@@ -44,6 +44,7 @@ class FormationTimes:
     total_s: float = 0.0
     standbys_used: int = 0
     processes_starting: int = 0  # taken before they had started (Python, JAX, data): forming waited for them
+    compiled_from_cache: int = 0  # processes whose step came from the persistent cache (not compiled)
 
 
 class Standby(NamedTuple):
@@ -371,6 +372,7 @@ class World:
                                watch=_alive(watch, deaths, owners))
             for phase in ("trace_s", "lower_s", "load_s", "compile_s"):
                 setattr(times, phase, max(c[phase] for c in compiles))
+            times.compiled_from_cache = sum(bool(c.get("from_cache")) for c in compiles)
             times.total_s = time.perf_counter() - t0
         except BaseException:
             if deaths is not None:

@@ -522,6 +522,36 @@ def test_replica_resize_to_min_then_grow_back(cluster, baseline_long):
     assert max_rel_err(result.losses, baseline_long) <= RESIZED
 
 
+def test_the_first_recovery_to_a_smaller_world_loads_its_step_compiled_ahead(cluster, baseline_long, tmp_path):
+    """A fresh persistent cache (a layout never compiled before): once the first world has run a
+    chunk, its process 0 compiles the 2-slice step into the cache, and the recovery's world loads
+    it in every process instead of compiling it (5 s for the transformer demo's first recovery)."""
+    import threading
+
+    cache = tmp_path / "jax-cache"
+    seen: dict = {}
+
+    def steps_compiled() -> set:
+        return {f for f in os.listdir(cache) if f.startswith("jit_train_step")} if cache.exists() else set()
+
+    def kill_once_compiled_ahead(t):
+        def go():
+            deadline = time.monotonic() + 60
+            while not (steps_compiled() - seen["first"]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            seen["ahead"] = sorted(steps_compiled() - seen["first"])
+            cluster.kill_slice(slice_name(t, 2))
+        threading.Thread(target=go, daemon=True).start()
+
+    faults = {0: lambda t: seen.setdefault("first", steps_compiled()), 12: kill_once_compiled_ahead}
+    trainer, result = run(cluster, faults, steps=LONG_STEPS, min_slices=2, compilation_cache_dir=str(cache))
+    assert seen.get("ahead"), "no step compiled ahead into the cache before the run ended (or within 60 s)"
+    (rec,) = result.recoveries
+    assert rec.slices == 2 and trainer.worlds[-1].mesh["replica"] == 2
+    assert trainer.worlds[-1].times["compiled_from_cache"] == 2, trainer.worlds[-1].times
+    assert max_rel_err(result.losses, baseline_long) <= RESIZED
+
+
 def fails_clearly(cluster, faults: dict, error: type, match: str, **cfg_kw) -> None:
     """The run stops with ``error`` (its message matching ``match``) and the controller says so."""
     plan = FaultPlan(faults)
