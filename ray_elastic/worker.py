@@ -118,7 +118,7 @@ class SliceWorker:
         self._reported = -1  # the newest step streamed
         self._kept_early: list[int] = []  # steps kept whose metrics are not streamed yet
         self._snapshot_step = -1  # the newest step handed to the writer
-        self._compiling_ahead: Optional[threading.Thread] = None
+        self._compiled_ahead = False  # once per world, after its first chunk (process 0)
 
     def prepare(self, for_world: Optional[int] = None) -> dict:
         """Everything that does not need the world: import JAX, load the task's data. Then, in the
@@ -312,7 +312,7 @@ class SliceWorker:
                     self._snapshot(self.last_step)
                 if self.writer is not None:
                     self.writer.wait()
-        if num_steps and self._compiling_ahead is None:
+        if num_steps and not self._compiled_ahead:
             self._compile_ahead()
         yield self._report()
 
@@ -323,8 +323,8 @@ class SliceWorker:
         first recovery here). Once per world; nothing to do without a persistent cache."""
         c, plan = self.config, self.plan
         smaller = plan.num_slices - 1
+        self._compiled_ahead = True
         if self.process_id != 0 or not c.compilation_cache_dir or smaller not in c.world_sizes():
-            self._compiling_ahead = threading.Thread()  # nothing to compile: never asked again
             return
 
         def run():
@@ -338,8 +338,7 @@ class SliceWorker:
             except Exception as e:  # noqa: BLE001 - an optimisation: the world that needs it compiles it
                 logger.warning("compiling ahead for %d slices failed: %r", smaller, e)
 
-        self._compiling_ahead = threading.Thread(target=run, name="compile-ahead", daemon=True)
-        self._compiling_ahead.start()
+        threading.Thread(target=run, name="compile-ahead", daemon=True).start()
 
     def _snapshot(self, step: int) -> None:
         """Hand the state after ``step`` (the newest dispatched) to the writer: copied on the device
