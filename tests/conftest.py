@@ -58,14 +58,25 @@ def local_gcs():
             os.environ[k] = v
 
 
-@pytest.fixture(scope="module")
-def sim_cluster(request):
-    """A 3-slice simulated TPU cluster (1 host x 2 devices per slice), connected."""
+def _shares_cluster(module) -> bool:
+    """A module whose cluster is plain 1-host slices (``SIM_CLUSTER`` names only ``num_slices``) and
+    that says ``SHARE_CLUSTER = True`` runs on the one cluster such modules share."""
+    return getattr(module, "SHARE_CLUSTER", False) and set(getattr(module, "SIM_CLUSTER", {})) <= {"num_slices"}
+
+
+def pytest_collection_modifyitems(items):
+    """The modules that share a cluster run last, one after the other (the sort keeps every module's
+    tests together and in order): their cluster then never lives beside another module's own."""
+    items.sort(key=lambda item: _shares_cluster(item.module))
+
+
+def _start_cluster(kwargs: dict):
     from ray_elastic.sim import SimulatedTPUCluster
 
-    kwargs = getattr(request.module, "SIM_CLUSTER", {})
-    cluster = SimulatedTPUCluster(log_to_driver=False, **{"num_slices": 3, **kwargs})
-    yield cluster
+    return SimulatedTPUCluster(log_to_driver=False, **{"num_slices": 3, **kwargs})
+
+
+def _shut_down(cluster) -> None:
     cluster.shutdown()
     deadline = time.monotonic() + 10  # Ray's agents also exit on their own once their raylet is gone
     while (stray := cluster.stray_processes()) and time.monotonic() < deadline:
@@ -73,3 +84,28 @@ def sim_cluster(request):
     for p in stray:
         p.kill()  # so one module's leak does not slow the next ones
     assert not stray, f"processes of the cluster's slice hosts outlived its shutdown: {stray}"
+
+
+@pytest.fixture(scope="session")
+def shared_sim_cluster():
+    """The cluster of the modules that share one (started once: ~8 s and its nodes' processes)."""
+    cluster = _start_cluster({})
+    yield cluster
+    _shut_down(cluster)
+
+
+@pytest.fixture(scope="module")
+def sim_cluster(request):
+    """A 3-slice simulated TPU cluster (1 host x 2 devices per slice), connected: the module's own
+    (``SIM_CLUSTER``: its arguments), or the shared one with exactly ``num_slices`` live slices."""
+    kwargs = getattr(request.module, "SIM_CLUSTER", {})
+    if _shares_cluster(request.module):
+        from faults import ensure_slices
+
+        cluster = request.getfixturevalue("shared_sim_cluster")
+        ensure_slices(cluster, kwargs.get("num_slices", 3))  # what earlier modules left: killed, hung, added
+        yield cluster
+        return
+    cluster = _start_cluster(kwargs)
+    yield cluster
+    _shut_down(cluster)

@@ -23,6 +23,7 @@ from conftest import reference_losses, reference_run
 from faults import FaultPlan, ensure_slices, kill_process_of_slice, max_rel_err
 
 SIM_CLUSTER = {"num_slices": 4}
+SHARE_CLUSTER = True  # conftest.py: one cluster for the modules of plain 1-host slices
 BIN = os.path.join(os.path.dirname(sys.executable), "ray-elastic")
 GBS, SEED = 48, 3
 SLOW_SAVE_WATCHDOG_S = 1.0  # far above a step (~0.02 s)

@@ -19,6 +19,7 @@ from ray_elastic.goodput import BADPUT, account
 from ray_elastic.report import load_events, render, timeline
 
 SIM_CLUSTER = {"num_slices": 3}
+SHARE_CLUSTER = True  # conftest.py: one cluster for the modules of plain 1-host slices
 BIN = os.path.join(os.path.dirname(sys.executable), "ray-elastic")
 STEPS, KILL_AT = 40, 15
 RUN_NAME = "obs-metrics"  # given to ElasticTrainer(name=...): the Ray metrics' run tag

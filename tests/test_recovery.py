@@ -25,6 +25,7 @@ from faults import (FaultPlan, ensure_slices, in_thread, kill_process_of_slice, 
                     stop_process_of_slice)
 
 SIM_CLUSTER = {"num_slices": 3}
+SHARE_CLUSTER = True  # conftest.py: one cluster for the modules of plain 1-host slices
 STEPS = 40
 LONG_STEPS = 300
 SAME_SHAPE, RESIZED = 1e-6, 1e-4

@@ -11,6 +11,7 @@ from ray_elastic.examples.digits_mlp import DigitsMLPTask
 from conftest import reference_losses
 
 SIM_CLUSTER = {"num_slices": 3}
+SHARE_CLUSTER = True  # conftest.py: one cluster for the modules of plain 1-host slices
 
 
 @pytest.fixture(scope="module")
