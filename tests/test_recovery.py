@@ -527,8 +527,6 @@ def test_the_first_recovery_to_a_smaller_world_loads_its_step_compiled_ahead(clu
     """A fresh persistent cache (a layout never compiled before): once the first world has run a
     chunk, its process 0 compiles the 2-slice step into the cache, and the recovery's world loads
     it in every process instead of compiling it (5 s for the transformer demo's first recovery)."""
-    import threading
-
     cache = tmp_path / "jax-cache"
     seen: dict = {}
 
@@ -542,7 +540,7 @@ def test_the_first_recovery_to_a_smaller_world_loads_its_step_compiled_ahead(clu
                 time.sleep(0.1)
             seen["ahead"] = sorted(steps_compiled() - seen["first"])
             cluster.kill_slice(slice_name(t, 2))
-        threading.Thread(target=go, daemon=True).start()
+        in_thread(go)
 
     faults = {0: lambda t: seen.setdefault("first", steps_compiled()), 12: kill_once_compiled_ahead}
     trainer, result = run(cluster, faults, steps=LONG_STEPS, min_slices=2, compilation_cache_dir=str(cache))
