@@ -9,12 +9,16 @@ controller side pays for everything ray-elastic adds, with default settings
 (``snapshot_every`` as ``ElasticConfig`` has it, snapshots on every slice) and with
 snapshots off. The *small* model's train state is ~240 KB per process; the *large*
 one's ~80x that, so the snapshot's cost as the state grows shows. Each measurement
-runs ``--reps`` times, interleaved, and the medians of the steady-state time per
-step (the run's second half) are compared. Last line, one JSON object:
-``{"overhead_ratio": ... (default settings, small model), "overhead_ratio_large": ...,
-"overhead_ratio_no_snapshots": ..., "snapshot_every_chosen": ..., ...}``.
+runs ``--reps`` times, interleaved, each repetition in an order rotated by one (so no
+configuration always follows the same one), and the medians of the steady-state time
+per step (the run's second half) are compared. On a shared 2-core machine two runs
+of one configuration back to back differ by up to ~10%: a 3% goal needs more
+repetitions of the few runs it compares (``--only bare,default,no_snapshots --reps 6``).
+Last line, one JSON object: ``{"overhead_ratio": ... (default settings, small model),
+"overhead_ratio_large": ..., "overhead_ratio_no_snapshots": ..., "snapshot_every_chosen": ..., ...}``
+(the ratios of the runs chosen).
 
-    .venv/bin/python bench/overhead.py [--steps 200] [--large-steps 60] [--reps 2]
+    .venv/bin/python bench/overhead.py [--steps 200] [--large-steps 60] [--reps 2] [--only NAME,...]
 """
 
 from __future__ import annotations
@@ -116,6 +120,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--environment", action="store_true",
                     help="also the bare loop with OMP_NUM_THREADS=1 and ray-elastic at niceness 0")
+    ap.add_argument("--only", default=None, help="comma-separated run names (default: all), e.g. bare,default,no_snapshots")
     ap.add_argument("--snapshot-every", default=None, help="override ElasticConfig.snapshot_every (default: its default)")
     args = ap.parse_args()
 
@@ -145,31 +150,48 @@ def main() -> None:
             "bare_omp_1": ("small", lambda c, n: run_bare(n, "small", 1, OMP_NUM_THREADS="1")),
             "default_nice_0": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", worker_niceness=0, **snap)),
         }
+    if args.only:
+        unknown = set(args.only.split(",")) - set(runs)
+        if unknown:
+            ap.error(f"--only: no run named {sorted(unknown)}; the runs are {', '.join(runs)}")
+        runs = {k: v for k, v in runs.items() if k in args.only.split(",")}
     got: dict[str, list[dict]] = {k: [] for k in runs}
+    names = list(runs)
     with SimulatedTPUCluster(num_slices=NUM_SLICES, devices_per_host=DEVICES, log_to_driver=False) as cluster:
         for rep in range(args.reps):
-            for name, (model, fn) in runs.items():
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                model, fn = runs[name]
                 got[name].append(fn(cluster, args.large_steps if model == "large" else args.steps))
                 print(f"rep {rep} {name:<22} {got[name][-1]['step_s'] * 1e3:8.2f} ms/step", flush=True)
     probes.append(cpu_probe_s())
     print(f"machine: {hour(probes)}", flush=True)
     med = {k: statistics.median(r["step_s"] for r in v) for k, v in got.items()}
-    ratio = lambda k, base: round(med[k] / med[base], 4)  # noqa: E731
     print("median ms/step: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in med.items()))
+    print("min-max ms/step: " + ", ".join(f"{k} {min(r['step_s'] for r in v) * 1e3:.1f}-"
+                                          f"{max(r['step_s'] for r in v) * 1e3:.1f}" for k, v in got.items()))
+
+    def ratio(k: str, base: str):
+        return round(med[k] / med[base], 4) if k in med and base in med else None  # None: not run (--only)
+
+    def last(k: str, field: str, name: str) -> dict:
+        return {name: got[k][-1][field]} if k in got else {}
+
+    ratios = {
+        "overhead_ratio": ("default", "bare"), "overhead_ratio_large": ("default_large", "bare_large"),
+        "overhead_ratio_no_snapshots": ("no_snapshots", "bare"),
+        "overhead_ratio_no_snapshots_large": ("no_snapshots_large", "bare_large"),
+        "overhead_ratio_no_snapshots_no_standbys_large": ("no_snapshots_no_standbys_large", "bare_large"),
+        "overhead_ratio_every_step": ("every_step", "bare"),
+        "overhead_ratio_every_step_2_replicas": ("every_step_2_replicas", "bare"),
+        "blocking_loop_ratio": ("bare_blocking", "bare"),
+        "overhead_ratio_nice_0": ("default_nice_0", "bare"), "bare_omp_1_ratio": ("bare_omp_1", "bare"),
+    }
     print(json.dumps({
-        "overhead_ratio": ratio("default", "bare"), "overhead_ratio_large": ratio("default_large", "bare_large"),
-        "overhead_ratio_no_snapshots": ratio("no_snapshots", "bare"),
-        "overhead_ratio_no_snapshots_large": ratio("no_snapshots_large", "bare_large"),
-        "overhead_ratio_no_snapshots_no_standbys_large": ratio("no_snapshots_no_standbys_large", "bare_large"),
-        "overhead_ratio_every_step": ratio("every_step", "bare"),
-        "overhead_ratio_every_step_2_replicas": ratio("every_step_2_replicas", "bare"),
-        "blocking_loop_ratio": ratio("bare_blocking", "bare"),
-        **({"overhead_ratio_nice_0": ratio("default_nice_0", "bare"), "bare_omp_1_ratio": ratio("bare_omp_1", "bare")}
-           if args.environment else {}),
-        "snapshot_every_chosen": got["default"][-1]["snapshot_every"],
-        "snapshot_every_chosen_large": got["default_large"][-1]["snapshot_every"],
-        "state_bytes_per_process": got["bare"][-1]["state_bytes"],
-        "state_bytes_per_process_large": got["bare_large"][-1]["state_bytes"],
+        **{out: r for out, (k, base) in ratios.items() if (r := ratio(k, base)) is not None},
+        **last("default", "snapshot_every", "snapshot_every_chosen"),
+        **last("default_large", "snapshot_every", "snapshot_every_chosen_large"),
+        **last("bare", "state_bytes", "state_bytes_per_process"),
+        **last("bare_large", "state_bytes", "state_bytes_per_process_large"),
         "step_ms": {k: round(v * 1e3, 2) for k, v in med.items()},
         "steady_steps": {k: [r["steady_steps"] for r in v] for k, v in got.items() if "steady_steps" in v[0]},
         "steps": args.steps,
