@@ -12,7 +12,7 @@ one's ~80x that, so the snapshot's cost as the state grows shows. Each measureme
 runs ``--reps`` times, interleaved, each repetition in an order rotated by one (so no
 configuration always follows the same one), and the medians of the steady-state time
 per step (the run's second half) are compared. On a shared 2-core machine two runs
-of one configuration back to back differ by up to ~10%: a 3% goal needs more
+of one configuration back to back differ by 10-15%: a 3% goal needs more
 repetitions of the few runs it compares (``--only bare,default,no_snapshots --reps 6``).
 Last line, one JSON object: ``{"overhead_ratio": ... (default settings, small model),
 "overhead_ratio_large": ..., "overhead_ratio_no_snapshots": ..., "snapshot_every_chosen": ..., ...}``
@@ -151,10 +151,10 @@ def main() -> None:
             "default_nice_0": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", worker_niceness=0, **snap)),
         }
     if args.only:
-        unknown = set(args.only.split(",")) - set(runs)
-        if unknown:
-            ap.error(f"--only: no run named {sorted(unknown)}; the runs are {', '.join(runs)}")
-        runs = {k: v for k, v in runs.items() if k in args.only.split(",")}
+        only = set(args.only.split(","))
+        if only - set(runs):
+            ap.error(f"--only: no run named {sorted(only - set(runs))}; the runs are {', '.join(runs)}")
+        runs = {k: v for k, v in runs.items() if k in only}
     got: dict[str, list[dict]] = {k: [] for k in runs}
     names = list(runs)
     with SimulatedTPUCluster(num_slices=NUM_SLICES, devices_per_host=DEVICES, log_to_driver=False) as cluster:
