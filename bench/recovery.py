@@ -28,7 +28,7 @@ worst, and the grow-back pauses. The last line is one JSON object:
      every grow-back, "grow_pause_worst_s": ..., "grow_pause_multihost_s": median of the 2-host slices' grows,
      "pause_resume_recovery_after_arrival_s": ..., "steps_rewound_max": ...}
 
-    .venv/bin/python bench/recovery.py [--repeats 2] [--multihost 1]
+    .venv/bin/python bench/recovery.py [--repeats 2] [--multihost 1] [--model mlp|llm]
 """
 
 from __future__ import annotations
@@ -58,12 +58,27 @@ def faults_for(positions: list[int], kinds: list[str], repeats: int, cascades: i
     return plan + [("cascade", positions[-1], False)] * cascades
 
 
+MODELS = ("mlp", "llm")
+
+
+def model(name: str) -> tuple:
+    """The task and its layout settings: the digits MLP, or the LLM example (annotated, 2 fsdp x 2 tensor
+    slices, gradient accumulation)."""
+    if name == "mlp":
+        from ray_elastic.examples.digits_mlp import DigitsMLPTask
+
+        return DigitsMLPTask(), {}
+    from ray_elastic.examples.llm import LOGICAL_AXIS_RULES, DecoderLMTask
+
+    return (DecoderLMTask(seq_len=32, d_model=64, num_layers=2, max_chars=100_000),
+            {"slice_mesh": {"fsdp": -1, "tensor": 2}, "logical_axis_rules": LOGICAL_AXIS_RULES, "microbatch_size": 4})
+
+
 def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s: float, hosts: int,
-             timeline: bool = False, settle_timeout_s: float = 180.0, snapshot_every="1") -> dict:
+             timeline: bool = False, settle_timeout_s: float = 180.0, snapshot_every="1", model_name: str = "mlp") -> dict:
     """One run that fires ``faults`` in order; returns per-fault rows, grow pauses and rewinds."""
     from ray_elastic import ElasticConfig, ElasticTrainer
     from ray_elastic.errors import ElasticRuntimeError
-    from ray_elastic.examples.digits_mlp import DigitsMLPTask
     from ray_elastic.results import failure_seen_at
 
     arrivals: list[float] = []  # wall time of every finished step
@@ -134,10 +149,11 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
             box["quiet_from"] = max(box["quiet_from"], box.get("last_step", 0) + gap)
             box["quiet_until"] = max(box["quiet_until"], time.time() + gap_s)
 
+    task, layout = model(model_name)
     cfg = ElasticConfig(num_slices=3, global_batch_size=48, slice=cluster.slice_spec, steps_per_chunk=10, mode=mode,
                         min_slices=1,  # a snapshot after every step by default: any rewind is a bug then
-                        snapshot_every="auto" if snapshot_every == "auto" else int(snapshot_every))
-    trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=on_step, on_event=on_event)
+                        snapshot_every="auto" if snapshot_every == "auto" else int(snapshot_every), **layout)
+    trainer = ElasticTrainer(task, cfg, progress=False, on_step=on_step, on_event=on_event)
     box["t"] = trainer
     try:
         trainer.fit(100_000)
@@ -221,6 +237,9 @@ def report(title: str, out: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2, help="kills per kind and position")
+    ap.add_argument("--model", choices=MODELS, default="mlp",
+                    help="mlp: the digits MLP on slices of 2 devices; llm: the LLM example on slices of 4 (2 fsdp x "
+                         "2 tensor), annotated, with gradient accumulation")
     ap.add_argument("--positions", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--kinds", nargs="+", default=["node", "process"])
     ap.add_argument("--cold", type=int, default=1,
@@ -249,20 +268,24 @@ def main() -> None:
     probes = [cpu_probe_s()]
     results = {}
     faults = faults_for(args.positions, args.kinds, args.repeats, args.cascades, args.cold)
-    with SimulatedTPUCluster(num_slices=3, log_to_driver=False) as cluster:
+    devices = 4 if args.model == "llm" else 2
+    with SimulatedTPUCluster(num_slices=3, devices_per_host=devices, log_to_driver=False) as cluster:
         for mode in args.modes:
             prov = cluster.provisioner(delay_s=args.regrow_delay if mode == "replica-resize" else args.arrival_delay)
             results[mode] = run_mode(cluster, mode, faults, args.gap, args.gap_s, hosts=1, timeline=args.timeline,
-                                     settle_timeout_s=args.settle_timeout, snapshot_every=args.snapshot_every)
+                                     settle_timeout_s=args.settle_timeout, snapshot_every=args.snapshot_every,
+                                     model_name=args.model)
             prov.stop()
             report(mode, results[mode])
             cluster.reap_dead_slices()
     if args.multihost:
-        with SimulatedTPUCluster(num_slices=3, hosts_per_slice=2, log_to_driver=False) as cluster:
+        with SimulatedTPUCluster(num_slices=3, hosts_per_slice=2, devices_per_host=devices,
+                                 log_to_driver=False) as cluster:
             prov = cluster.provisioner(delay_s=args.regrow_delay)
             results["multihost"] = run_mode(cluster, "replica-resize", faults_for(args.positions, ["node"], 1, 0),
                                             args.gap, args.gap_s, hosts=2, timeline=args.timeline,
-                                            settle_timeout_s=args.settle_timeout, snapshot_every=args.snapshot_every)
+                                            settle_timeout_s=args.settle_timeout, snapshot_every=args.snapshot_every,
+                                            model_name=args.model)
             prov.stop()
             report("replica-resize, 2-host slices (one host lost)", results["multihost"])
 

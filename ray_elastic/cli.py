@@ -15,7 +15,7 @@ import sys
 from ray_elastic.controller import ElasticTrainer
 from ray_elastic.errors import ElasticRuntimeError
 from ray_elastic.config import BATCH_POLICIES, MODES, ElasticConfig, SliceSpec
-from ray_elastic.examples import EXAMPLES
+from ray_elastic.examples import EXAMPLE_SETTINGS, EXAMPLES
 from ray_elastic.task import TrainTask
 
 
@@ -70,12 +70,62 @@ def _add_training_args(p: argparse.ArgumentParser, default_slices: int) -> None:
     p.add_argument("--allow-restart-from-scratch", action="store_true",
                    help="when every snapshot holder is lost and there is no checkpoint, restart from step 0 "
                         "instead of failing")
+    p.add_argument("--slice-mesh", type=_slice_mesh, default=None,
+                   help="a slice's mesh axes, e.g. fsdp=-1,tensor=2 (default fsdp=-1,tensor=1; the llm example: "
+                        "tensor=2)")
+    p.add_argument("--logical-axis-rules", type=_rules, default=None,
+                   help="logical axis -> mesh axis, e.g. embed=fsdp,mlp=tensor,vocab=tensor (a module:attr of "
+                        "such a list works too); the llm example brings its own")
+    p.add_argument("--microbatch-size", type=int, default=None,
+                   help="examples per device per microbatch (gradient accumulation); default: none")
+    p.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (0: never)")
+    p.add_argument("--eval-steps", type=int, default=None, help="batches per evaluation")
+    p.add_argument("--eval-batch", type=int, default=None, help="examples per eval batch (default: --global-batch)")
+    p.add_argument("--tensorboard-dir", default=None,
+                   help="TensorBoard scalars here (local or gs://; default RUN_DIR/tensorboard with --run-dir)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
 
 
+def _model_settings(args) -> dict:
+    """The layout, eval and accumulation settings: the flags, else the example's own, else the defaults."""
+    settings = dict(EXAMPLE_SETTINGS.get(args.task, {}))
+    for key, value in (("slice_mesh", args.slice_mesh), ("logical_axis_rules", args.logical_axis_rules),
+                       ("microbatch_size", args.microbatch_size), ("eval_every", args.eval_every),
+                       ("eval_steps", args.eval_steps), ("eval_batch_size", args.eval_batch)):
+        if value is not None:
+            settings[key] = value
+    if isinstance(settings.get("logical_axis_rules"), str):
+        settings["logical_axis_rules"] = _rules(settings["logical_axis_rules"])
+    return settings
+
+
+def _slice_mesh(value: str) -> dict:
+    try:
+        return {k.strip(): int(v) for k, v in (part.split("=") for part in value.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected AXIS=SIZE,... (e.g. fsdp=-1,tensor=2), got {value!r}") from None
+
+
+def _rules(value: str) -> tuple:
+    if ":" in value and "=" not in value:
+        mod, attr = value.split(":", 1)
+        try:
+            return tuple(getattr(importlib.import_module(mod), attr))
+        except (ImportError, AttributeError) as e:
+            raise argparse.ArgumentTypeError(f"cannot load rules {value!r}: {e}") from None
+    try:
+        pairs = [part.split("=") for part in value.split(",")]
+        return tuple((k.strip(), None if v.strip() in ("", "none", "None") else tuple(v.strip().split("+")))
+                     for k, v in pairs)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME=AXIS,... (e.g. embed=fsdp,mlp=tensor; AXIS+AXIS for "
+                                         f"two), got {value!r}") from None
+
+
 def _config(args, spec: SliceSpec) -> ElasticConfig:
     return ElasticConfig(
+        **_model_settings(args),
         num_slices=args.num_slices,
         min_slices=args.min_slices,
         mode=args.mode,
@@ -121,8 +171,8 @@ def _print_summary(result, as_json: bool, goodput_printed: bool = False) -> None
 
 
 def _fit(task, config, args, address=None):
-    result = ElasticTrainer(task, config, address=address, progress=not args.no_progress,
-                            run_dir=args.run_dir).fit(args.steps, resume_from=args.resume_from)
+    result = ElasticTrainer(task, config, address=address, progress=not args.no_progress, run_dir=args.run_dir,
+                            tensorboard_dir=args.tensorboard_dir).fit(args.steps, resume_from=args.resume_from)
     _print_summary(result, args.json, goodput_printed=not args.no_progress)
     return result
 
@@ -133,6 +183,7 @@ def cmd_demo(args) -> int:
 
     from ray_elastic.sim import SimulatedTPUCluster
 
+    args.devices_per_host = args.devices_per_host or (4 if args.task == "llm" else 2)
     spec = SliceSpec.for_hosts(args.accelerator, args.hosts_per_slice, args.devices_per_host)
     task = load_task(args.task)
     config = _config(args, spec)  # validated before the cluster starts
@@ -164,7 +215,8 @@ def cmd_demo(args) -> int:
                 killed.update(name=victim, at=time.time(), step=metrics["step"])
                 threading.Thread(target=cluster.kill_slice, args=(victim,), daemon=True).start()
 
-        trainer = ElasticTrainer(task, config, progress=not args.no_progress, on_step=on_step, run_dir=args.run_dir)
+        trainer = ElasticTrainer(task, config, progress=not args.no_progress, on_step=on_step, run_dir=args.run_dir,
+                                 tensorboard_dir=args.tensorboard_dir)
         trainer_box["t"] = trainer
         result = trainer.fit(args.steps, resume_from=args.resume_from)
         if killed and result.recoveries:
@@ -283,7 +335,8 @@ def main(argv=None) -> int:
     _add_training_args(demo, default_slices=3)
     demo.add_argument("--accelerator", default="v4", help="TPU generation the simulated hosts pretend to be")
     demo.add_argument("--hosts-per-slice", type=int, default=1)
-    demo.add_argument("--devices-per-host", type=int, default=2, help="JAX CPU devices per simulated host")
+    demo.add_argument("--devices-per-host", type=int, default=None,
+                      help="JAX CPU devices per simulated host (default 2; 4 for the llm example: 2 fsdp x 2 tensor)")
     demo.add_argument("--kill-at", type=int, default=None,
                       help="kill a slice (node and processes) after this step (default: half way; -1: never)")
     _add_slice_source_args(demo, arrival_delay=2.0)

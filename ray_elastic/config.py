@@ -11,6 +11,7 @@ import dataclasses
 import math
 from typing import Optional, Union
 
+from ray_elastic.layout import DEFAULT_SLICE_MESH, FSDP_AXIS, normalize_rules, resolve_slice_mesh
 from ray_elastic.plan import WorldPlan, batch_for_world, lr_scale, plan_world
 
 MODES = ("replica-resize", "pause-and-resume")
@@ -173,6 +174,25 @@ class ElasticConfig:
             ``num_cpus=0`` actor (``RAY_worker_niceness``, 15), which leaves Ray's own daemons
             ahead of training: on the 2-core simulated cluster, 0 made a lost node's death reach
             the controller after 3.3 s instead of well under one. Measured in ``bench/overhead.py``.
+        slice_mesh: the axes of one slice's devices and their sizes, in order, ``fsdp`` first
+            (``-1``: whatever is left), e.g. ``{"fsdp": -1, "tensor": 2}``. The world's mesh is
+            ``(replica, *slice_mesh)``, ``replica`` across slices. The batch is split over
+            ``replica`` x ``fsdp``; the axes after ``fsdp`` must fit in one host.
+        logical_axis_rules: ``[(logical name, mesh axis | (axes...) | None), ...]``: where the
+            names a model annotates its parameters with go (``nnx.with_partitioning(init,
+            ("embed", "mlp"))``), as Flax's and MaxText's ``logical_axis_rules``, e.g.
+            ``[("embed", "fsdp"), ("mlp", "tensor")]``. A name that is a slice axis maps to it.
+            Unannotated arrays, and those whose names have no rule, use the automatic FSDP rule.
+        microbatch_size: examples per device per microbatch: each step accumulates gradients over
+            per-device batch / microbatch_size microbatches inside the compiled step. A smaller
+            world keeps the global batch by running more microbatches, so the memory a device
+            needs stays the same across resizes. ``None``: one batch per step.
+        eval_every: run an evaluation on the task's ``eval_dataset()`` after every this many
+            steps (and after the last step); 0: never.
+        eval_steps: batches per evaluation (its metrics are averaged over them).
+        eval_batch_size: examples per eval batch (``None``: ``global_batch_size``).
+        progress_metrics: names of metrics the loss returns (or ``eval/...``) to show in the
+            progress bar beside the loss.
     """
 
     num_slices: int
@@ -207,6 +227,13 @@ class ElasticConfig:
     max_to_keep: Optional[int] = 3
     async_checkpointing: bool = True
     worker_niceness: Optional[int] = None
+    slice_mesh: dict = dataclasses.field(default_factory=lambda: dict(DEFAULT_SLICE_MESH))
+    logical_axis_rules: tuple = ()
+    microbatch_size: Optional[int] = None
+    eval_every: int = 0
+    eval_steps: int = 1
+    eval_batch_size: Optional[int] = None
+    progress_metrics: tuple = ()
 
     def __post_init__(self):
         if not isinstance(self.slice, SliceSpec):
@@ -270,7 +297,37 @@ class ElasticConfig:
             raise ValueError(f"steps_per_chunk must be >= 1, got {self.steps_per_chunk}")
         if not isinstance(self.global_batch_size, int) or self.global_batch_size < 1:
             raise ValueError(f"global_batch_size must be a positive integer, got {self.global_batch_size!r}")
+        self._check_model_layout()
         self._check_batch_splits()
+
+    def _check_model_layout(self) -> None:
+        """The slice mesh, the logical axis rules, microbatches and eval settings."""
+        if not isinstance(self.slice_mesh, dict):
+            raise ValueError(f"slice_mesh must be a dict of axis name -> size, got {self.slice_mesh!r}")
+        axes = resolve_slice_mesh(self.slice_mesh, self.slice.devices_per_slice, self.slice.host_devices)
+        object.__setattr__(self, "slice_mesh", dict(axes))
+        object.__setattr__(self, "logical_axis_rules", normalize_rules(self.logical_axis_rules, [a for a, _ in axes]))
+        mb = self.microbatch_size
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 1):
+            raise ValueError(f"microbatch_size must be a positive integer (examples per device) or None, got {mb!r}")
+        for name in ("eval_every", "eval_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "eval_every" else 1):
+                raise ValueError(f"{name} must be an integer >= {0 if name == 'eval_every' else 1}, got {value!r}")
+        eb = self.eval_batch_size
+        if eb is not None and (isinstance(eb, bool) or not isinstance(eb, int) or eb < 1):
+            raise ValueError(f"eval_batch_size must be a positive integer or None, got {eb!r}")
+        if isinstance(self.progress_metrics, str) or not all(isinstance(m, str) for m in self.progress_metrics):
+            raise ValueError(f"progress_metrics must be a list of metric names, got {self.progress_metrics!r}")
+        object.__setattr__(self, "progress_metrics", tuple(self.progress_metrics))
+
+    @property
+    def fsdp_per_slice(self) -> int:
+        return self.slice_mesh[FSDP_AXIS]
+
+    @property
+    def eval_batch(self) -> int:
+        return self.eval_batch_size or self.global_batch_size
 
     def world_plan(self, generation: int, slice_names: list[str]) -> WorldPlan:
         """The layout of a world of these slices: mesh, batch and update scale for its size.
@@ -282,7 +339,8 @@ class ElasticConfig:
         return plan_world(generation, slice_names, self.slice.num_hosts, self.slice.host_devices,
                           batch_for_world(n, self.num_slices, self.global_batch_size, self.batch_policy),
                           data_stride=self.global_batch_size, lr_scale=lr_scale(n, self.num_slices, self.lr_rule),
-                          snapshot_slices=self.snapshot_replicas)
+                          snapshot_slices=self.snapshot_replicas, slice_mesh=self.slice_mesh,
+                          microbatch_size=self.microbatch_size or 0)
 
     def world_sizes(self) -> list[int]:
         """Slice counts the run may train on: only full size in pure pause-and-resume."""
@@ -291,7 +349,15 @@ class ElasticConfig:
         return list(range(self.min_slices, self.num_slices + 1))
 
     def _check_batch_splits(self) -> None:
-        dps = self.slice.devices_per_slice
+        dps = self.fsdp_per_slice  # devices of a slice that take their own rows of the batch
+        self._check_microbatches(dps)
+        if self.eval_every:
+            bad_eval = [n for n in self.world_sizes() if self.eval_batch % (n * dps)]
+            if bad_eval:
+                need = math.lcm(*(n * dps for n in self.world_sizes()))
+                raise ValueError(f"eval_batch_size={self.eval_batch} cannot be split evenly over "
+                                 f"{', '.join(f'{n} slice(s) x {dps} device(s)' for n in bad_eval)}: use a multiple "
+                                 f"of {need}")
         bad = [n for n in self.world_sizes() if self.global_batch_size % (n * dps)]
         if not bad:
             return
@@ -308,3 +374,20 @@ class ElasticConfig:
                 f"global_batch_size={self.global_batch_size} cannot be split over {self.num_slices} slices x "
                 f"{dps} devices: use a multiple of {self.num_slices * dps}"
             )
+
+    def _check_microbatches(self, dps: int) -> None:
+        """Every world the run may form must split its per-device batch into whole microbatches."""
+        mb = self.microbatch_size
+        if not mb:
+            return
+        for n in self.world_sizes():
+            batch = batch_for_world(n, self.num_slices, self.global_batch_size, self.batch_policy) \
+                if self.batch_policy == "constant" or n == self.num_slices else None
+            if batch is None or batch % (n * dps):
+                continue  # reported by the batch check
+            per_device = batch // (n * dps)
+            if per_device % mb:
+                raise ValueError(
+                    f"microbatch_size={mb} does not divide the per-device batch {per_device} of a world of {n} "
+                    f"slice(s) (global_batch_size={batch} over {n} x {dps} data-parallel devices): choose a "
+                    f"microbatch_size that divides it, or change min_slices")

@@ -24,7 +24,8 @@ from ray_elastic.errors import (CapacityTimeoutError, ElasticRuntimeError, Proce
                                 StateLostError, TrainingCodeError)
 from ray_elastic.events import EventLog
 from ray_elastic.generations import Generations
-from ray_elastic.observers import ProgressBar, RayMetricsObserver, StandbyReplenisher, UserCallbacks
+from ray_elastic.observers import (ProgressBar, RayMetricsObserver, StandbyReplenisher, TensorBoardWriter,
+                                  UserCallbacks)
 from ray_elastic.plan import (Action, RestoreSource, classify_failure, drop_repeat_offender,
                               failures_exceeded)
 from ray_elastic.ray_backend import RayBackend
@@ -65,6 +66,8 @@ class ElasticTrainer:
         run_dir: where ``events.jsonl`` is written (``None``: events kept in memory only);
             ``ray-elastic report RUN_DIR`` draws it.
         name: the run's name in Ray metrics (default: the run directory's name, else ``ray-elastic``).
+        tensorboard_dir: where TensorBoard scalars go (a local path or ``gs://``); default
+            ``RUN_DIR/tensorboard`` with a ``run_dir``, else none. ``False``: none.
         on_chunk, on_elastic_event_callback: deprecated names of ``on_step`` (called with
             ``[metrics]``) and ``on_event``.
     """
@@ -76,7 +79,7 @@ class ElasticTrainer:
                  retry_policy: Optional[Callable[[int, Exception], bool]] = None,
                  pre_callback: Optional[Callable[[], None]] = None,
                  on_event: Optional[Callable[[dict], None]] = None, run_dir: Optional[str] = None,
-                 name: Optional[str] = None, on_chunk: Optional[Callable[[list[dict]], None]] = None,
+                 name: Optional[str] = None, tensorboard_dir=None, on_chunk: Optional[Callable[[list[dict]], None]] = None,
                  on_elastic_event_callback: Optional[Callable[[dict], None]] = None):
         if not isinstance(task, TrainTask):
             raise ValueError(f"task must be a ray_elastic.TrainTask, got {type(task).__name__}")
@@ -90,6 +93,12 @@ class ElasticTrainer:
         self.task, self.config, self.address, self.progress = task, config, address, progress
         self.retry_policy, self.pre_callback, self.run_dir = retry_policy, pre_callback, run_dir
         self.name = name or (os.path.basename(os.path.normpath(run_dir)) if run_dir else "ray-elastic")
+        if tensorboard_dir is None and run_dir:
+            tensorboard_dir = os.path.join(run_dir, "tensorboard")
+        if tensorboard_dir is not False and tensorboard_dir is not None and (
+                not isinstance(tensorboard_dir, str) or not tensorboard_dir.strip()):
+            raise ValueError(f"tensorboard_dir must be a local path, gs://bucket/prefix or False, got {tensorboard_dir!r}")
+        self.tensorboard_dir = tensorboard_dir or None
         self.state = S.INITIALIZING
         self.gens: Optional[Generations] = None
 
@@ -134,7 +143,8 @@ class ElasticTrainer:
         if not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
         t_start, cfg = time.perf_counter(), self.config
-        resume = self._resume_point(resume_from)  # before any cluster resource is taken
+        self.backend_cls.check_task(self.task, cfg)  # before any cluster resource is taken
+        resume = self._resume_point(resume_from)
         self._new_run(num_steps, resume, resume_from or cfg.checkpoint_dir)
         if resume is not None and resume.step >= num_steps:
             logger.warning("checkpoint %d in %s already covers num_steps=%d: nothing to train",
@@ -230,14 +240,17 @@ class ElasticTrainer:
         if metrics is not None:
             listeners.append(RayMetricsObserver(metrics, self.events.events))
         if self.progress:
-            listeners.append(ProgressBar(num_steps, self._first_step, self.config.num_slices))
+            listeners.append(ProgressBar(num_steps, self._first_step, self.config.num_slices,
+                                         self.config.progress_metrics))
+        if self.tensorboard_dir:
+            listeners.append(TensorBoardWriter(self.tensorboard_dir, self.events.events))
 
     # ----------------------------------------------------------------- running
     def _run(self, num_steps: int) -> RunOutcome:
         self._enter(S.RUNNING)
         world, start = self.world, self.worlds[-1].start_step
         streams = self.backend.drive(world, self.gens.store, self.ledger.add, self.ledger.step_times,
-                                     self._snapshot_interval, self.ledger.saves_committed)
+                                     self._snapshot_interval, self.ledger.saves_committed, self.ledger.add_eval)
         self.ledger.start_world(world.plan.generation, streams.take_snapshot_steps)
         t0 = time.perf_counter()
         outcome = streams.run(start, num_steps, self.gens.capacity_returned)
@@ -283,7 +296,7 @@ class ElasticTrainer:
         first = next(iter(outcome.errors.values()), None) or RuntimeError(outcome.kind.value)
         dead = self.backend.dead_slices(ev.slice_nodes, ev.suspects)  # node health first: then blame code
         verdict = classify_failure(errors=ev.kinds, dead_slices=dead, world_slices=ev.slices,
-                                   error_text=str(first).splitlines()[0][:300] if str(first) else "")
+                                   error_text=self.backend.error_text(first))
         if outcome.kind is OutcomeKind.FORMING_FAILED and verdict.training_code:
             raise TrainingCodeError(f"forming a world failed in training code: {first}") from first
         steps_run = len(self.ledger.step_times)  # every step run, rewound ones too: progress of any kind

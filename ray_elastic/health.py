@@ -54,6 +54,16 @@ REFUSAL_PROBE_S = 0.05  # a refusal comes back at once; a silent host proves not
 ANSWER_S = 0.3  # a live raylet accepts a connection in milliseconds
 
 
+def error_text(exc: BaseException, limit: int = 300) -> str:
+    """One line saying what failed: the slice process's own exception for a Ray task error (whose
+    first line only names the task), else the error's first line."""
+    cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else None
+    if isinstance(exc, FormingError):
+        return error_text(exc.cause, limit)
+    text = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
+    return (text.splitlines()[0] if text else "")[:limit]
+
+
 def raylet_addresses(node_ids) -> dict[str, tuple[str, int]]:
     """Where each live node's raylet listens (nodes the table has marked dead are left out)."""
     nodes = {n["NodeID"]: n for n in ray.nodes()}

@@ -16,13 +16,12 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh
 
-from ray_elastic.data import StepBatches
-from ray_elastic.errors import StorageError
-from ray_elastic.plan import FSDP_AXIS, REPLICA_AXIS, WorldPlan, param_partition
+from ray_elastic import step_program as sp
+from ray_elastic.data import BatchPrefetcher, StepBatches
+from ray_elastic.errors import StorageError, TrainingCodeError
+from ray_elastic.plan import REPLICA_AXIS, WorldPlan
 
 
 def enable_compilation_cache(cache_dir: Optional[str]) -> None:
@@ -114,28 +113,30 @@ def _wait_for_port(address: str, timeout_s: float, poll_s: float = 0.005) -> Non
 
 
 def build_mesh(plan: WorldPlan) -> Mesh:
-    """A (replica, fsdp) mesh: one row per slice, that slice's devices along fsdp.
+    """A (replica, *slice axes) mesh: one row per slice, that slice's devices along its own axes.
 
     On real multi-slice TPUs the devices carry ``slice_index`` and the hybrid
     (ICI x DCN) helper lays them out; on CPU processes are grouped by process id,
     which ``plan`` numbers slice-major.
     """
-    return Mesh(_device_grid(plan), (REPLICA_AXIS, FSDP_AXIS))
+    return Mesh(_device_grid(plan), tuple(plan.mesh_shape))
 
 
 def _device_grid(plan: WorldPlan):
-    """The devices of ``plan``'s mesh, laid out (replica, fsdp), from this world's first
+    """The devices of ``plan``'s mesh, laid out (replica, *slice axes), from this world's first
     ``plan.num_slices`` slices: all of them for this world's own plan; for a smaller layout,
     the devices (and so the device ids) a world of that many slices will have."""
-    shape = plan.mesh_shape
+    sizes = tuple(plan.mesh_shape.values())
+    inner = sizes[1:]
     devices = jax.devices()
     if devices[0].platform == "tpu" and plan.num_slices > 1:
         from jax.experimental import mesh_utils
 
-        devices = [d for d in devices if getattr(d, "slice_index", 0) < shape[REPLICA_AXIS]]
-        return mesh_utils.create_hybrid_device_mesh((1, shape[FSDP_AXIS]), (shape[REPLICA_AXIS], 1), devices=devices)
-    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))[: shape[REPLICA_AXIS] * shape[FSDP_AXIS]]
-    return np.array(ordered).reshape(shape[REPLICA_AXIS], shape[FSDP_AXIS])
+        devices = [d for d in devices if getattr(d, "slice_index", 0) < plan.num_slices]
+        return mesh_utils.create_hybrid_device_mesh((1,) + inner, (plan.num_slices,) + (1,) * len(inner),
+                                                    devices=devices)
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))[: int(np.prod(sizes))]
+    return np.array(ordered).reshape(sizes)
 
 
 def compile_ahead(traced: jax.stages.Traced, plan: WorldPlan) -> None:
@@ -171,58 +172,51 @@ def _count_cache_hits() -> None:
     _count_cache_hits.registered = True
 
 
-def _abstract_state(task, seed: int, update_scale: Optional[float]):
-    def make():
-        model = task.create_model(nnx.Rngs(seed))
-        tx = task.create_optimizer()
-        if update_scale is not None:
-            # Scale policy with an lr rule: the world's factor on every update.
-            tx = optax.chain(tx, optax.scale(update_scale))
-        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-    return make, nnx.split(nnx.eval_shape(make))
-
-
-def _step_program(task, graphdef, abstract, mesh, fsdp_min_size: int):
-    """The train step jitted for ``mesh`` (concrete, or abstract to trace ahead of a world), with
-    its state and batch shardings. One definition for both, so what is traced ahead is what runs."""
-    fsdp = mesh.shape[FSDP_AXIS]
-    state_shardings = jax.tree.map(
-        lambda x: NamedSharding(mesh, P(*param_partition(x.shape, fsdp, fsdp_min_size))), abstract)
-    batch_sharding = NamedSharding(mesh, P((REPLICA_AXIS, FSDP_AXIS)))
-
-    def train_step(state, batch):
-        model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(lambda m: task.loss(m, batch))(model)
-        optimizer.update(model, grads)
-        return nnx.state((model, optimizer)), loss
-
-    step = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
-                   out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)
-    return state_shardings, batch_sharding, step
+def _programs(task, plan: WorldPlan, seed: int, fsdp_min_size: int, mesh, rules, scale_updates: bool):
+    """State spec, shardings and the train step for ``mesh`` (concrete, or abstract to trace ahead of
+    a world). One definition for both, so what is traced ahead is what runs."""
+    spec = sp.state_spec(task, seed, plan.lr_scale if scale_updates else None)
+    shardings = sp.state_shardings(spec, mesh, rules, fsdp_min_size)
+    batch_sharding, step = sp.train_program(task, spec, shardings, mesh, plan.num_microbatches, plan.data_parallel)
+    return spec, shardings, batch_sharding, step
 
 
 def program_key(plan: WorldPlan) -> tuple:
-    """What the compiled step depends on besides the task: mesh shape, global batch, update scale."""
-    return (plan.mesh_shape[REPLICA_AXIS], plan.mesh_shape[FSDP_AXIS], plan.global_batch_size, plan.lr_scale)
+    """What the compiled step depends on besides the task: mesh shape, global batch, microbatches, update scale."""
+    return (tuple(plan.mesh_shape.items()), plan.global_batch_size, plan.num_microbatches, plan.lr_scale)
 
 
 def trace_ahead(task, plan: WorldPlan, seed: int, fsdp_min_size: int, batches: StepBatches,
-                scale_updates: bool = False) -> jax.stages.Traced:
+                scale_updates: bool = False, rules=()) -> jax.stages.Traced:
     """Trace the train step for a world laid out like ``plan``, before any world exists.
 
     Runs on an abstract mesh, so it needs no devices and may run before
     ``jax.distributed.initialize``: a standby process traces the worlds it may join
     while it waits, and joining one only lowers and loads (:meth:`TrainLoop.compile`).
     """
-    mesh = AbstractMesh((plan.mesh_shape[REPLICA_AXIS], plan.mesh_shape[FSDP_AXIS]), (REPLICA_AXIS, FSDP_AXIS))
-    _, (graphdef, abstract) = _abstract_state(task, seed, plan.lr_scale if scale_updates else None)
-    state_shardings, batch_sharding, step = _step_program(task, graphdef, abstract, mesh, fsdp_min_size)
-    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, state_shardings)
+    mesh = AbstractMesh(tuple(plan.mesh_shape.values()), tuple(plan.mesh_shape))
+    spec, shardings, batch_sharding, step = _programs(task, plan, seed, fsdp_min_size, mesh, rules, scale_updates)
+    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), spec.abstract, shardings)
     example = batches.rows(0, 0, 1)  # one row: the fields' trailing shapes and dtypes
     batch = {k: jax.ShapeDtypeStruct((plan.global_batch_size,) + v.shape[1:], v.dtype, sharding=batch_sharding)
              for k, v in example.items()}
     return step.trace(state, batch)
+
+
+class NonFiniteLossError(TrainingCodeError):
+    """A step's loss was NaN or infinite: the run stops before that state replaces the last good one."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+    def __reduce__(self):  # crosses Ray from the slice process to the driver
+        return type(self), (str(self), self.step)
+
+
+def _host_metrics(metrics: dict) -> dict:
+    """A step's replicated scalar metrics as Python floats."""
+    return {k: float(np.asarray(v.addressable_shards[0].data)) for k, v in metrics.items()}
 
 
 def block_range(indices, shape) -> tuple:
@@ -246,8 +240,8 @@ def host_blocks(leaves: list[jax.Array]) -> dict:
 def local_block(arr: jax.Array) -> tuple[np.ndarray, tuple]:
     """This process's part of a global array, as one numpy block, and the block's global index range.
 
-    A process's devices sit in one row of the (replica, fsdp) mesh, so its shards of
-    an fsdp-sharded array are one contiguous slab, and of a replicated array the
+    A process's devices are whole rows of its slice's fsdp axis (the axes after fsdp fit in a
+    host), so its shards of a sharded array are one contiguous slab, and of a replicated array the
     whole array. This is what ``make_array_from_process_local_data`` takes back; the
     range says where the block belongs, so a restore can refuse one that would land elsewhere.
     """
@@ -281,23 +275,31 @@ class TrainLoop:
         checkpointer: this world's :class:`~ray_elastic.checkpoints.Checkpointer` (None: no checkpoints).
         checkpoint_step: load this committed checkpoint (steps completed) instead of ``restore``,
             resharded onto this world's mesh, from ``restore_from`` (a Checkpointer) or ``checkpointer``.
+        rules: the run's logical axis rules (``ElasticConfig.logical_axis_rules``).
+        eval_batches: the task's held-out data (:class:`~ray_elastic.data.EvalBatches`), or None.
+        prefetch: steps whose rows a reader thread prepares ahead (0: read in the step loop).
     """
 
     def __init__(self, task, plan: WorldPlan, process_id: int, seed: int, mesh: Mesh, fsdp_min_size: int,
                  batches: StepBatches, restore: Optional[list] = None, scale_updates: bool = False,
-                 checkpointer=None, checkpoint_step: Optional[int] = None, restore_from=None):
+                 checkpointer=None, checkpoint_step: Optional[int] = None, restore_from=None, rules=(),
+                 eval_batches=None, prefetch: int = 2):
+        self.task = task
         self.plan = plan
         self.mesh = mesh
         self.process_id = process_id
         self.row_range = plan.process_rows(process_id)
         self.batches = batches
-        self._in_flight: collections.deque = collections.deque()  # (step, loss, dispatched at)
+        self.eval_batches = eval_batches
+        self._rows = BatchPrefetcher(batches, *self.row_range, depth=prefetch)
+        self._in_flight: collections.deque = collections.deque()  # (step, metrics, dispatched at)
         self._last_finish: Optional[float] = None
         self._copy = None  # the jitted device-side copy of the state, for snapshots
+        self._eval = None  # the jitted eval step, compiled at the first evaluation
 
-        make, (graphdef, abstract) = _abstract_state(task, seed, plan.lr_scale if scale_updates else None)
-        self.state_shardings, self.batch_sharding, self._step = _step_program(task, graphdef, abstract, mesh,
-                                                                              fsdp_min_size)
+        self.spec, self.state_shardings, self.batch_sharding, self._step = _programs(
+            task, plan, seed, fsdp_min_size, mesh, rules, scale_updates)
+        abstract = self.spec.abstract
         self.sharded_params = sum(1 for sh in jax.tree.leaves(self.state_shardings) if any(sh.spec))
 
         self.checkpointer = checkpointer
@@ -310,7 +312,7 @@ class TrainLoop:
             except Exception as e:  # storage, not the task: another world may read it
                 raise StorageError(f"restoring checkpoint {checkpoint_step} failed: {e!r}", checkpoint_step) from e
         elif restore is None:
-            self.state = jax.jit(lambda: nnx.split(make())[1], out_shardings=self.state_shardings)()
+            self.state = sp.init_program(self.spec, self.state_shardings)()
         else:
             leaves, treedef = jax.tree.flatten(abstract)
             shardings = jax.tree.leaves(self.state_shardings)
@@ -328,14 +330,17 @@ class TrainLoop:
             ])
 
     def global_batch_array(self, step: int) -> dict:
-        """This process's rows of step ``step``, assembled into global jax.Arrays."""
-        lo, hi = self.row_range
-        local = self.batches.rows(step, lo, hi)
+        """This process's rows of step ``step`` (prepared ahead by the reader thread), assembled into
+        global jax.Arrays."""
+        local = self._rows.get(step)
         B = self.plan.global_batch_size
         return {
             k: jax.make_array_from_process_local_data(self.batch_sharding, v, (B,) + v.shape[1:])
             for k, v in local.items()
         }
+
+    def close(self) -> None:
+        self._rows.close()
 
     def compile(self, step: int, traced: Optional[jax.stages.Traced] = None, snapshots: bool = False) -> dict:
         """Compile the step (from the persistent cache when warm); seconds of each phase.
@@ -365,27 +370,44 @@ class TrainLoop:
         """Start step ``step`` and return before it has run (JAX dispatches asynchronously);
         :meth:`finish` reads it. The device queue then never drains between steps."""
         t0 = time.perf_counter()
-        self.state, loss = self._step(self.state, self.global_batch_array(step))
-        self._in_flight.append((step, loss, t0))
+        self.state, metrics = self._step(self.state, self.global_batch_array(step))
+        self._in_flight.append((step, metrics, t0))
 
     def in_flight(self) -> int:
         return len(self._in_flight)
 
     def finish(self) -> dict:
-        """Wait for the oldest dispatched step: its loss and step time. The step time is the interval
-        since the previous step finished (for the first, since it was dispatched): with steps in
-        flight that is what a step costs the run, waits between chunks included."""
-        step, loss, t_dispatch = self._in_flight.popleft()
-        value = float(np.asarray(loss.addressable_shards[0].data))
+        """Wait for the oldest dispatched step: its metrics (``loss`` and what the task returns) and
+        step time. The step time is the interval since the previous step finished (for the first,
+        since it was dispatched): with steps in flight that is what a step costs the run, waits
+        between chunks included. A loss that is not finite ends the run (:class:`NonFiniteLossError`)."""
+        step, metrics, t_dispatch = self._in_flight.popleft()
+        values = _host_metrics(metrics)
+        if not np.isfinite(values["loss"]):
+            raise NonFiniteLossError(
+                f"the loss of step {step} is {values['loss']}: training stopped before that state was "
+                "checkpointed or snapshotted (lower the learning rate, clip gradients, or check the data of "
+                "that step)", step)
         now = time.perf_counter()
         since = t_dispatch if self._last_finish is None else self._last_finish
         self._last_finish = now
-        return {"step": step, "loss": value, "step_time_s": now - since}
+        return {**values, "step": step, "step_time_s": now - since}
 
-    def step(self, step: int) -> dict:
-        """Run one step and wait for it (a blocking loop: the device idles while the host reads the loss)."""
-        self.dispatch(step)
-        return self.finish()
+    def evaluate(self, num_batches: int) -> dict:
+        """Mean of the task's eval metrics over eval batches ``0 .. num_batches-1``, as ``eval/<name>``.
+        Same state, same numbers, whatever the world's size (each batch's metrics are means over it)."""
+        if self._eval is None:
+            self._eval = sp.eval_program(self.task, self.spec, self.state_shardings, self.mesh)
+        E = self.eval_batches.batch_size
+        lo, hi = self.eval_batches.process_rows(self.process_id, self.plan.num_processes)
+        totals: dict = {}
+        for i in range(num_batches):
+            local = self.eval_batches.rows(i, lo, hi)
+            batch = {k: jax.make_array_from_process_local_data(self.batch_sharding, v, (E,) + v.shape[1:])
+                     for k, v in local.items()}
+            for k, v in _host_metrics(self._eval(self.state, batch)).items():
+                totals[k] = totals.get(k, 0.0) + v
+        return {f"eval/{k}": v / num_batches for k, v in totals.items()}
 
     def run(self, start_step: int, num_steps: int, in_flight: int = 1) -> list[dict]:
         """Run ``num_steps`` steps from ``start_step`` keeping ``in_flight`` more dispatched than read

@@ -12,19 +12,22 @@ from typing import Callable, Optional
 
 from ray_elastic import goodput
 from ray_elastic.events import EventListener
+from ray_elastic.results import STEP_FIELDS
 
-# Events passed to the user's ``on_event``: the elastic ones, not per-chunk bookkeeping.
-ELASTIC_EVENTS = ("failure", "recovered", "resize", "scale_up", "waiting_for_capacity")
+# Events passed to the user's ``on_event``: the elastic ones and evaluations, not per-chunk bookkeeping.
+ELASTIC_EVENTS = ("failure", "recovered", "resize", "scale_up", "waiting_for_capacity", "eval")
 GOODPUT_EVERY_S = 10.0
 
 
 class ProgressBar(EventListener):
     """tqdm.auto (a widget in notebooks): step, loss, slices training and the controller's state."""
 
-    def __init__(self, total: int, initial: int, num_slices: int):
+    def __init__(self, total: int, initial: int, num_slices: int, shown: tuple = ()):
         from tqdm.auto import tqdm
 
         self.num_slices = num_slices
+        self.shown = shown  # metric names shown beside the loss (``ElasticConfig.progress_metrics``)
+        self.values: dict = {}
         self.slices: Optional[int] = None
         self.state = None
         self.loss: Optional[float] = None
@@ -33,6 +36,7 @@ class ProgressBar(EventListener):
 
     def postfix(self) -> str:
         parts = [f"loss={self.loss:.4f}"] if self.loss is not None else []
+        parts += [f"{k}={self.values[k]:.4g}" for k in self.shown if k in self.values]
         if self.slices is not None:
             parts.append(f"slices={self.slices}/{self.num_slices}")
         if self.state is not None:
@@ -43,6 +47,7 @@ class ProgressBar(EventListener):
 
     def on_step(self, metrics: dict) -> None:
         self.loss = metrics["loss"]
+        self.values.update((k, v) for k, v in metrics.items() if k in self.shown)
         self.bar.update(1)
         self.bar.set_postfix_str(self.postfix(), refresh=False)
 
@@ -58,6 +63,8 @@ class ProgressBar(EventListener):
             self.bar.set_postfix_str(self.postfix(), refresh=True)
         elif event["kind"] in ("recovered", "scale_up") and event["steps_rewound"]:
             self.bar.update(-event["steps_rewound"])
+        elif event["kind"] == "eval":
+            self.values.update((k, v) for k, v in event["metrics"].items() if k in self.shown)
 
     def close(self) -> None:
         self.bar.close()
@@ -74,7 +81,7 @@ class RayMetricsObserver(EventListener):
 
     def on_step(self, m: dict) -> None:
         self._last = m
-        self.metrics.on_step(m["step"], m["loss"])
+        self.metrics.on_step(m["step"], m["loss"], metrics=_own(m))
 
     def on_event(self, event: dict) -> None:
         kind = event["kind"]
@@ -87,8 +94,10 @@ class RayMetricsObserver(EventListener):
         elif kind == "steps" and time.monotonic() - self._goodput_at > GOODPUT_EVERY_S:
             self._goodput_at = time.monotonic()
             self.metrics.on_goodput(goodput.account(self.events).goodput)
+        elif kind == "eval":
+            self.metrics.on_metrics(event["metrics"])
         elif kind == "run_finished" and self._last is not None:
-            self.metrics.on_step(self._last["step"], self._last["loss"], force=True)
+            self.metrics.on_step(self._last["step"], self._last["loss"], force=True, metrics=_own(self._last))
 
     def close(self) -> None:
         self.metrics.on_goodput(goodput.account(self.events).goodput)
@@ -144,3 +153,53 @@ class StandbyReplenisher(EventListener):
         if self._pending and time.monotonic() >= self._next:
             self._pending = not self.replenish()
             self._next = time.monotonic() + self.every_s
+
+
+def _own(step_metrics: dict) -> dict:
+    """The task's own metrics of a step (what its loss or train_step returned besides the loss)."""
+    return {k: v for k, v in step_metrics.items() if k not in STEP_FIELDS}
+
+
+class TensorBoardWriter(EventListener):
+    """Train and eval metrics, step time, slices alive, recoveries, rewound steps and goodput as
+    TensorBoard scalars (``tensorboardX``; a ``gs://`` directory is written through its GCS writer).
+
+    Train scalars go under ``train/`` (the loss and what the task returns), evals under ``eval/``,
+    the run's elastic state under ``elastic/``. A step recomputed after a rewind is written again:
+    TensorBoard shows the newest value of a step."""
+
+    def __init__(self, logdir: str, events: list[dict], flush_s: float = 10.0):
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(logdir=logdir, flush_secs=flush_s)
+        self.events = events  # the log's own list, for goodput so far
+        self._step = 0
+        self._recoveries = 0
+        self._goodput_at = 0.0
+
+    def on_step(self, m: dict) -> None:
+        step = self._step = m["step"]
+        self.writer.add_scalar("train/loss", m["loss"], step)
+        for k, v in _own(m).items():
+            self.writer.add_scalar(f"train/{k}", v, step)
+        self.writer.add_scalar("elastic/step_time_s", m["step_time_s"], step)
+
+    def on_event(self, event: dict) -> None:
+        kind = event["kind"]
+        if kind == "eval":
+            for k, v in event["metrics"].items():
+                self.writer.add_scalar(k, v, event["step"])
+        elif kind == "world_formed":
+            self.writer.add_scalar("elastic/slices_alive", len(event["slices"]), self._step)
+        elif kind in ("recovered", "scale_up"):
+            if kind == "recovered":
+                self._recoveries += 1
+                self.writer.add_scalar("elastic/recoveries", self._recoveries, self._step)
+            self.writer.add_scalar("elastic/steps_rewound", event.get("steps_rewound", 0), self._step)
+        elif kind == "steps" and time.monotonic() - self._goodput_at > GOODPUT_EVERY_S:
+            self._goodput_at = time.monotonic()
+            self.writer.add_scalar("elastic/goodput", goodput.account(self.events).goodput, self._step)
+
+    def close(self) -> None:
+        self.writer.add_scalar("elastic/goodput", goodput.account(self.events).goodput, self._step)
+        self.writer.close()

@@ -14,8 +14,9 @@ import math
 import statistics
 from typing import Optional, Sequence
 
-REPLICA_AXIS = "replica"
-FSDP_AXIS = "fsdp"
+from ray_elastic.layout import FSDP_AXIS, REPLICA_AXIS, resolve_slice_mesh
+
+__all__ = ["FSDP_AXIS", "REPLICA_AXIS", "WorldPlan", "plan_world"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,8 @@ class WorldPlan:
     data_stride: int = 0  # examples per step in the data order (the full-size batch); 0 = global_batch_size
     lr_scale: float = 1.0
     snapshot_slices: int = 0  # the first this many slices yield snapshots
+    slice_axes: tuple[tuple[str, int], ...] = ()  # the slice's mesh axes (``layout.resolve_slice_mesh``); () = all fsdp
+    microbatch_size: int = 0  # examples per device per microbatch (gradient accumulation); 0 = one batch per step
 
     @property
     def stride(self) -> int:
@@ -56,8 +59,27 @@ class WorldPlan:
 
     @property
     def mesh_shape(self) -> dict[str, int]:
-        """``replica`` across slices (data parallel over DCN), ``fsdp`` inside a slice (ICI)."""
-        return {REPLICA_AXIS: self.num_slices, FSDP_AXIS: self.hosts_per_slice * self.devices_per_host}
+        """``replica`` across slices (data parallel over DCN), then the slice's own axes (ICI)."""
+        return {REPLICA_AXIS: self.num_slices, **dict(self.slice_axes or ((FSDP_AXIS, self.devices_per_slice),))}
+
+    @property
+    def devices_per_slice(self) -> int:
+        return self.hosts_per_slice * self.devices_per_host
+
+    @property
+    def data_parallel(self) -> int:
+        """Devices that each take their own rows of the batch: ``replica`` x ``fsdp``."""
+        return self.num_slices * self.mesh_shape[FSDP_AXIS]
+
+    @property
+    def per_device_batch(self) -> int:
+        return self.global_batch_size // self.data_parallel
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per step: more when a smaller world keeps the global batch, so each
+        device's microbatch (and its activation memory) stays the same size."""
+        return self.per_device_batch // self.microbatch_size if self.microbatch_size else 1
 
     def process_id(self, slice_index: int, host_index: int) -> int:
         """Processes are numbered slice-major, so a slice's devices are contiguous in the mesh."""
@@ -87,42 +109,31 @@ def plan_world(
     data_stride: int = 0,
     lr_scale: float = 1.0,
     snapshot_slices: int = 0,
+    slice_mesh: Optional[dict] = None,
+    microbatch_size: int = 0,
 ) -> WorldPlan:
-    """Lay out a world, refusing layouts that cannot split the batch evenly."""
+    """Lay out a world, refusing layouts that cannot split the batch evenly.
+
+    ``slice_mesh``: the slice's axes and sizes (``-1``: the rest), default all ``fsdp``."""
     if not slice_names:
         raise ValueError("a world needs at least one slice")
+    axes = resolve_slice_mesh(slice_mesh or {FSDP_AXIS: -1}, hosts_per_slice * devices_per_host, devices_per_host)
     plan = WorldPlan(
         generation, tuple(slice_names), hosts_per_slice, devices_per_host, global_batch_size,
-        data_stride, lr_scale, min(snapshot_slices, len(slice_names)),
+        data_stride, lr_scale, min(snapshot_slices, len(slice_names)), axes, microbatch_size or 0,
     )
-    devices = plan.num_processes * devices_per_host
-    if global_batch_size % devices:
+    fsdp = plan.mesh_shape[FSDP_AXIS]
+    if global_batch_size % plan.data_parallel:
         raise ValueError(
             f"global batch {global_batch_size} does not split over {plan.num_slices} slice(s) x "
-            f"{hosts_per_slice * devices_per_host} device(s)"
+            f"{fsdp} fsdp device(s)"
         )
+    if microbatch_size and plan.per_device_batch % microbatch_size:
+        raise ValueError(
+            f"microbatch_size={microbatch_size} does not divide the per-device batch {plan.per_device_batch} of a "
+            f"world of {plan.num_slices} slice(s) (global batch {global_batch_size} over {plan.data_parallel} "
+            f"data-parallel devices)")
     return plan
-
-
-def param_partition(shape: Sequence[int], fsdp_size: int, min_size: int) -> tuple:
-    """FSDP rule: shard the largest dimension divisible by the slice's device count.
-
-    Returns a PartitionSpec-like tuple of axis names (``None`` = replicated).
-    Small arrays (fewer than ``min_size`` elements) stay replicated: sharding them
-    costs more in collectives than it saves in memory. Replicas across slices
-    always hold full copies, so any surviving slice can continue alone.
-    """
-    spec = [None] * len(shape)
-    size = 1
-    for d in shape:
-        size *= d
-    if fsdp_size <= 1 or size < min_size:
-        return tuple(spec)
-    for dim in sorted(range(len(shape)), key=lambda i: -shape[i]):
-        if shape[dim] % fsdp_size == 0:
-            spec[dim] = FSDP_AXIS
-            break
-    return tuple(spec)
 
 
 # --------------------------------------------------------------------------- batch policy
@@ -218,6 +229,11 @@ def newest_due_snapshot(step: int, intervals: list[tuple[int, int]]) -> int:
         if last >= first and (due := newest_snapshot_step(last, every)) >= first:
             return due
     return -1
+
+
+def is_eval_step(step: int, every: int, final_step: int) -> bool:
+    """Evaluations run after steps every-1, 2*every-1, ... and after the last step (never when 0)."""
+    return every > 0 and ((step + 1) % every == 0 or step == final_step)
 
 
 def is_checkpoint_step(step: int, every: int, final_step: int) -> bool:

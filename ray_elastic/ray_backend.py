@@ -98,14 +98,26 @@ class RayBackend:
     def form(self, **kwargs) -> World:
         return World.form(pool=self.pool, config=self.config, **kwargs)
 
+    @staticmethod
+    def check_task(task, config) -> None:
+        """The task's model, layout, step and eval data against the config, on the driver
+        (:mod:`ray_elastic.preflight`): bad input fails before any slice is reserved."""
+        from ray_elastic.preflight import check_task
+
+        check_task(task, config)
+
     def drive(self, world: World, store: SnapshotStore, on_metrics: Callable[[dict], None],
               step_times: list[float], on_interval: Optional[Callable[[int, int], None]] = None,
-              on_committed: Optional[Callable[[list], None]] = None) -> StepStreams:
-        return StepStreams(world, self.config, store, on_metrics, step_times, on_interval, on_committed)
+              on_committed: Optional[Callable[[list], None]] = None,
+              on_eval: Optional[Callable[[dict], bool]] = None) -> StepStreams:
+        return StepStreams(world, self.config, store, on_metrics, step_times, on_interval, on_committed, on_eval)
 
     # ------------------------------------------------------------- evidence
     def error_kind(self, error: BaseException) -> ErrorKind:
         return health.error_kind(error)
+
+    def error_text(self, error: BaseException) -> str:
+        return health.error_text(error)
 
     def hosts_answer(self, reservation) -> bool:
         """Every host of the slice answers (its raylet accepts a connection): the hosts are alive."""

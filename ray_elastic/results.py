@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable, Optional
 
 from ray_elastic import goodput
+from ray_elastic.task import RESERVED_METRICS
 
 logger = logging.getLogger(__name__)
 
@@ -152,10 +153,22 @@ class FitResult:
     recoveries: list[RecoveryRecord]
     summary: dict[str, Any]
     events: list[dict]
+    metrics: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # what the loss returned, per step
+    evals: dict[int, dict] = dataclasses.field(default_factory=dict)  # step -> its eval's ``eval/...`` metrics
 
     def __repr__(self) -> str:
         return (f"FitResult(steps={len(self.steps)}, final_loss={self.losses[-1] if self.losses else None}, "
                 f"recoveries={len(self.recoveries)}, summary={self.summary})")
+
+
+STEP_FIELDS = ("loss", *RESERVED_METRICS)
+
+
+def user_metrics(steps: list[dict]) -> dict[str, list]:
+    """The task's own metrics of ``steps`` (what its loss or train_step returned besides the loss),
+    one list per name (None where a step lacks it)."""
+    names = sorted({k for m in steps for k in m if k not in STEP_FIELDS})
+    return {k: [m.get(k) for m in steps] for k in names}
 
 
 class StepLedger:
@@ -172,6 +185,18 @@ class StepLedger:
         self._snapshot_steps: Callable[[], list[int]] = list
         self.committed_step = -1  # the newest checkpoint a process reported committed in this run
         self._committed: set[int] = set()
+        self.evals: dict[int, dict] = {}
+
+    def add_eval(self, item: dict) -> bool:
+        """An eval's metrics (``{"step": s, "eval/...": ...}``), recorded once; with ``step`` alone,
+        only whether step ``s``'s eval is known."""
+        step = item["step"]
+        if len(item) == 1 or step in self.evals:
+            return step in self.evals
+        metrics = {k: v for k, v in item.items() if k != "step"}
+        self.evals[step] = metrics
+        self.events.emit("eval", step=step, metrics=metrics)
+        return True
 
     def start_world(self, generation: int, snapshot_steps: Callable[[], list[int]]) -> None:
         """Steps from now on belong to ``generation``; ``snapshot_steps()`` says which were snapshotted."""
@@ -194,7 +219,8 @@ class StepLedger:
         if buf:
             self.events.emit("steps", generation=self._generation, steps=[m["step"] for m in buf],
                              losses=[m["loss"] for m in buf], step_time_s=[m["step_time_s"] for m in buf],
-                             finished_at=[m.get("finished_at") for m in buf], snapshot_steps=self._snapshot_steps())
+                             finished_at=[m.get("finished_at") for m in buf], snapshot_steps=self._snapshot_steps(),
+                             metrics=user_metrics(buf))
 
     def saves_committed(self, finished: list) -> None:
         """Checkpoints a process reported committed: once each (every holder reports its own)."""
@@ -246,7 +272,8 @@ def summarize(*, ledger: StepLedger, worlds: list[WorldRecord], recoveries: list
         snapshot_every=intervals[-1] if intervals else None,
         max_rewind_steps=max(intervals) - 1 if intervals and min(intervals) > 0 else None,
     )
-    return FitResult(steps, losses, times, list(recoveries), dataclasses.asdict(summary), list(events))
+    return FitResult(steps, losses, times, list(recoveries), dataclasses.asdict(summary), list(events),
+                     user_metrics([ledger.metrics[s] for s in steps]), dict(sorted(ledger.evals.items())))
 
 
 def failure_seen_at(event: dict) -> float:

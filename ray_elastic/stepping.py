@@ -26,7 +26,7 @@ import ray
 from ray_elastic import health
 from ray_elastic.config import ElasticConfig
 from ray_elastic.errors import ProcessGone, RayletGone
-from ray_elastic.plan import (MAX_SNAPSHOT_EVERY, chunk_steps, newest_due_snapshot, snapshot_cost_in_steps,
+from ray_elastic.plan import (MAX_SNAPSHOT_EVERY, chunk_steps, is_eval_step, newest_due_snapshot, snapshot_cost_in_steps,
                               snapshot_interval, watchdog_timeout)
 from ray_elastic.snapshot_keeper import ask_keepers
 from ray_elastic.snapshots import SnapshotRef, SnapshotStore
@@ -66,13 +66,15 @@ class StepStreams:
     def __init__(self, world: World, config: ElasticConfig, store: SnapshotStore,
                  on_metrics: Callable[[dict], None], step_times: list[float],
                  on_interval: Optional[Callable[[int, int], None]] = None,
-                 on_committed: Optional[Callable[[list], None]] = None):
+                 on_committed: Optional[Callable[[list], None]] = None,
+                 on_eval: Optional[Callable[[dict], bool]] = None):
         self.world = world
         self.config = config
         self.store = store
         self.on_metrics = on_metrics
         self.on_interval = on_interval
         self.on_committed = on_committed
+        self.on_eval = on_eval  # an eval's metrics; asked with {"step": s} alone, says whether s's eval is known
         self.step_times = step_times
         self.steps_per_chunk = config.steps_per_chunk  # the last chunk's length (chunk_steps)
         # Per channel (World.channels: a process, or a relay's group of quiet ones): its chunks in flight.
@@ -87,6 +89,7 @@ class StepStreams:
         self._timed: list[tuple[int, float]] = []  # (step, seconds) of this world's steps, first run only
         self._step_cost: Optional[float] = None  # a snapshot's cost read from the step times (auto interval)
         self._reported = self._snapshot_reported = -1
+        self._submitted = False  # a world's first chunk redoes an eval a failure lost
         self._raylets: Optional[dict] = None  # node id -> where its raylet listens (_learn_raylets)
         self._learning: Optional[threading.Thread] = None
 
@@ -246,8 +249,16 @@ class StepStreams:
 
     def _submit(self, first: int, n: int, final_step: int) -> None:
         every = self._next_interval(first)
-        for c, ref in enumerate(self.world.run_chunk(first, n, final_step, every)):
+        eval_before = not self._submitted and self._eval_lost(first - 1, final_step)
+        self._submitted = True
+        for c, ref in enumerate(self.world.run_chunk(first, n, final_step, every, eval_before)):
             self.queues[c].append(ref)
+
+    def _eval_lost(self, step: int, final_step: int) -> bool:
+        """The eval due after ``step`` never reached the driver (a failure during it): redo it first."""
+        c = self.config
+        return (self.on_eval is not None and step >= 0 and
+                is_eval_step(step, c.eval_every, final_step) and not self.on_eval({"step": step}))
 
     def _consume_results(self, channels: list[int]) -> dict[int, BaseException]:
         """Take the finished chunks of non-streaming channels (ready ones): one ``ray.get`` for all,
@@ -302,6 +313,8 @@ class StepStreams:
             self.not_kept_count += 1
             if len(self.not_kept) < NOT_KEPT_LISTED:
                 self.not_kept.append({"slice": self.world.slice_of(p), "step": step, "why": why})
+        if "eval" in item and self.on_eval is not None:
+            self.on_eval(item["eval"])
         progressed = False
         for metrics in item["steps"]:
             if metrics["step"] > self._reported:

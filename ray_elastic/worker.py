@@ -24,7 +24,7 @@ import ray
 
 from ray_elastic.errors import SliceDownError
 from ray_elastic.liveness import Beacon
-from ray_elastic.plan import WorldPlan, is_checkpoint_step, is_snapshot_step
+from ray_elastic.plan import WorldPlan, is_checkpoint_step, is_eval_step, is_snapshot_step
 from ray_elastic.snapshot_keeper import SnapshotWriter
 from ray_elastic.snapshots import SnapshotRef
 
@@ -106,6 +106,7 @@ class SliceWorker:
         self.process_id: Optional[int] = None
         self.loop = None
         self.batches = None
+        self.eval_batches = None
         self.traced: dict = {}  # program key -> future of the step traced ahead for worlds of that layout
         self._tracing: list = []  # the same futures, for ``traced_ahead`` (``compile`` pops ``traced``)
         self._prepared = threading.Event()
@@ -128,16 +129,18 @@ class SliceWorker:
         t0 = time.perf_counter()
         try:
             from ray_elastic import jax_world
-            from ray_elastic.data import StepBatches
+            from ray_elastic.data import EvalBatches, StepBatches
 
             c = self.config
             jax_world.enable_compilation_cache(c.compilation_cache_dir)
             self.batches = StepBatches(self.task.dataset(), c.global_batch_size, c.seed)
+            if c.eval_every:
+                self.eval_batches = EvalBatches(self.task.eval_dataset(), c.eval_batch)
             tracer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trace-ahead")
             for plan in self._likely_plans(for_world):
                 self.traced[jax_world.program_key(plan)] = tracer.submit(
                     jax_world.trace_ahead, self.task, plan, c.seed, c.fsdp_min_size, self.batches,
-                    scale_updates=c.lr_rule is not None)
+                    scale_updates=c.lr_rule is not None, rules=c.logical_axis_rules)
             self._tracing = list(self.traced.values())
             tracer.shutdown(wait=False)
         finally:
@@ -200,6 +203,8 @@ class SliceWorker:
         c = self.config
         if self.batches is None:
             self.prepare()
+        if self.loop is not None:
+            self.loop.close()
         self.plan = plan
         ours = jw.program_key(plan)
         for key, ahead in self.traced.items():
@@ -235,7 +240,8 @@ class SliceWorker:
             self.loop = jw.TrainLoop(self.task, plan, self.process_id, c.seed, mesh, c.fsdp_min_size, self.batches,
                                      restore=blocks, scale_updates=c.lr_rule is not None,
                                      checkpointer=checkpointer, checkpoint_step=checkpoint_step,
-                                     restore_from=source)
+                                     restore_from=source, rules=c.logical_axis_rules,
+                                     eval_batches=self.eval_batches)
         if source is not checkpointer:
             source.close()
         if checkpoint_step is not None:
@@ -267,7 +273,8 @@ class SliceWorker:
             return self.loop.compile(step, traced, snapshots=self.writer is not None)
 
     @ray.method(num_returns="streaming")
-    def run_chunk(self, start_step: int, num_steps: int, final_step: int, snapshot_every: Optional[int] = None):
+    def run_chunk(self, start_step: int, num_steps: int, final_step: int, snapshot_every: Optional[int] = None,
+                  eval_before: bool = False):
         """Run steps ``start_step ..``; stream what the controller needs.
 
         One step stays in flight across chunks; the run's last step and a chunk of no steps (the
@@ -278,17 +285,25 @@ class SliceWorker:
         the controller never knows of a step that no snapshot covers when one was due. The others
         stream their finished steps once, at the end. Checkpoints are started after every
         ``checkpoint_every`` steps and after ``final_step``, by every process (each writes its
-        own shards).
+        own shards). Before a checkpoint is saved, the steps in flight are finished: a step whose
+        loss is not finite stops the run before its state is saved. After every ``eval_every``-th
+        step (and ``final_step``) the steps are finished and streamed, then the eval runs and its
+        metrics are streamed as ``{"eval": {...}}``: a failure during the eval rewinds no step
+        (``eval_before`` redoes the eval of ``start_step - 1`` first, when a failure lost it).
         """
         c = self.config
         every = snapshot_every if snapshot_every is not None else (1 if c.snapshot_every == "auto" else c.snapshot_every)
         streams = self.plan.takes_snapshots(self.process_id)
         end = start_step + num_steps
         flush_at = time.monotonic()  # the first finished step goes out at once: progress is seen early
+        if eval_before:
+            yield from self._evaluate(start_step - 1, streams, every)
         for step in range(start_step, end):
             with _world_errors(f"step {step}"):
                 self.loop.dispatch(step)
                 if c.checkpoint_dir and is_checkpoint_step(step, c.checkpoint_every, final_step):
+                    while self.loop.in_flight():  # a non-finite loss stops the run before the save
+                        self._finish_one()
                     with self._saving():
                         blocking = self.loop.save_checkpoint(step + 1, self._metadata(step + 1))
                     self._extra[step] = {"checkpoint_step": step + 1, "checkpoint_blocking_s": blocking}
@@ -296,6 +311,8 @@ class SliceWorker:
                     self._snapshot(step)
                 while self.loop.in_flight() > IN_FLIGHT:
                     self._finish_one()
+            if c.eval_every and is_eval_step(step, c.eval_every, final_step):
+                yield from self._evaluate(step, streams, every)
             if streams and time.monotonic() >= flush_at:
                 flush_at = time.monotonic() + FLUSH_S
                 item = self._report()
@@ -316,6 +333,25 @@ class SliceWorker:
             self._compile_ahead()
         yield self._report()
 
+    def _evaluate(self, step: int, streams: bool, every: int):
+        """Finish and stream the steps up to ``step`` (kept, when snapshots are due), then evaluate the
+        state after ``step``; streaming processes yield ``{"eval": {"step": step, "eval/...": ...}}``."""
+        with _world_errors(f"step {step}"):
+            while self.loop.in_flight():
+                self._finish_one()
+        if self.writer is not None:
+            if every and self.last_step > self._snapshot_step and self.last_step == step:
+                self._snapshot(step)  # the state the eval sees is kept before the eval can fail
+            self.writer.wait()
+        if streams:
+            item = self._report()
+            if item:
+                yield item
+        with _world_errors(f"evaluating after step {step}"):
+            metrics = self.loop.evaluate(self.config.eval_steps)
+        if streams:
+            yield {"steps": [], "kept": [], "snapshot_s": [], "eval": {"step": step, **metrics}}
+
     def _compile_ahead(self) -> None:
         """After this world's first chunk, process 0 compiles the step of the next smaller world
         the run may form into the persistent cache, in the background: a replica-resize recovery
@@ -333,7 +369,7 @@ class SliceWorker:
             target = c.world_plan(plan.generation + 1, plan.slice_names[:smaller])
             try:
                 traced = jax_world.trace_ahead(self.task, target, c.seed, c.fsdp_min_size, self.batches,
-                                               scale_updates=c.lr_rule is not None)
+                                               scale_updates=c.lr_rule is not None, rules=c.logical_axis_rules)
                 jax_world.compile_ahead(traced, target)
             except Exception as e:  # noqa: BLE001 - an optimisation: the world that needs it compiles it
                 logger.warning("compiling ahead for %d slices failed: %r", smaller, e)
@@ -349,10 +385,10 @@ class SliceWorker:
         self._snapshot_step = step
 
     def run_chunk_quiet(self, start_step: int, num_steps: int, final_step: int,
-                        snapshot_every: Optional[int] = None) -> None:
+                        snapshot_every: Optional[int] = None, eval_before: bool = False) -> None:
         """:meth:`run_chunk` for a process that streams nothing (it keeps no snapshot): the driver
         reads one result, or the error, per chunk, with the other processes' in one batch."""
-        for _ in self.run_chunk(start_step, num_steps, final_step, snapshot_every):
+        for _ in self.run_chunk(start_step, num_steps, final_step, snapshot_every, eval_before):
             pass
 
     def _finish_one(self) -> None:

@@ -397,11 +397,12 @@ class World:
             out.setdefault(self.slice_of(pid), []).append(info["node_id"])
         return out
 
-    def run_chunk(self, start_step: int, num_steps: int, final_step: int, snapshot_every: int) -> list:
+    def run_chunk(self, start_step: int, num_steps: int, final_step: int, snapshot_every: int,
+                  eval_before: bool = False) -> list:
         """Start a chunk of steps on every process; one ref per channel: a streaming generator for
         each snapshot holder, a plain task (one result at the chunk's end) for each other process,
         or a relay's call (``{}``, or the errors by process) for each group of them."""
-        args = (start_step, num_steps, final_step, snapshot_every)
+        args = (start_step, num_steps, final_step, snapshot_every, eval_before)
         refs = []
         for procs, relay in zip(self.channels, self.relays):
             if relay is not None:

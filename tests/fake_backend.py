@@ -147,6 +147,9 @@ class FakeBackend:
         self.standby_checks: dict[str, int] = {}  # host -> checks since its standby started
         self.config = None
 
+    def check_task(self, task, config) -> None:
+        """No JAX runs here: the fake slices never build the task's model."""
+
     def __call__(self, task, config, address=None) -> "FakeBackend":  # stands in for the class
         self.config = config
         return self
@@ -229,8 +232,12 @@ class FakeBackend:
     def missing_snapshots(self, refs, members=()) -> set:
         return set()  # the store is the truth here
 
-    def drive(self, world, store, on_metrics, step_times, on_interval=None, on_committed=None) -> FakeStreams:
+    def drive(self, world, store, on_metrics, step_times, on_interval=None, on_committed=None,
+              on_eval=None) -> FakeStreams:
         return FakeStreams(self, world, store, on_metrics)
+
+    def error_text(self, error: BaseException) -> str:
+        return str(error).splitlines()[0][:300] if str(error) else ""
 
     def error_kind(self, error: BaseException) -> ErrorKind:
         if isinstance(error, FormingError):

@@ -100,7 +100,7 @@ def test_a_lost_slice_is_replaced_by_the_autoscaler(sim_cluster, baseline):
     result = trainer.fit(STEPS)
     assert result.steps == list(range(STEPS)) and result.summary["steps_rewound"] == 0
     (rec,) = result.recoveries
-    assert rec.added_slices == 1 and result.summary["mesh"] == {"replica": 3, "fsdp": 2}
+    assert rec.added_slices == 1 and result.summary["mesh"] == {"replica": 3, "fsdp": 2, "tensor": 1}
     events = sim_cluster.autoscaler_events()
     assert any(e["event"] == "terminate" and e["instance"] == victim["instance"] for e in events)
     new = creates(sim_cluster, since=victim["t"], at_least=1)

@@ -43,7 +43,7 @@ def test_a_slice_that_lost_one_host_is_replaced_whole_under_its_name(sim_cluster
     # ... and came back as a whole, under the same name, on new nodes.
     made = [e for e in events if e["event"] == "create"]
     assert sorted(e["worker"] for e in made) == [0, 1] and {e["slice"] for e in made} == {victim["name"]}
-    assert result.summary["mesh"] == {"replica": 2, "fsdp": 4}
+    assert result.summary["mesh"] == {"replica": 2, "fsdp": 4, "tensor": 1}
     assert victim["name"] in trainer.worlds[-1].slices
     new = sim_cluster.slice_by_name(victim["name"])
     assert new.alive and not set(new.node_ids) & set(victim["nodes"])

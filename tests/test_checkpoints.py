@@ -98,7 +98,7 @@ def test_round_trip_values_equal_and_resume_on_another_world_size(where, resume_
     assert result.summary["checkpoints_committed"] == 2
     info = latest_checkpoint(directory)
     assert info.step == 20 and info.metadata["data_position"] == 20 * GBS
-    assert info.metadata["world"]["mesh"] == {"replica": 3, "fsdp": 2}
+    assert info.metadata["world"]["mesh"] == {"replica": 3, "fsdp": 2, "tensor": 1}
 
     # Saved values are the training state: equal to a single-process run of the same 20 steps.
     saved, meta = _restore_in_this_process(directory, 20)
@@ -112,7 +112,7 @@ def test_round_trip_values_equal_and_resume_on_another_world_size(where, resume_
     resumed = _fit(sim_cluster, directory, 30, num_slices=resume_on)
     assert resumed.steps == list(range(20, 30))
     assert resumed.summary["resumed_from_checkpoint"] == 20
-    assert resumed.summary["mesh"] == {"replica": resume_on, "fsdp": 2}
+    assert resumed.summary["mesh"] == {"replica": resume_on, "fsdp": 2, "tensor": 1}
     restore = [e for e in resumed.events if e["kind"] == "checkpoint_restore"]
     assert restore and restore[0]["step"] == 20 and restore[0]["saved_by"]["world"]["num_slices"] == 3
     assert max_rel_err(resumed.losses, ref_losses[20:30]) <= 1e-4

@@ -27,7 +27,7 @@ def test_demo_kills_a_slice_and_recovers():
                  "--kill-at", "15", "--mode", "pause-and-resume", "--arrival-delay", "1", "--json", "--no-progress"])
     summary = _summary(proc)
     assert summary["steps"] == 40 and summary["slices"] == 3
-    assert summary["mesh"] == {"replica": 3, "fsdp": 2}
+    assert summary["mesh"] == {"replica": 3, "fsdp": 2, "tensor": 1}
     # The default snapshot_every="auto" bounds the rewind by the interval it chose.
     assert summary["recoveries"] == 1 and summary["steps_rewound"] <= summary["max_rewind_steps"]
     assert "after step 15" in summary["killed_slice"]

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from ray_elastic.plan import param_partition, plan_world
+from ray_elastic.layout import fsdp_partition as param_partition
+from ray_elastic.plan import plan_world
 
 
 def test_mesh_has_replica_axis_across_slices_and_fsdp_inside():

@@ -170,7 +170,7 @@ def test_every_node_loss_is_seen_by_its_signal(cluster, baseline, position):
     _seen_by_its_signal(failure, "node")
     assert failure["lost_slices"] == [victim["name"]]
     (rec,) = result.recoveries
-    assert rec.slices == 2 and result.summary["mesh"] == {"replica": 2, "fsdp": 2}
+    assert rec.slices == 2 and result.summary["mesh"] == {"replica": 2, "fsdp": 2, "tensor": 1}
     assert max_rel_err(result.losses, baseline) <= RESIZED
 
 
@@ -429,7 +429,7 @@ def test_pause_and_resume_with_provisioning_delay(cluster, baseline):
     assert rec.slices == 3 and rec.added_slices == 1
     assert rec.wait_for_capacity_s >= 1.5
     assert len(prov.added) == 1
-    assert result.summary["mesh"] == {"replica": 3, "fsdp": 2}
+    assert result.summary["mesh"] == {"replica": 3, "fsdp": 2, "tensor": 1}
     assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
 
 

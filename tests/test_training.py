@@ -45,9 +45,9 @@ def test_one_actor_per_slice_on_that_slices_node(mlp_run, sim_cluster):
 
 def test_mesh_replica_axis_equals_number_of_slices(mlp_run):
     trainer, result = mlp_run
-    assert result.summary["mesh"] == {"replica": 3, "fsdp": 2}
+    assert result.summary["mesh"] == {"replica": 3, "fsdp": 2, "tensor": 1}
     for j in trainer.world.join_infos:
-        assert j["mesh_shape"] == {"replica": 3, "fsdp": 2}
+        assert j["mesh_shape"] == {"replica": 3, "fsdp": 2, "tensor": 1}
         assert j["local_devices"] == 2
 
 

@@ -1,0 +1,152 @@
+"""Models as TPU users write them, on slices of 4 devices (2 fsdp x 2 tensor): sharding annotations
+and logical axis rules, (loss, metrics), eval, gradient accumulation, dropout, TensorBoard, and a
+non-finite loss, on a real simulated cluster with real multi-process JAX."""
+
+import os
+
+import numpy as np
+import pytest
+
+from ray_elastic import ElasticConfig, ElasticTrainer, TrainingCodeError
+from ray_elastic.checkpoints import latest_checkpoint
+from ray_elastic.data import StepBatches
+from ray_elastic.examples.digits_mlp import DigitsMLPTask
+from ray_elastic.examples.llm import LOGICAL_AXIS_RULES, DecoderLMTask
+
+from faults import FaultPlan, ensure_slices, kill_process_of_slice, max_rel_err
+
+SIM_CLUSTER = {"num_slices": 4, "devices_per_host": 4}
+STEPS, KILL_AT = 24, 13
+
+
+def llm_task(**kw) -> DecoderLMTask:
+    return DecoderLMTask(**{"seq_len": 16, "d_model": 32, "num_heads": 4, "num_kv_heads": 2, "d_ff": 64,
+                            "num_layers": 1, "max_chars": 60_000, "dropout": 0.1, **kw})
+
+
+def llm_config(cluster, num_slices=3, **kw) -> ElasticConfig:
+    base = dict(num_slices=num_slices, global_batch_size=48, slice=cluster.slice_spec, steps_per_chunk=6, seed=1,
+                slice_mesh={"fsdp": -1, "tensor": 2}, logical_axis_rules=LOGICAL_AXIS_RULES,
+                eval_every=8, eval_steps=2, eval_batch_size=24, snapshot_every=1, microbatch_size=4, standby_workers=0,
+                hang_timeout_min_s=5.0, slice_timeout_s=120.0, progress_metrics=("accuracy", "eval/loss"))
+    return ElasticConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def llm_runs(sim_cluster, tmp_path_factory):
+    """The LLM example with dropout, eval and TensorBoard: failure-free, and with a slice's process
+    SIGKILLed after step KILL_AT (its host lives: the world re-forms with the same shape)."""
+    ensure_slices(sim_cluster, 4)
+    out = {}
+    for name, faults in (("clean", {}), ("killed", {KILL_AT: lambda t: kill_process_of_slice(t, 1)})):
+        run_dir = str(tmp_path_factory.mktemp(name))
+        seen: list[dict] = []
+        plan = FaultPlan(faults)
+        trainer = ElasticTrainer(llm_task(), llm_config(sim_cluster), progress=False, run_dir=run_dir,
+                                 on_step=lambda m, plan=plan, seen=seen: (seen.append(m), plan.on_step(m)))
+        plan.trainer = trainer
+        result = trainer.fit(STEPS)
+        assert not plan.faults
+        out[name] = (trainer, result, seen, run_dir)
+    return out
+
+
+def test_an_annotated_model_is_laid_out_over_fsdp_and_tensor(llm_runs):
+    trainer, result, _, _ = llm_runs["clean"]
+    assert result.summary["mesh"] == {"replica": 3, "fsdp": 2, "tensor": 2}
+    for j in trainer.world.join_infos:
+        assert j["mesh_shape"] == {"replica": 3, "fsdp": 2, "tensor": 2} and j["local_devices"] == 4
+        assert j["sharded_params"] > 0
+    assert result.losses[-1] < result.losses[0]
+
+
+def test_a_lost_process_is_recovered_with_no_step_rewound_and_dropout_losses_equal(llm_runs):
+    _, clean, _, _ = llm_runs["clean"]
+    _, killed, _, _ = llm_runs["killed"]
+    assert killed.steps == list(range(STEPS))
+    assert killed.summary["recoveries"] == 1 and killed.summary["steps_rewound"] == 0
+    # The dropout RNG streams are part of the state: the recovered run draws the same masks.
+    assert max_rel_err(killed.losses, clean.losses) <= 1e-6
+    assert killed.metrics["accuracy"] == pytest.approx(clean.metrics["accuracy"], rel=1e-6)
+
+
+def test_metrics_reach_on_step_the_event_log_and_the_result(llm_runs):
+    _, result, seen, _ = llm_runs["killed"]
+    assert all({"accuracy", "perplexity"} <= set(m) for m in seen)
+    # The mean over 2 microbatches of exp(loss): at least exp(mean loss) (Jensen), and close to it.
+    ppl, exp_loss = np.array([m["perplexity"] for m in seen]), np.exp([m["loss"] for m in seen])
+    assert np.all(ppl >= exp_loss * (1 - 1e-6)) and np.allclose(ppl, exp_loss, rtol=0.05)
+    logged = [e for e in result.events if e["kind"] == "steps"]
+    assert logged and all(len(e["metrics"]["accuracy"]) == len(e["steps"]) for e in logged)
+    assert len(result.metrics["accuracy"]) == STEPS
+
+
+def test_evals_run_every_eval_every_steps_and_after_the_last(llm_runs):
+    _, clean, _, _ = llm_runs["clean"]
+    _, killed, _, _ = llm_runs["killed"]
+    assert sorted(clean.evals) == [7, 15, 23]
+    assert set(clean.evals[7]) == {"eval/loss", "eval/accuracy", "eval/perplexity"}
+    assert clean.evals[23]["eval/loss"] < clean.evals[7]["eval/loss"]
+    assert sorted(killed.evals) == [7, 15, 23]
+    for s in killed.evals:
+        assert killed.evals[s] == pytest.approx(clean.evals[s], rel=1e-6)
+
+
+def test_tensorboard_holds_train_eval_and_elastic_scalars(llm_runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, result, _, run_dir = llm_runs["killed"]
+    acc = EventAccumulator(os.path.join(run_dir, "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/accuracy", "train/perplexity", "eval/loss", "eval/accuracy",
+            "elastic/step_time_s", "elastic/slices_alive", "elastic/recoveries", "elastic/goodput"} <= tags
+    loss = {e.step: e.value for e in acc.Scalars("train/loss")}
+    assert sorted(loss) == list(range(STEPS))
+    assert loss[STEPS - 1] == pytest.approx(result.losses[-1], rel=1e-6)
+    assert [e.step for e in acc.Scalars("eval/loss")] == [7, 15, 23]
+    assert acc.Scalars("elastic/recoveries")[-1].value == 1
+
+
+def test_eval_numbers_equal_on_two_and_four_slices(sim_cluster, tmp_path):
+    """The checkpoint written by a 4-slice world is evaluated again by a 2-slice world that resumes
+    it (an eval due at the checkpoint's step that this run has not seen is redone first)."""
+    ensure_slices(sim_cluster, 4)
+    directory = str(tmp_path / "ckpt")
+    kw = dict(eval_every=10, eval_batch_size=16, global_batch_size=32, checkpoint_dir=directory,
+              checkpoint_every=10, snapshot_every=0)
+    four = ElasticTrainer(llm_task(dropout=0.0), llm_config(sim_cluster, num_slices=4, min_slices=4, **kw),
+                          progress=False).fit(10)
+    two = ElasticTrainer(llm_task(dropout=0.0), llm_config(sim_cluster, num_slices=2, min_slices=2, **kw),
+                         progress=False).fit(11)
+    assert four.summary["mesh"]["replica"] == 4 and two.summary["mesh"]["replica"] == 2
+    assert two.summary["resumed_from_checkpoint"] == 10
+    assert two.evals[9] == pytest.approx(four.evals[9], rel=1e-5)
+    assert 10 in two.evals
+
+
+def nan_at_row(row: int) -> DigitsMLPTask:
+    """Digits with one example whose features are NaN: the step that reads it has a NaN loss (a class
+    defined here: the slice processes get it by value, as a notebook's)."""
+
+    class NaNAtRow(DigitsMLPTask):
+        def dataset(self):
+            base = super().dataset()
+            return [dict(ex, x=np.full_like(ex["x"], np.nan)) if i == row else ex for i, ex in enumerate(base)]
+
+    return NaNAtRow()
+
+
+def test_a_nan_loss_stops_the_run_naming_the_step_before_it_is_checkpointed(sim_cluster, tmp_path):
+    ensure_slices(sim_cluster, 4)
+    cfg = ElasticConfig(num_slices=2, global_batch_size=32, slice=sim_cluster.slice_spec, seed=0,
+                        checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=1, standby_workers=0,
+                        snapshot_every=1, slice_timeout_s=120.0)
+    task = nan_at_row(123)
+    batches = StepBatches(task.dataset(), 32, 0)
+    bad = next(s for s in range(100) if np.isnan(batches.global_batch(s)["x"]).any())
+    assert bad > 0
+    with pytest.raises(TrainingCodeError, match=f"loss of step {bad} is nan"):
+        ElasticTrainer(task, cfg, progress=False).fit(bad + 5)
+    info = latest_checkpoint(str(tmp_path / "ckpt"))
+    assert info is not None and info.step == bad  # the state after step bad-1: the last good one
