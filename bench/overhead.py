@@ -8,7 +8,8 @@ the blocking loop (each loss read before the next step) is measured too. The
 controller side pays for everything ray-elastic adds, with default settings
 (``snapshot_every`` as ``ElasticConfig`` has it, snapshots on every slice) and with
 snapshots off. The *small* model's train state is ~240 KB per process; the *large*
-one's ~80x that, so the snapshot's cost as the state grows shows. Each measurement
+one's ~80x that, so the snapshot's cost as the state grows shows. The *llm* runs are the LLM
+example, annotated, each slice's 2 devices on the tensor axis (``overhead_ratio_llm``). Each measurement
 runs ``--reps`` times, interleaved, each repetition in an order rotated by one (so no
 configuration always follows the same one), and the medians of the steady-state time
 per step (the run's second half) are compared. On a shared 2-core machine two runs
@@ -32,12 +33,26 @@ import sys
 
 NUM_SLICES, DEVICES, BATCH, CHUNK = 3, 2, 48, 20
 MODELS = {"small": dict(seq_len=32, d_model=32, num_layers=1), "large": dict(seq_len=32, d_model=256, num_layers=2)}
+LLM = dict(seq_len=32, d_model=128, num_layers=2, d_ff=256, max_chars=100_000)
 
 
 def task(model: str):
+    if model == "llm":
+        from ray_elastic.examples.llm import DecoderLMTask
+
+        return DecoderLMTask(**LLM)
     from ray_elastic.examples.char_transformer import CharTransformerTask
 
     return CharTransformerTask(max_chars=100_000, **MODELS[model])
+
+
+def layout(model: str) -> dict:
+    """The LLM example runs annotated, each slice's 2 devices on the tensor axis (fsdp 1 x tensor 2)."""
+    if model != "llm":
+        return {}
+    from ray_elastic.examples.llm import LOGICAL_AXIS_RULES
+
+    return {"slice_mesh": {"fsdp": -1, "tensor": 2}, "logical_axis_rules": LOGICAL_AXIS_RULES}
 
 
 def bare_worker(process_id: int, coordinator: str, steps: int, out: str, model: str, in_flight: int,
@@ -47,7 +62,9 @@ def bare_worker(process_id: int, coordinator: str, steps: int, out: str, model: 
     from ray_elastic.data import StepBatches
     from ray_elastic.plan import plan_world
 
-    plan = plan_world(0, [f"s{i}" for i in range(processes)], 1, devices, batch)
+    settings = layout(model)
+    plan = plan_world(0, [f"s{i}" for i in range(processes)], 1, devices, batch,
+                      slice_mesh=settings.get("slice_mesh"))
     jax_world.enable_compilation_cache("/tmp/ray-elastic-jax-cache")
     jax_world.initialize(coordinator, plan, process_id, 120)
     from ray_elastic import ElasticConfig, SliceSpec
@@ -55,7 +72,7 @@ def bare_worker(process_id: int, coordinator: str, steps: int, out: str, model: 
     fsdp_min_size = ElasticConfig(num_slices=1, global_batch_size=batch, slice=SliceSpec()).fsdp_min_size  # the default
     t = task(model)
     loop = jax_world.TrainLoop(t, plan, process_id, 0, jax_world.build_mesh(plan), fsdp_min_size,
-                               StepBatches(t.dataset(), batch, 0))
+                               StepBatches(t.dataset(), batch, 0), rules=settings.get("logical_axis_rules", ()))
     loop.compile(0)
     half = steps // 2
     loop.run(0, half, in_flight)  # warm-up: measured like the controller side, over the second half
@@ -87,7 +104,7 @@ def run_bare(steps: int, model: str, in_flight: int, processes: int = NUM_SLICES
 def run_ray(steps: int, spec, model: str, **overrides) -> dict:
     from ray_elastic import ElasticConfig, ElasticTrainer
 
-    kw = dict(snapshot_replicas=NUM_SLICES) | overrides
+    kw = dict(snapshot_replicas=NUM_SLICES) | layout(model) | overrides
     if kw.get("snapshot_every") == 0:
         kw["allow_restart_from_scratch"] = True  # no faults here
     cfg = ElasticConfig(num_slices=NUM_SLICES, global_batch_size=BATCH, slice=spec, steps_per_chunk=CHUNK, **kw)
@@ -117,6 +134,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300, help="steps per run, small model")
     ap.add_argument("--large-steps", type=int, default=120, help="steps per run, large model")
+    ap.add_argument("--llm-steps", type=int, default=120, help="steps per run, the LLM example")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--environment", action="store_true",
                     help="also the bare loop with OMP_NUM_THREADS=1 and ray-elastic at niceness 0")
@@ -144,6 +162,8 @@ def main() -> None:
         "no_snapshots_large": ("large", lambda c, n: run_ray(n, c.slice_spec, "large", snapshot_every=0)),
         "no_snapshots_no_standbys_large": ("large", lambda c, n: run_ray(n, c.slice_spec, "large", snapshot_every=0,
                                                                          standby_workers=0)),
+        "bare_llm": ("llm", lambda c, n: run_bare(n, "llm", 1)),
+        "default_llm": ("llm", lambda c, n: run_ray(n, c.slice_spec, "llm", **snap)),
     }
     if args.environment:
         runs |= {  # what Ray sets inside a num_cpus=0 actor: does it matter here?
@@ -161,7 +181,7 @@ def main() -> None:
         for rep in range(args.reps):
             for name in names[rep % len(names):] + names[:rep % len(names)]:
                 model, fn = runs[name]
-                got[name].append(fn(cluster, args.large_steps if model == "large" else args.steps))
+                got[name].append(fn(cluster, {"large": args.large_steps, "llm": args.llm_steps}.get(model, args.steps)))
                 print(f"rep {rep} {name:<22} {got[name][-1]['step_s'] * 1e3:8.2f} ms/step", flush=True)
     probes.append(cpu_probe_s())
     print(f"machine: {hour(probes)}", flush=True)
@@ -179,6 +199,7 @@ def main() -> None:
     ratios = {
         "overhead_ratio": ("default", "bare"), "overhead_ratio_large": ("default_large", "bare_large"),
         "overhead_ratio_no_snapshots": ("no_snapshots", "bare"),
+        "overhead_ratio_llm": ("default_llm", "bare_llm"),
         "overhead_ratio_no_snapshots_large": ("no_snapshots_large", "bare_large"),
         "overhead_ratio_no_snapshots_no_standbys_large": ("no_snapshots_no_standbys_large", "bare_large"),
         "overhead_ratio_every_step": ("every_step", "bare"),
@@ -190,12 +211,13 @@ def main() -> None:
         **{out: r for out, (k, base) in ratios.items() if (r := ratio(k, base)) is not None},
         **last("default", "snapshot_every", "snapshot_every_chosen"),
         **last("default_large", "snapshot_every", "snapshot_every_chosen_large"),
+        **last("default_llm", "snapshot_every", "snapshot_every_chosen_llm"),
         **last("bare", "state_bytes", "state_bytes_per_process"),
         **last("bare_large", "state_bytes", "state_bytes_per_process_large"),
         "step_ms": {k: round(v * 1e3, 2) for k, v in med.items()},
         "steady_steps": {k: [r["steady_steps"] for r in v] for k, v in got.items() if "steady_steps" in v[0]},
         "steps": args.steps,
-        "large_steps": args.large_steps, "reps": args.reps,
+        "large_steps": args.large_steps, "llm_steps": args.llm_steps, "reps": args.reps,
         "cpu_probe_s": probes}))  # this hour's speed (bench/machine.py)
 
 

@@ -24,8 +24,8 @@ from ray_elastic.errors import (CapacityTimeoutError, ElasticRuntimeError, Proce
                                 StateLostError, TrainingCodeError)
 from ray_elastic.events import EventLog
 from ray_elastic.generations import Generations
-from ray_elastic.observers import (ProgressBar, RayMetricsObserver, StandbyReplenisher, TensorBoardWriter,
-                                  UserCallbacks)
+from ray_elastic.observers import ProgressBar, RayMetricsObserver, StandbyReplenisher, UserCallbacks
+from ray_elastic.tensorboard import TensorBoardWriter
 from ray_elastic.plan import (Action, RestoreSource, classify_failure, drop_repeat_offender,
                               failures_exceeded)
 from ray_elastic.ray_backend import RayBackend

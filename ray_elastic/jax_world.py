@@ -21,7 +21,7 @@ from jax.sharding import AbstractMesh, Mesh
 from ray_elastic import step_program as sp
 from ray_elastic.data import BatchPrefetcher, StepBatches
 from ray_elastic.errors import StorageError, TrainingCodeError
-from ray_elastic.plan import REPLICA_AXIS, WorldPlan
+from ray_elastic.plan import WorldPlan
 
 
 def enable_compilation_cache(cache_dir: Optional[str]) -> None:

@@ -81,7 +81,7 @@ class RayMetricsObserver(EventListener):
 
     def on_step(self, m: dict) -> None:
         self._last = m
-        self.metrics.on_step(m["step"], m["loss"], metrics=_own(m))
+        self.metrics.on_step(m["step"], m["loss"], metrics=own_metrics(m))
 
     def on_event(self, event: dict) -> None:
         kind = event["kind"]
@@ -97,7 +97,7 @@ class RayMetricsObserver(EventListener):
         elif kind == "eval":
             self.metrics.on_metrics(event["metrics"])
         elif kind == "run_finished" and self._last is not None:
-            self.metrics.on_step(self._last["step"], self._last["loss"], force=True, metrics=_own(self._last))
+            self.metrics.on_step(self._last["step"], self._last["loss"], force=True, metrics=own_metrics(self._last))
 
     def close(self) -> None:
         self.metrics.on_goodput(goodput.account(self.events).goodput)
@@ -155,51 +155,6 @@ class StandbyReplenisher(EventListener):
             self._next = time.monotonic() + self.every_s
 
 
-def _own(step_metrics: dict) -> dict:
+def own_metrics(step_metrics: dict) -> dict:
     """The task's own metrics of a step (what its loss or train_step returned besides the loss)."""
     return {k: v for k, v in step_metrics.items() if k not in STEP_FIELDS}
-
-
-class TensorBoardWriter(EventListener):
-    """Train and eval metrics, step time, slices alive, recoveries, rewound steps and goodput as
-    TensorBoard scalars (``tensorboardX``; a ``gs://`` directory is written through its GCS writer).
-
-    Train scalars go under ``train/`` (the loss and what the task returns), evals under ``eval/``,
-    the run's elastic state under ``elastic/``. A step recomputed after a rewind is written again:
-    TensorBoard shows the newest value of a step."""
-
-    def __init__(self, logdir: str, events: list[dict], flush_s: float = 10.0):
-        from tensorboardX import SummaryWriter
-
-        self.writer = SummaryWriter(logdir=logdir, flush_secs=flush_s)
-        self.events = events  # the log's own list, for goodput so far
-        self._step = 0
-        self._recoveries = 0
-        self._goodput_at = 0.0
-
-    def on_step(self, m: dict) -> None:
-        step = self._step = m["step"]
-        self.writer.add_scalar("train/loss", m["loss"], step)
-        for k, v in _own(m).items():
-            self.writer.add_scalar(f"train/{k}", v, step)
-        self.writer.add_scalar("elastic/step_time_s", m["step_time_s"], step)
-
-    def on_event(self, event: dict) -> None:
-        kind = event["kind"]
-        if kind == "eval":
-            for k, v in event["metrics"].items():
-                self.writer.add_scalar(k, v, event["step"])
-        elif kind == "world_formed":
-            self.writer.add_scalar("elastic/slices_alive", len(event["slices"]), self._step)
-        elif kind in ("recovered", "scale_up"):
-            if kind == "recovered":
-                self._recoveries += 1
-                self.writer.add_scalar("elastic/recoveries", self._recoveries, self._step)
-            self.writer.add_scalar("elastic/steps_rewound", event.get("steps_rewound", 0), self._step)
-        elif kind == "steps" and time.monotonic() - self._goodput_at > GOODPUT_EVERY_S:
-            self._goodput_at = time.monotonic()
-            self.writer.add_scalar("elastic/goodput", goodput.account(self.events).goodput, self._step)
-
-    def close(self) -> None:
-        self.writer.add_scalar("elastic/goodput", goodput.account(self.events).goodput, self._step)
-        self.writer.close()

@@ -102,6 +102,12 @@ def init_program(spec: StateSpec, shardings):
     return jax.jit(init, out_shardings=shardings)
 
 
+def _mesh_context(mesh):
+    """The world's mesh while the task's code is traced: ``jax.lax.with_sharding_constraint(x, P(...))``
+    with mesh axis names (activation sharding, as MaxText constrains its activations) works in it."""
+    return jax.sharding.use_abstract_mesh(mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh)
+
+
 def _check_metrics(metrics, what: str) -> dict:
     if not isinstance(metrics, dict) or "loss" not in metrics:
         raise TrainingCodeError(f"{what} returned {type(metrics).__name__}; expected a dict of scalar metrics "
@@ -121,7 +127,7 @@ def train_program(task: TrainTask, spec: StateSpec, shardings, mesh, num_microba
 
     def train_step(raw, batch):
         model, optimizer = nnx.merge(spec.graphdef, from_raw(raw, spec.keys))
-        with step_layout(num_microbatches, data_shards):
+        with step_layout(num_microbatches, data_shards), _mesh_context(mesh):
             metrics = task.train_step(model, optimizer, batch)
         return to_raw(nnx.state((model, optimizer))), _check_metrics(metrics, "train_step")
 
@@ -136,7 +142,8 @@ def eval_program(task: TrainTask, spec: StateSpec, shardings, mesh):
     def eval_step(raw, batch):
         model, _ = nnx.merge(spec.graphdef, from_raw(raw, spec.keys))
         model.eval()
-        return _check_metrics(task.eval_step(model, batch), "eval_step")
+        with _mesh_context(mesh):
+            return _check_metrics(task.eval_step(model, batch), "eval_step")
 
     return jax.jit(eval_step, in_shardings=(shardings, NamedSharding(mesh, BATCH_SPEC)),
                    out_shardings=NamedSharding(mesh, P()))

@@ -22,8 +22,10 @@ def _last_json(args, timeout=600):
 
 @pytest.mark.bench
 def test_overhead_bench_prints_ratio():
-    out = _last_json(["bench/overhead.py", "--steps", "40", "--large-steps", "8", "--reps", "1"], timeout=900)
+    out = _last_json(["bench/overhead.py", "--steps", "40", "--large-steps", "8", "--llm-steps", "8", "--reps", "1"],
+                     timeout=900)
     assert out["overhead_ratio"] > 0 and out["overhead_ratio_large"] > 0 and out["overhead_ratio_no_snapshots"] > 0
+    assert out["overhead_ratio_llm"] > 0
     assert out["snapshot_every_chosen"] >= 1
     assert out["state_bytes_per_process_large"] >= 50 * out["state_bytes_per_process"]
     assert len(out["cpu_probe_s"]) == 2 and min(out["cpu_probe_s"]) > 0
@@ -92,3 +94,23 @@ def test_chaos_bench_soak():
     """Every kind, one-host and two-host slices: what the README reports, at a tenth of the length."""
     out = _chaos(["--faults", "16", "--multihost-faults", "2"], timeout=3600)
     assert out["loss_diff_over_noise"] <= 2, out
+
+
+@pytest.mark.bench
+def test_recovery_bench_runs_the_llm_example():
+    out = _last_json(["bench/recovery.py", "--model", "llm", "--repeats", "1", "--positions", "1", "--kinds", "node",
+                      "--cascades", "0", "--cold", "0", "--multihost", "0", "--modes", "replica-resize", "--gap", "5",
+                      "--gap-s", "3"])
+    assert out["steps_rewound_max"] == 0 and out["faults"] == 1
+
+
+@pytest.mark.bench
+def test_memory_bench_keeps_per_device_memory_across_a_resize():
+    out = _last_json(["bench/memory.py", "--d-model", "64", "--layers", "1", "--seq-len", "64"])
+    assert out["resize_memory_ratio"] <= 1.05 < out["resize_memory_ratio_no_accumulation"]
+
+
+@pytest.mark.bench
+def test_prefetch_bench_prints_ratios():
+    out = _last_json(["bench/prefetch.py", "--steps", "12"])
+    assert out["prefetch_ratio"] > 0 and out["blocking_serial_ratio"] > 0

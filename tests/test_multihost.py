@@ -25,7 +25,7 @@ def test_two_slices_of_two_hosts(sim_cluster):
     rel = np.abs(np.array(result.losses) - ref) / np.abs(ref)
     assert rel.max() <= 1e-4, rel.max()
 
-    assert result.summary["mesh"] == {"replica": 2, "fsdp": 4}
+    assert result.summary["mesh"] == {"replica": 2, "fsdp": 4, "tensor": 1}
     infos = trainer.world.host_infos  # process-id order
     assert len(infos) == 4
     slices = {s.name: s.node_ids for s in sim_cluster.alive_slices()}
@@ -74,7 +74,7 @@ def test_a_slice_that_lost_one_host_while_training_is_lost(sim_cluster):
     assert kinds in ({victim["name"]: "node_died"}, {victim["name"]: "process_died"}), failure
     assert "refuses connections" in failure["error"] or "liveness connection" in failure["error"], failure
     assert victim["name"] not in failure["vouched_slices"], failure
-    assert trainer.worlds[-1].slices == [slice_name(trainer, 0)] and result.summary["mesh"] == {"replica": 1, "fsdp": 4}
+    assert trainer.worlds[-1].slices == [slice_name(trainer, 0)] and result.summary["mesh"] == {"replica": 1, "fsdp": 4, "tensor": 1}
 
 
 def test_a_slice_that_lost_one_host_is_replaced_by_a_new_slice(sim_cluster):
@@ -94,7 +94,7 @@ def test_a_slice_that_lost_one_host_is_replaced_by_a_new_slice(sim_cluster):
         prov.stop()
     assert len(prov.added) == 1 and len(result.recoveries) == 1, (prov.added, result.recoveries)
     assert sorted(trainer.worlds[-1].slices) == sorted([victim["survivor"], prov.added[0]])
-    assert result.summary["mesh"] == {"replica": 2, "fsdp": 4}
+    assert result.summary["mesh"] == {"replica": 2, "fsdp": 4, "tensor": 1}
     sim_cluster.reap_dead_slices()
 
 

@@ -35,6 +35,8 @@ def test_the_quickstart_notebook_runs_in_a_kernel(tmp_path):
     assert "steps=100 steps_rewound=0" in _text(record), _text(record)
     assert "lost sim-v4-8-" in _text(record)
     assert any("image/png" in o.get("data", {}) for c in code for o in c.get("outputs", [])), "no inline report"
+    (llm,) = [c for c in code if "llm: loss" in _text(c)]  # the LLM example, annotated, with eval and metrics
+    assert "accuracy" in _text(llm) and "eval loss" in _text(llm), _text(llm)
     assert not [o for c in code for o in c.get("outputs", []) if o["output_type"] == "error"]
 
 

@@ -13,7 +13,7 @@ from ray_elastic.data import StepBatches
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
 from ray_elastic.examples.llm import LOGICAL_AXIS_RULES, DecoderLMTask
 
-from faults import FaultPlan, ensure_slices, kill_process_of_slice, max_rel_err
+from faults import FaultPlan, ensure_slices, in_thread, kill_process_of_slice, max_rel_err
 
 SIM_CLUSTER = {"num_slices": 4, "devices_per_host": 4}
 STEPS, KILL_AT = 24, 13
@@ -108,6 +108,26 @@ def test_tensorboard_holds_train_eval_and_elastic_scalars(llm_runs):
     assert acc.Scalars("elastic/recoveries")[-1].value == 1
 
 
+def test_an_annotated_model_resizes_onto_fewer_slices_from_their_snapshots(sim_cluster):
+    """A slice's host lost: the world goes on with 2 slices (replica-resize), each restoring its
+    fsdp x tensor shards from a snapshot; the losses stay those of the failure-free run."""
+    runs = {}
+    lose_a_host = {10: lambda t: in_thread(sim_cluster.kill_slice, t.world.plan.slice_names[2])}
+    for name, faults in (("clean", {}), ("resized", lose_a_host)):
+        ensure_slices(sim_cluster, 3)
+        plan = FaultPlan(faults)
+        cfg = llm_config(sim_cluster, eval_every=0, microbatch_size=None, standby_workers=1)
+        trainer = ElasticTrainer(llm_task(dropout=0.0, compute_dtype="float32"), cfg, progress=False,
+                                 on_step=plan.on_step)
+        plan.trainer = trainer
+        runs[name] = trainer.fit(20)
+        assert not plan.faults
+    resized = runs["resized"]
+    assert resized.summary["recoveries"] == 1 and resized.summary["steps_rewound"] == 0
+    assert resized.summary["mesh"] == {"replica": 2, "fsdp": 2, "tensor": 2}
+    assert max_rel_err(resized.losses, runs["clean"].losses) <= 1e-4
+
+
 def test_eval_numbers_equal_on_two_and_four_slices(sim_cluster, tmp_path):
     """The checkpoint written by a 4-slice world is evaluated again by a 2-slice world that resumes
     it (an eval due at the checkpoint's step that this run has not seen is redone first)."""
@@ -150,3 +170,41 @@ def test_a_nan_loss_stops_the_run_naming_the_step_before_it_is_checkpointed(sim_
         ElasticTrainer(task, cfg, progress=False).fit(bad + 5)
     info = latest_checkpoint(str(tmp_path / "ckpt"))
     assert info is not None and info.step == bad  # the state after step bad-1: the last good one
+
+
+def slow_eval(delay_s: float) -> DigitsMLPTask:
+    """Digits with held-out data read slowly, so an eval lasts long enough to lose a process in it."""
+
+    class SlowEval(DigitsMLPTask):
+        def eval_dataset(self):
+            import time
+
+            base = super().dataset()[-256:]
+
+            class Slow:
+                def __len__(self):
+                    return len(base)
+
+                def __getitem__(self, i):
+                    time.sleep(delay_s)
+                    return base[i]
+
+            return Slow()
+
+    return SlowEval()
+
+
+def test_a_process_lost_during_an_eval_is_recovered_and_the_eval_redone_with_no_step_rewound(sim_cluster):
+    ensure_slices(sim_cluster, 4)
+    cfg = ElasticConfig(num_slices=2, global_batch_size=32, slice=sim_cluster.slice_spec, seed=0, standby_workers=0,
+                        snapshot_every=1, slice_timeout_s=120.0, eval_every=10, eval_steps=2, eval_batch_size=32)
+    plan = FaultPlan({9: lambda t: kill_process_of_slice(t, 1)})  # step 9 is streamed, then its eval starts
+    trainer = ElasticTrainer(slow_eval(0.05), cfg, progress=False, on_step=plan.on_step)
+    plan.trainer = trainer
+    result = trainer.fit(20)
+    assert not plan.faults and result.steps == list(range(20))
+    (failure,) = [e for e in result.events if e["kind"] == "failure"]
+    assert "evaluating after step 9" in failure["error"] or failure["last_step"] == 9, failure
+    assert result.summary["recoveries"] == 1 and result.summary["steps_rewound"] == 0
+    assert sorted(result.evals) == [9, 19]
+    assert [e["step"] for e in result.events if e["kind"] == "eval"] == [9, 19]  # once each, the redone one included

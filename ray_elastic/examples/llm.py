@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from ray_elastic.examples.char_transformer import CharWindows, stdlib_corpus
 from ray_elastic.task import TrainTask
@@ -35,6 +36,8 @@ LOGICAL_AXIS_RULES = (
     ("norm", None),
 )
 VOCAB = 256  # bytes
+# Activations (batch, seq, heads, head_dim): the batch over the data-parallel axes, heads over tensor.
+HEADS_ACTIVATION = P(("replica", "fsdp"), None, "tensor", None)
 
 
 def _init(names):
@@ -79,9 +82,10 @@ class Attention(nnx.Module):
                                    kernel_init=_init(("heads", "head_dim", "embed")), **kw)
 
     def __call__(self, x, positions):
-        q, k, v = rotary(self.q(x), positions), rotary(self.k(x), positions), self.v(x)
+        q, k, v = (jax.lax.with_sharding_constraint(a, HEADS_ACTIVATION)
+                   for a in (rotary(self.q(x), positions), rotary(self.k(x), positions), self.v(x)))
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # repeats kv heads for the groups
-        return self.o(out)
+        return self.o(jax.lax.with_sharding_constraint(out, HEADS_ACTIVATION))
 
 
 class MLP(nnx.Module):
