@@ -71,7 +71,7 @@ def model(name: str) -> tuple:
     from ray_elastic.examples.llm import LOGICAL_AXIS_RULES, DecoderLMTask
 
     return (DecoderLMTask(seq_len=32, d_model=64, num_layers=2, max_chars=100_000),
-            {"slice_mesh": {"fsdp": -1, "tensor": 2}, "logical_axis_rules": LOGICAL_AXIS_RULES, "microbatch_size": 4})
+            {"slice_mesh": {"fsdp": -1, "tensor": 2}, "logical_axis_rules": LOGICAL_AXIS_RULES, "microbatch_size": 2})
 
 
 def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s: float, hosts: int,
