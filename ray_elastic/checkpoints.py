@@ -48,6 +48,12 @@ def gcs_env() -> dict[str, str]:
     return {k: os.environ[k] for k in GCS_ENV_VARS if k in os.environ}
 
 
+def resolve(path: str) -> str:
+    """A local path as every process must read it: ``~`` expanded and made absolute on the driver (the
+    slice processes' working directory is not the driver's); ``gs://`` paths as they are."""
+    return path if is_gcs(path) else os.path.abspath(os.path.expanduser(path))
+
+
 def is_gcs(path: str) -> bool:
     return path.startswith("gs://")
 
@@ -58,6 +64,7 @@ class CheckpointInfo:
 
     step: int
     metadata: dict
+    directory: Optional[str] = None
 
     @property
     def restore_step(self) -> int:
@@ -66,19 +73,37 @@ class CheckpointInfo:
 
 
 # ------------------------------------------------------------------ driver side
-def check_location(directory: str) -> None:
-    """Fail now, with what to change, if checkpoints cannot be written to ``directory``.
+def check_location(directory: str, writable: bool = True) -> None:
+    """Fail now, with what to change, if checkpoints cannot be written to ``directory`` (or, with
+    ``writable=False``, read from it: a run resumes from another run's checkpoints with read access).
 
     For ``gs://bucket/prefix`` the bucket must exist (it is never created here) and a
     probe object must be writable; a local directory is created and probed. Nothing
-    else in the directory is touched.
+    else in the directory is touched. Reading only lists the prefix.
     """
     if not isinstance(directory, str) or not directory.strip():
         raise ValueError(f"checkpoint_dir must be a local path or gs://bucket/prefix, got {directory!r}")
     if is_gcs(directory):
-        _check_gcs(directory)
-    else:
+        _check_gcs(directory) if writable else _check_gcs_readable(directory)
+    elif writable:
         _check_local(directory)
+
+
+def _check_gcs_readable(directory: str) -> None:
+    """Listing the prefix is all a resume needs (``roles/storage.objectViewer``)."""
+    bucket_name, _, prefix = directory[len("gs://"):].partition("/")
+    if not bucket_name:
+        raise ValueError(f"resume_from {directory!r} has no bucket: use gs://BUCKET/PREFIX")
+    from google.api_core import exceptions
+    from google.cloud import storage
+
+    try:
+        list(storage.Client().list_blobs(bucket_name, prefix=prefix.strip("/") + "/", max_results=1))
+    except exceptions.NotFound as e:
+        raise ValueError(f"resume_from {directory!r}: bucket {bucket_name!r} does not exist") from e
+    except Exception as e:  # noqa: BLE001 - credentials, permissions, endpoint, network
+        raise ValueError(f"cannot read resume_from {directory!r}: {e}. Grant the training service account "
+                         "roles/storage.objectViewer on the bucket") from e
 
 
 def _check_gcs(directory: str) -> None:
@@ -166,6 +191,34 @@ def set_aside(directory: str, step: int, why: str = "unreadable") -> str:
     return f"{directory.rstrip('/')}/{name}"
 
 
+def state_shapes(directory: str, step: int) -> list[tuple[tuple, str]]:
+    """(shape, dtype) of every array of checkpoint ``step``'s train state, read from its metadata
+    only (no array is loaded), in a stable order."""
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)  # our saves write no per-item metadata file: orbax says so
+    try:
+        meta = ocp.StandardCheckpointer().metadata(epath.Path(directory) / str(step) / STATE_ITEM)
+    finally:
+        absl_logger.setLevel(level)
+    tree = getattr(meta, "item_metadata", meta)
+    return sorted((tuple(x.shape), str(x.dtype)) for x in _leaves(getattr(tree, "tree", tree)))
+
+
+def _leaves(tree):
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from _leaves(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _leaves(v)
+    elif tree is not None:
+        yield tree
+
+
 def latest_checkpoint(directory: str, skip: frozenset = frozenset()) -> Optional[CheckpointInfo]:
     """The newest committed checkpoint in ``directory`` whose metadata reads, and that metadata, or None.
 
@@ -197,7 +250,7 @@ def latest_checkpoint(directory: str, skip: frozenset = frozenset()) -> Optional
             except Exception as e:  # noqa: BLE001 - a damaged step: the previous committed one will do
                 logger.warning("checkpoint %d in %s cannot be read (%r): using an earlier one", step, directory, e)
                 continue
-            return CheckpointInfo(int(step), dict(meta))
+            return CheckpointInfo(int(step), dict(meta), directory)
         return None
     finally:
         mgr.close()

@@ -111,6 +111,13 @@ def _first_topology(accelerator: str) -> str:
     return min(topos, key=ray_tpu.get_num_chips_from_topology)
 
 
+_INT_FIELDS = ("min_slices", "steps_per_chunk", "seed", "fsdp_min_size", "snapshot_replicas", "max_failures",
+               "max_failures_in_a_row", "checkpoint_every", "max_to_keep")  # the others say so in their own checks
+_SECONDS_FIELDS = ("slice_timeout_s", "jax_init_timeout_s", "snapshot_budget", "replacement_timeout_s",
+                   "hang_timeout_factor", "hang_timeout_min_s", "probe_timeout_s", "node_death_grace_s",
+                   "failure_window_s")
+
+
 @dataclasses.dataclass(frozen=True)
 class ElasticConfig:
     """Settings of one elastic training run.
@@ -236,6 +243,7 @@ class ElasticConfig:
     progress_metrics: tuple = ()
 
     def __post_init__(self):
+        self._check_number_types()
         if not isinstance(self.slice, SliceSpec):
             raise ValueError(f"slice must be a SliceSpec, got {type(self.slice).__name__}")
         if not isinstance(self.num_slices, int) or self.num_slices < 1:
@@ -282,6 +290,10 @@ class ElasticConfig:
             raise ValueError(f"max_to_keep must be >= 1 (or None to keep every checkpoint), got {self.max_to_keep}")
         if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir.strip()):
             raise ValueError(f"checkpoint_dir must be a local path or gs://bucket/prefix, got {self.checkpoint_dir!r}")
+        if self.checkpoint_dir is not None:
+            from ray_elastic.checkpoints import resolve
+
+            object.__setattr__(self, "checkpoint_dir", resolve(self.checkpoint_dir.strip()))
         for name in ("replacement_timeout_s", "hang_timeout_min_s", "hang_timeout_factor", "probe_timeout_s",
                      "failure_window_s", "slice_timeout_s", "jax_init_timeout_s"):
             value = getattr(self, name)  # None would mean "wait forever": not allowed
@@ -299,6 +311,18 @@ class ElasticConfig:
             raise ValueError(f"global_batch_size must be a positive integer, got {self.global_batch_size!r}")
         self._check_model_layout()
         self._check_batch_splits()
+
+    def _check_number_types(self) -> None:
+        """Whole numbers where a count is meant, finite numbers where seconds or shares are: ``nan``
+        passes every comparison and ``inf`` every ``> 0`` check, and ``2.5`` steps fail far later."""
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, float):
+                raise ValueError(f"{name} must be a whole number, got {value!r}")
+        for name in _SECONDS_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
 
     def _check_model_layout(self) -> None:
         """The slice mesh, the logical axis rules, microbatches and eval settings."""

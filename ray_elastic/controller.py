@@ -62,7 +62,7 @@ class ElasticTrainer:
         pre_callback: called before every world is formed, the first one included (as
             pathwaysutils calls it before every attempt).
         on_event: called with each elastic event (failure, recovered, resize, scale_up,
-            waiting_for_capacity) as a dict.
+            waiting_for_capacity, waiting: slices still being reserved) and each eval, as a dict.
         run_dir: where ``events.jsonl`` is written (``None``: events kept in memory only);
             ``ray-elastic report RUN_DIR`` draws it.
         name: the run's name in Ray metrics (default: the run directory's name, else ``ray-elastic``).
@@ -143,8 +143,10 @@ class ElasticTrainer:
         if not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
         t_start, cfg = time.perf_counter(), self.config
-        self.backend_cls.check_task(self.task, cfg)  # before any cluster resource is taken
+        if isinstance(resume_from, str) and resume_from.strip():
+            resume_from = checkpoints.resolve(resume_from.strip())  # ~ and relative paths, as the workers read them
         resume = self._resume_point(resume_from)
+        self.backend_cls.check_task(self.task, cfg, resume)  # before any cluster resource is taken
         self._new_run(num_steps, resume, resume_from or cfg.checkpoint_dir)
         if resume is not None and resume.step >= num_steps:
             logger.warning("checkpoint %d in %s already covers num_steps=%d: nothing to train",
@@ -193,7 +195,7 @@ class ElasticTrainer:
             if not isinstance(resume_from, str) or not resume_from.strip():
                 raise ValueError(f"resume_from must be a local path or gs://bucket/prefix, got {resume_from!r}")
             if checkpoints.is_gcs(resume_from):
-                checkpoints.check_location(resume_from)
+                checkpoints.check_location(resume_from, writable=False)  # read access is all a resume needs
         own = None
         if cfg.checkpoint_dir:
             checkpoints.check_location(cfg.checkpoint_dir)
@@ -381,11 +383,11 @@ class ElasticTrainer:
         if self.pre_callback is not None:
             self.pre_callback()
         restore = self.gens.restore_plan(change.survivors, resume, last_step=self.ledger.last_step)
-        if (restore.source is RestoreSource.FRESH and self.ledger.last_step >= 0
-                and not cfg.allow_restart_from_scratch):
+        done = max(self.ledger.last_step + 1, self._first_step)  # steps trained here, or resumed from
+        if restore.source is RestoreSource.FRESH and done > 0 and not cfg.allow_restart_from_scratch:
             raise StateLostError(
-                f"{change.reason}: every slice holding a snapshot is gone and there is no checkpoint, so "
-                f"going on would restart training from step 0 ({self.ledger.last_step + 1} steps done). "
+                f"{change.reason}: every slice holding a snapshot is gone and no checkpoint could be loaded, so "
+                f"going on would restart training from step 0 ({done} steps done or resumed from). "
                 "Set checkpoint_dir, raise snapshot_replicas, or allow_restart_from_scratch=True")
         before = self.worlds[-1] if self.worlds else None
         self._enter(S.FORMING_WORLD)

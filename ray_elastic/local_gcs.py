@@ -102,13 +102,15 @@ class FlakyEndpoint:
     """A GCS endpoint that answers every ``fail_every``-th request with ``status`` (503: "try
     again") and passes the others to ``upstream``: the transient errors a real bucket gives.
     ``delay_s`` holds every request that long first: a bucket far away (a slow save whatever
-    this machine's speed). ``fail_every=0`` refuses nothing.
+    this machine's speed). ``fail_every=0`` refuses nothing. ``read_only``: every write (POST,
+    PUT, PATCH, DELETE) is refused too, with ``status`` (403: credentials that may only read).
 
     Its ``env`` points GCS clients at it, like :attr:`LocalGCS.env`. ``failed`` counts the
     requests it refused, by HTTP method. Stop it with :meth:`stop`.
     """
 
-    def __init__(self, upstream: LocalGCS, fail_every: int = 4, status: int = 503, delay_s: float = 0.0):
+    def __init__(self, upstream: LocalGCS, fail_every: int = 4, status: int = 503, delay_s: float = 0.0,
+                 read_only: bool = False):
         import http.client
         import http.server
         import threading
@@ -136,7 +138,8 @@ class FlakyEndpoint:
                     time.sleep(delay_s)
                 with lock:
                     count[0] += 1
-                    refuse = bool(fail_every) and count[0] % fail_every == 0
+                    refuse = (bool(fail_every) and count[0] % fail_every == 0) or (
+                        read_only and self.command in ("POST", "PUT", "PATCH", "DELETE"))
                     if refuse:
                         endpoint.failed[self.command] = endpoint.failed.get(self.command, 0) + 1
                     else:

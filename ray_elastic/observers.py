@@ -14,8 +14,9 @@ from ray_elastic import goodput
 from ray_elastic.events import EventListener
 from ray_elastic.results import STEP_FIELDS
 
-# Events passed to the user's ``on_event``: the elastic ones and evaluations, not per-chunk bookkeeping.
-ELASTIC_EVENTS = ("failure", "recovered", "resize", "scale_up", "waiting_for_capacity", "eval")
+# Events passed to the user's ``on_event``: the elastic ones, waits for slices and evaluations, not
+# per-chunk bookkeeping.
+ELASTIC_EVENTS = ("failure", "recovered", "resize", "scale_up", "waiting_for_capacity", "waiting", "eval")
 GOODPUT_EVERY_S = 10.0
 
 

@@ -218,9 +218,11 @@ def reserve_slices(spec: SliceSpec, count: int, timeout_s: float,
                 raise TimeoutError(f"{len(not_ready)} reservation(s) still pending")
             if on_wait is not None:
                 on_wait(len(ready), count)
-    except (TimeoutError, RuntimeError) as e:
+    except BaseException as e:  # KeyboardInterrupt too: pending groups would keep asking the autoscaler
         for r in reservations:
             r.release()
+        if not isinstance(e, (TimeoutError, RuntimeError)):
+            raise
         raise TimeoutError(
             f"could not reserve {count} {spec.pod_type} slice(s) ({spec.topology}, {spec.num_hosts} host(s) each) "
             f"within {timeout_s:.0f}s ({e}). Cluster resources: {ray.cluster_resources()}. "

@@ -17,8 +17,10 @@ from ray_elastic.task import TrainTask
 logger = logging.getLogger(__name__)
 
 
-def check_task(task: TrainTask, config: ElasticConfig) -> None:
-    """Raise ``ValueError`` (layout, data) or :class:`TrainingCodeError` (the step) with what to change."""
+def check_task(task: TrainTask, config: ElasticConfig, resume=None) -> None:
+    """Raise ``ValueError`` (layout, data, a checkpoint of another model) or :class:`TrainingCodeError`
+    (the step) with what to change. ``resume``: the checkpoint the run starts from
+    (:class:`~ray_elastic.checkpoints.CheckpointInfo`), compared array by array with the model."""
     from jax.sharding import AbstractMesh
 
     from ray_elastic import jax_world
@@ -33,6 +35,8 @@ def check_task(task: TrainTask, config: ElasticConfig) -> None:
         raise TrainingCodeError(f"building the model abstractly (nnx.eval_shape of create_model and "
                                 f"create_optimizer) failed: {e!r}") from e
     sp.state_shardings(spec, mesh, config.logical_axis_rules, config.fsdp_min_size)  # ValueError names the parameter
+    if resume is not None and resume.directory:
+        _check_checkpoint_matches(spec, resume)
     _check_eval_data(task, config)
     try:
         batches = StepBatches(task.dataset(), config.global_batch_size, config.seed, shuffle=False)
@@ -47,6 +51,29 @@ def check_task(task: TrainTask, config: ElasticConfig) -> None:
         raise
     except Exception as e:  # noqa: BLE001 - the user's loss or step
         raise TrainingCodeError(f"tracing the train step on the driver failed in the task's code: {e!r}") from e
+
+
+def _check_checkpoint_matches(spec, resume) -> None:
+    """The checkpoint holds arrays of this model's shapes: a rerun with a changed model must not
+    train from step 0 while it says it resumed (nor call a loading error a storage fault)."""
+    import collections
+
+    import jax
+
+    from ray_elastic.checkpoints import state_shapes
+
+    ours = collections.Counter((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(spec.abstract))
+    theirs = collections.Counter(state_shapes(resume.directory, resume.step))
+    if ours == theirs:
+        return
+
+    def listed(c):
+        return ", ".join(f"{n} x {dtype}{list(shape)}" for (shape, dtype), n in sorted(c.items())[:6]) or "none"
+
+    raise ValueError(
+        f"checkpoint {resume.step} in {resume.directory!r} was written by a model of another shape: it has "
+        f"{listed(theirs - ours)} that this model lacks, and this model has {listed(ours - theirs)} that it lacks. "
+        "Use another checkpoint_dir for the changed model (or the model that wrote it)")
 
 
 def _check_eval_data(task: TrainTask, config: ElasticConfig) -> None:

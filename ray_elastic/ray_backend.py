@@ -99,12 +99,13 @@ class RayBackend:
         return World.form(pool=self.pool, config=self.config, **kwargs)
 
     @staticmethod
-    def check_task(task, config) -> None:
-        """The task's model, layout, step and eval data against the config, on the driver
-        (:mod:`ray_elastic.preflight`): bad input fails before any slice is reserved."""
+    def check_task(task, config, resume=None) -> None:
+        """The task's model, layout, step and eval data against the config, and the checkpoint the
+        run resumes from (``resume``) against the model, on the driver (:mod:`ray_elastic.preflight`):
+        bad input fails before any slice is reserved."""
         from ray_elastic.preflight import check_task
 
-        check_task(task, config)
+        check_task(task, config, resume)
 
     def drive(self, world: World, store: SnapshotStore, on_metrics: Callable[[dict], None],
               step_times: list[float], on_interval: Optional[Callable[[int, int], None]] = None,

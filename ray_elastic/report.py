@@ -29,6 +29,7 @@ class Timeline:
     checkpoints: list[tuple[float, int]]       # (t, step) of committed checkpoints
     goodput: Goodput
     num_slices: int
+    evals: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (step, eval loss)
 
 
 def load_events(run_dir: str) -> list[dict]:
@@ -46,7 +47,7 @@ def timeline(events: list[dict]) -> Timeline:
     t0 = events[0]["ts"]
     start = events[0]
     alive: list[tuple[float, int]] = [(0.0, 0)]
-    rate, fails, recs, waits, grows, ckpts = [], [], [], [], [], []
+    rate, fails, recs, waits, grows, ckpts, evals = [], [], [], [], [], [], {}
     prev_ts = None
 
     def set_alive(t: float, n: int) -> None:
@@ -75,11 +76,14 @@ def timeline(events: list[dict]) -> Timeline:
             prev_ts = e["ts"]
         elif k == "checkpoint_committed" and e.get("step") is not None:
             ckpts.append((t, e["step"]))
+        elif k == "eval" and "eval/loss" in e.get("metrics", {}):
+            evals[e["step"]] = e["metrics"]["eval/loss"]
         elif k in ("run_finished", "errored"):
             set_alive(t, 0)
     kept, _ = kept_and_rewound(events)
     losses = [(s, kept[s][0]) for s in sorted(kept)]
-    return Timeline(alive, rate, losses, fails, recs, waits, grows, ckpts, account(events), start.get("num_slices", 0))
+    return Timeline(alive, rate, losses, fails, recs, waits, grows, ckpts, account(events), start.get("num_slices", 0),
+                    sorted(evals.items()))
 
 
 def render(run_dir: str, out: Optional[str] = None, tl: Optional[Timeline] = None) -> str:
@@ -125,7 +129,10 @@ def render(run_dir: str, out: Optional[str] = None, tl: Optional[Timeline] = Non
     ax_rate.set_xlabel("seconds since start  (red: failure, orange: recovery, purple: waiting for capacity, "
                        "cyan: growing back, gray: checkpoint)", fontsize=8)
     if tl.losses:
-        ax_loss.plot([s for s, _ in tl.losses], [v for _, v in tl.losses], color="tab:blue")
+        ax_loss.plot([s for s, _ in tl.losses], [v for _, v in tl.losses], color="tab:blue", label="train loss")
+    if tl.evals:
+        ax_loss.plot([s for s, _ in tl.evals], [v for _, v in tl.evals], "o-", color="tab:orange", label="eval loss")
+        ax_loss.legend(fontsize=8)
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss")
 

@@ -57,7 +57,8 @@ _ALLOWED: dict[ControllerState, set[ControllerState]] = {
     S.RUNNING: {S.FINISHED, S.RECOVERING, S.RESIZING},
     S.RECOVERING: {S.FORMING_WORLD, S.WAITING_FOR_CAPACITY},
     S.WAITING_FOR_CAPACITY: {S.FORMING_WORLD},
-    S.RESIZING: {S.FORMING_WORLD},
+    # Growing back can fail too: a process dying while the in-flight save commits is a failure.
+    S.RESIZING: {S.FORMING_WORLD, S.RECOVERING},
     S.FINISHED: set(),
     S.ERRORED: set(),
 }

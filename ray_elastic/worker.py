@@ -115,7 +115,6 @@ class SliceWorker:
         self._port_holder = None  # process 0: the coordinator's port, held until JAX binds it
         self.writer: Optional[SnapshotWriter] = None  # snapshot holders: hands snapshots to the keeper
         self._finished: list[dict] = []  # metrics of finished steps not yet streamed
-        self._extra: dict[int, dict] = {}  # step -> what its metrics carry besides the loss (checkpoint)
         self._reported = -1  # the newest step streamed
         self._kept_early: list[int] = []  # steps kept whose metrics are not streamed yet
         self._snapshot_step = -1  # the newest step handed to the writer
@@ -306,7 +305,8 @@ class SliceWorker:
                         self._finish_one()
                     with self._saving():
                         blocking = self.loop.save_checkpoint(step + 1, self._metadata(step + 1))
-                    self._extra[step] = {"checkpoint_step": step + 1, "checkpoint_blocking_s": blocking}
+                    # The step has finished (above): its metrics, not yet streamed, carry the save.
+                    self._finished[-1].update(checkpoint_step=step + 1, checkpoint_blocking_s=blocking)
                 if self.writer is not None and is_snapshot_step(step, every):
                     self._snapshot(step)
                 while self.loop.in_flight() > IN_FLIGHT:
@@ -394,7 +394,6 @@ class SliceWorker:
     def _finish_one(self) -> None:
         metrics = self.loop.finish()
         metrics["finished_at"] = time.time()  # streamed later: benchmarks time steps by this, not by arrival
-        metrics.update(self._extra.pop(metrics["step"], {}))
         if self.loop.checkpointer is not None:
             finished = self.loop.checkpointer.finished_saves()
             if finished:

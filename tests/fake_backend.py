@@ -13,7 +13,7 @@ import dataclasses
 import time
 from typing import Callable, Optional
 
-from ray_elastic.errors import FormingError, StorageError
+from ray_elastic.errors import FormingError, ProcessFailed, StorageError
 from ray_elastic.plan import ErrorKind, is_snapshot_step
 from ray_elastic.snapshots import SnapshotRef
 from ray_elastic.states import OutcomeKind, RunOutcome
@@ -93,6 +93,9 @@ class FakeWorld:
         self.torn_down = True
 
     def finish_checkpoints(self, timeout_s: float, save_step=None) -> list:
+        if self.backend.finish_checkpoint_failures:  # a process dies while the in-flight save commits
+            self.backend.finish_checkpoint_failures -= 1
+            raise ProcessFailed(0, ProcessDied(f"process 0 of {self.plan.slice_names[0]} died while committing"))
         return []
 
 
@@ -146,8 +149,9 @@ class FakeBackend:
         self.warms_after = 0  # a host's standby is warm after this many ``warm`` checks since it started
         self.standby_checks: dict[str, int] = {}  # host -> checks since its standby started
         self.config = None
+        self.finish_checkpoint_failures = 0  # finish_checkpoints calls that fail with a dead process
 
-    def check_task(self, task, config) -> None:
+    def check_task(self, task, config, resume=None) -> None:
         """No JAX runs here: the fake slices never build the task's model."""
 
     def __call__(self, task, config, address=None) -> "FakeBackend":  # stands in for the class

@@ -102,3 +102,32 @@ def test_cli_bad_input_exits_2_without_starting_a_cluster(capsys):
     assert cli_main(["demo", "--example", "nope", "--no-progress"]) == 2
     assert "use an example name" in capsys.readouterr().err
     assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("node_death_grace_s", float("inf"), "node_death_grace_s must be a finite number, got inf"),
+    ("replacement_timeout_s", float("inf"), "replacement_timeout_s must be a finite number, got inf"),
+    ("max_failures_in_a_row", float("nan"), "max_failures_in_a_row must be a whole number, got nan"),
+    ("steps_per_chunk", 2.5, "steps_per_chunk must be a whole number, got 2.5"),
+    ("checkpoint_every", 10.0, "checkpoint_every must be a whole number, got 10.0"),
+    ("min_slices", 1.5, "min_slices must be a whole number, got 1.5"),
+    ("hang_timeout_factor", float("nan"), "hang_timeout_factor must be a finite number, got nan"),
+])
+def test_nan_inf_and_fractional_counts_are_refused_before_anything_runs(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        ElasticConfig(num_slices=3, global_batch_size=48, slice=SIM, **{field: value})
+
+
+def test_a_checkpoint_path_with_tilde_or_relative_is_made_absolute_on_the_driver(tmp_path, monkeypatch):
+    """Issue 41 (7): ``~`` was expanded where the path was checked but not where it was written and
+    read, so the slice processes wrote under a literal ``~`` in their own working directory."""
+    import os
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    cfg = ElasticConfig(num_slices=1, global_batch_size=2, slice=SIM, checkpoint_dir="~/runs/ckpt")
+    assert cfg.checkpoint_dir == os.path.join(str(tmp_path), "runs", "ckpt")
+    cfg = ElasticConfig(num_slices=1, global_batch_size=2, slice=SIM, checkpoint_dir="runs/rel")
+    assert cfg.checkpoint_dir == os.path.join(str(tmp_path), "runs", "rel")
+    assert ElasticConfig(num_slices=1, global_batch_size=2, slice=SIM,
+                         checkpoint_dir="gs://b/p").checkpoint_dir == "gs://b/p"

@@ -393,6 +393,7 @@ FLOWS = [
     [S.RECOVERING, S.WAITING_FOR_CAPACITY, S.FORMING_WORLD],  # waiting for a replacement
     [S.FORMING_WORLD, S.RECOVERING],  # a failure while forming
     [S.RUNNING, S.RESIZING, S.FORMING_WORLD],  # growing back
+    [S.RUNNING, S.RESIZING, S.RECOVERING],  # a process lost while the world stops to grow back
 ]
 LEGAL = {(a, b) for flow in FLOWS for a, b in zip(flow, flow[1:])}
 
@@ -495,3 +496,19 @@ def _port_nobody_listens_on() -> int:
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+def test_a_process_lost_while_the_world_grows_back_is_recovered_not_the_end(tmp_path):
+    """Issue 41 (1): resizing -> recovering was not an allowed transition, so a process dying while the
+    in-flight save committed before a grow-back ended fit with InvalidTransition."""
+    def grow_and_fail_the_commit(backend, world):
+        backend.finish_checkpoint_failures = 1
+        return add_capacity(backend, world)
+
+    backend = FakeBackend(faults={5: lose_slice(2), 10: grow_and_fail_the_commit})
+    trainer = make(backend, checkpoint_dir=str(tmp_path / "ckpt"))
+    result = trainer.fit(STEPS)
+    assert result.steps == list(range(STEPS))
+    failures = kinds(result, "failure")
+    assert len(failures) == 2 and "died while committing" in failures[1]["error"]
+    assert result.summary["recoveries"] == 2

@@ -154,3 +154,36 @@ def test_a_custom_train_step_reports_its_metrics_and_carries_its_state():
     out = _subprocess("_train", "custom", "2")["steps"]
     assert all({"loss", "grad_norm", "ema"} <= set(m) for m in out)
     assert out[0]["ema"] != 0.0 and out[-1]["ema"] != out[0]["ema"]  # the EMA state carried from step to step
+
+
+def _checkpoint_of(task, directory: str, steps_done: int = 2) -> None:
+    """A committed checkpoint of ``task`` written as a one-process world writes it."""
+    from ray_elastic import jax_world
+    from ray_elastic.checkpoints import Checkpointer
+    from ray_elastic.data import StepBatches
+    from ray_elastic.plan import plan_world
+
+    plan = plan_world(0, ["s0"], 1, 1, 16)
+    ckpt = Checkpointer(directory, 3)
+    loop = jax_world.TrainLoop(task, plan, 0, 0, jax_world.build_mesh(plan), 1, StepBatches(task.dataset(), 16, 0),
+                               checkpointer=ckpt)
+    loop.run(0, steps_done)
+    loop.save_checkpoint(steps_done, {"step": steps_done, "task": task.name(), "seed": 0, "data_stride": 16})
+    ckpt.wait()
+    ckpt.close()
+
+
+def test_a_rerun_with_a_changed_model_is_refused_before_any_slice_is_reserved(tmp_path):
+    """Issue 41 (2): the checkpoint of a narrower model failed to load on every world, was set aside as
+    a storage fault, and the run trained from step 0 while it said it resumed."""
+    directory = str(tmp_path / "ckpt")
+    _checkpoint_of(DigitsMLPTask(hidden=32), directory)
+    config = ElasticConfig(num_slices=1, global_batch_size=16, slice=SliceSpec("v4", "2x2x1", 1),
+                           standby_workers=0, checkpoint_dir=directory)
+    _fails_before_reserving(DigitsMLPTask(hidden=48), config, ValueError,
+                            r"checkpoint 2 in .* was written by a model of another shape: it has .*\[64, 32\]")
+    # The model that wrote it passes the same check.
+    from ray_elastic.checkpoints import latest_checkpoint
+    from ray_elastic.ray_backend import RayBackend
+
+    RayBackend.check_task(DigitsMLPTask(hidden=32), config, latest_checkpoint(directory))

@@ -1,6 +1,7 @@
 """TensorBoard scalars written straight to gs:// (the fake-gcs-server's real GCS API), read back with
 TensorBoard's own reader."""
 
+import os
 import uuid
 
 from ray_elastic.tensorboard import TensorBoardWriter
@@ -27,3 +28,30 @@ def test_tensorboard_scalars_go_to_a_gcs_bucket(local_gcs, tmp_path):
     assert [round(e.value, 4) for e in acc.Scalars("train/loss")] == [1.0, 0.5, 0.3333, 0.25, 0.2]
     assert round(acc.Scalars("train/accuracy")[-1].value, 4) == 0.4
     assert [(e.step, round(e.value, 4)) for e in acc.Scalars("eval/loss")] == [(4, 0.3)]
+
+
+def test_a_read_only_bucket_can_be_resumed_from_but_not_checkpointed_to(local_gcs):
+    """Issue 41 (8): resuming from a gs:// location was refused because the location check uploaded
+    a probe object; reading needs only read access. Credentials that may only read: a proxy in front
+    of the GCS API that answers every write with 403."""
+    import pytest
+    from google.cloud import storage
+
+    from ray_elastic.checkpoints import check_location
+    from ray_elastic.local_gcs import FlakyEndpoint
+
+    bucket = f"ro-{uuid.uuid4().hex[:8]}"
+    storage.Client().create_bucket(bucket)
+    storage.Client().bucket(bucket).blob("run/1/commit_success.txt").upload_from_string(b"ok")
+    read_only = FlakyEndpoint(local_gcs, fail_every=0, status=403, read_only=True)
+    saved = {k: os.environ.get(k) for k in read_only.env}
+    os.environ.update(read_only.env)
+    try:
+        check_location(f"gs://{bucket}/run", writable=False)  # a resume only lists
+        with pytest.raises(ValueError, match="is not writable"):
+            check_location(f"gs://{bucket}/run")
+        assert read_only.failed.get("POST", 0) >= 1 and "GET" not in read_only.failed
+    finally:
+        read_only.stop()
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)

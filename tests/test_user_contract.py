@@ -3,6 +3,7 @@ and logical axis rules, (loss, metrics), eval, gradient accumulation, dropout, T
 non-finite loss, on a real simulated cluster with real multi-process JAX."""
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -90,6 +91,16 @@ def test_evals_run_every_eval_every_steps_and_after_the_last(llm_runs):
     assert sorted(killed.evals) == [7, 15, 23]
     for s in killed.evals:
         assert killed.evals[s] == pytest.approx(clean.evals[s], rel=1e-6)
+
+
+def test_the_report_draws_the_eval_loss_beside_the_train_loss(llm_runs):
+    from ray_elastic import report
+
+    _, result, _, run_dir = llm_runs["killed"]
+    tl = report.timeline(report.load_events(run_dir))
+    assert [s for s, _ in tl.evals] == [7, 15, 23]
+    assert tl.evals[-1][1] == pytest.approx(result.evals[23]["eval/loss"])
+    assert os.path.getsize(report.render(run_dir)) > 10_000
 
 
 def test_tensorboard_holds_train_eval_and_elastic_scalars(llm_runs):
@@ -208,3 +219,26 @@ def test_a_process_lost_during_an_eval_is_recovered_and_the_eval_redone_with_no_
     assert result.summary["recoveries"] == 1 and result.summary["steps_rewound"] == 0
     assert sorted(result.evals) == [9, 19]
     assert [e["step"] for e in result.events if e["kind"] == "eval"] == [9, 19]  # once each, the redone one included
+
+
+def test_ctrl_c_while_slices_are_reserved_leaves_no_placement_group(sim_cluster):
+    """Issue 41 (3): a KeyboardInterrupt while reserving (more slices asked for than exist) left the
+    groups made so far pending, asking the autoscaler for slices for as long as the driver lived."""
+    import ray
+
+    ensure_slices(sim_cluster, 4)
+
+    def interrupt(event):
+        if event["kind"] == "waiting":  # reserving: 4 of 6 ready
+            raise KeyboardInterrupt
+
+    cfg = ElasticConfig(num_slices=6, min_slices=6, global_batch_size=48, slice=sim_cluster.slice_spec,
+                        standby_workers=0, slice_timeout_s=120.0)
+    with pytest.raises(KeyboardInterrupt):
+        ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_event=interrupt).fit(5)
+    live = {pg_id: t["state"] for pg_id, t in ray.util.placement_group_table().items() if t["state"] != "REMOVED"}
+    assert not live, live
+    deadline = time.monotonic() + 10  # Ray gives a removed group's resources back asynchronously
+    while ray.available_resources().get("TPU", 0) < ray.cluster_resources()["TPU"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("TPU", 0) == ray.cluster_resources()["TPU"]
