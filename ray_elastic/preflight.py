@@ -63,7 +63,16 @@ def _check_checkpoint_matches(spec, resume) -> None:
     from ray_elastic.checkpoints import state_shapes
 
     ours = collections.Counter((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(spec.abstract))
-    theirs = collections.Counter(state_shapes(resume.directory, resume.step))
+    try:
+        theirs = collections.Counter(state_shapes(resume.directory, resume.step))
+    except Exception as e:  # noqa: BLE001 - a damaged checkpoint: the worlds find it unreadable and fall back
+        logger.warning("the arrays of checkpoint %d in %s cannot be listed (%r): not compared with the model",
+                       resume.step, resume.directory, e)
+        return
+    if not theirs:  # its array metadata is gone (damaged data files): a storage fault, handled as one
+        logger.warning("checkpoint %d in %s lists no arrays: not compared with the model", resume.step,
+                       resume.directory)
+        return
     if ours == theirs:
         return
 
