@@ -56,13 +56,9 @@ class EvalBatches:
     def __len__(self) -> int:
         return len(self._ds)
 
-    @staticmethod
-    def process_rows_of(batch_size: int, process_id: int, num_processes: int) -> tuple[int, int]:
-        n = batch_size // num_processes
-        return process_id * n, (process_id + 1) * n
-
     def process_rows(self, process_id: int, num_processes: int) -> tuple[int, int]:
-        return self.process_rows_of(self.batch_size, process_id, num_processes)
+        n = self.batch_size // num_processes
+        return process_id * n, (process_id + 1) * n
 
     def rows(self, i: int, start: int, stop: int) -> dict:
         base = i * self.batch_size
