@@ -15,7 +15,7 @@ _EXPORTS = {
     "TrainTask": "ray_elastic.task",
     "ElasticRuntimeError": "ray_elastic.errors", "TrainingCodeError": "ray_elastic.errors",
     "RetriesExhaustedError": "ray_elastic.errors", "CapacityTimeoutError": "ray_elastic.errors",
-    "StateLostError": "ray_elastic.errors",
+    "StateLostError": "ray_elastic.errors", "StorageFailingError": "ray_elastic.errors",
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"
@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from ray_elastic.config import ElasticConfig, SliceSpec
     from ray_elastic.controller import ElasticTrainer
     from ray_elastic.errors import (CapacityTimeoutError, ElasticRuntimeError, RetriesExhaustedError,
-                                    StateLostError, TrainingCodeError)
+                                    StateLostError, StorageFailingError, TrainingCodeError)
     from ray_elastic.results import FitResult, RecoveryRecord
     from ray_elastic.task import TrainTask
 

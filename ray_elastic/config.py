@@ -112,10 +112,10 @@ def _first_topology(accelerator: str) -> str:
 
 
 _INT_FIELDS = ("min_slices", "steps_per_chunk", "seed", "fsdp_min_size", "snapshot_replicas", "max_failures",
-               "max_failures_in_a_row", "checkpoint_every", "max_to_keep")  # the others say so in their own checks
+               "max_failures_in_a_row", "max_save_failures_in_a_row", "checkpoint_every", "max_to_keep")  # the others say so in their own checks
 _SECONDS_FIELDS = ("slice_timeout_s", "jax_init_timeout_s", "snapshot_budget", "replacement_timeout_s",
                    "hang_timeout_factor", "hang_timeout_min_s", "probe_timeout_s", "node_death_grace_s",
-                   "failure_window_s")
+                   "failure_window_s", "save_timeout_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +176,12 @@ class ElasticConfig:
             ``None``: no checkpoints (in-memory snapshots only).
         checkpoint_every: save after every this many steps (and after the last step).
         max_to_keep: committed checkpoints kept; older ones are deleted. ``None`` keeps all.
+        save_timeout_s: how long one checkpoint save (or commit) may keep a world busy before it
+            counts as a failed save and the world is recovered. ``None``: 10 x the slowest save
+            the run has committed, at least 300 s.
+        max_save_failures_in_a_row: stop with ``StorageFailingError`` once checkpoint saves failed
+            (or timed out) this many times in a row with none committed in between: a bucket that
+            refuses writes, a full disk. Other failures in between start the count again.
         async_checkpointing: write in the background; a step only waits for the device-to-host copy.
         worker_niceness: the slice processes' niceness. ``None`` keeps what Ray gives a
             ``num_cpus=0`` actor (``RAY_worker_niceness``, 15), which leaves Ray's own daemons
@@ -233,6 +239,8 @@ class ElasticConfig:
     checkpoint_every: int = 100
     max_to_keep: Optional[int] = 3
     async_checkpointing: bool = True
+    save_timeout_s: Optional[float] = None
+    max_save_failures_in_a_row: int = 3
     worker_niceness: Optional[int] = None
     slice_mesh: dict = dataclasses.field(default_factory=lambda: dict(DEFAULT_SLICE_MESH))
     logical_axis_rules: tuple = ()
@@ -267,7 +275,8 @@ class ElasticConfig:
             raise ValueError(f"standby_workers must be an integer >= 0 (warm processes per host), "
                              f"got {self.standby_workers!r}")
         object.__setattr__(self, "standby_workers", int(self.standby_workers))  # True/False read as 1/0
-        for name in ("snapshot_replicas", "max_failures", "max_failures_in_a_row", "checkpoint_every"):
+        for name in ("snapshot_replicas", "max_failures", "max_failures_in_a_row", "max_save_failures_in_a_row",
+                     "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.snapshot_every != "auto" and (isinstance(self.snapshot_every, bool) or not isinstance(self.snapshot_every, int)
@@ -302,6 +311,11 @@ class ElasticConfig:
         if self.jax_init_timeout_s < 1:  # jax.distributed.initialize takes whole seconds
             raise ValueError(f"jax_init_timeout_s must be >= 1 (JAX counts it in whole seconds), "
                              f"got {self.jax_init_timeout_s!r}")
+        if self.save_timeout_s is not None and (isinstance(self.save_timeout_s, bool) or
+                                                not isinstance(self.save_timeout_s, (int, float)) or
+                                                not self.save_timeout_s > 0):
+            raise ValueError(f"save_timeout_s must be a number of seconds > 0, or None (10 x the slowest save, "
+                             f"at least 300 s), got {self.save_timeout_s!r}")
         grace = self.node_death_grace_s
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
             raise ValueError(f"node_death_grace_s must be a number of seconds >= 0, got {grace!r}")

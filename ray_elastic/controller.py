@@ -21,13 +21,13 @@ from typing import Callable, Optional
 from ray_elastic import checkpoints, goodput, results
 from ray_elastic.config import ElasticConfig
 from ray_elastic.errors import (CapacityTimeoutError, ElasticRuntimeError, ProcessFailed, RetriesExhaustedError,
-                                StateLostError, TrainingCodeError)
+                                StateLostError, StorageFailingError, TrainingCodeError, failed_save)
 from ray_elastic.events import EventLog
 from ray_elastic.generations import Generations
 from ray_elastic.observers import ProgressBar, RayMetricsObserver, StandbyReplenisher, UserCallbacks
 from ray_elastic.tensorboard import TensorBoardWriter
 from ray_elastic.plan import (Action, RestoreSource, classify_failure, drop_repeat_offender,
-                              failures_exceeded)
+                              failures_exceeded, save_timeout)
 from ray_elastic.ray_backend import RayBackend
 from ray_elastic.results import FitResult, RecoveryRecord, ScaleUpRecord, WorldChange
 from ray_elastic.states import ControllerState, OutcomeKind, RunOutcome, check_transition
@@ -38,7 +38,6 @@ logger = logging.getLogger(__name__)
 S = ControllerState
 DRAIN_S = 0.3
 TEARDOWN_CONFIRM_S = 3.0
-CHECKPOINT_FINISH_TIMEOUT_S = 600.0
 
 __all__ = ["ElasticTrainer"]
 
@@ -137,8 +136,8 @@ class ElasticTrainer:
         With ``checkpoint_dir`` the run resumes from its newest committed checkpoint, if that was
         written by the same task (another task's checkpoints are refused). ``resume_from``: start
         from the newest committed checkpoint of this directory instead, whoever wrote it (another
-        run's, or ``checkpoint_dir`` itself to accept another task's); new checkpoints still go to
-        ``checkpoint_dir``.
+        run's, or ``checkpoint_dir`` itself to accept another task's); new checkpoints go to
+        ``checkpoint_dir``, which must then hold none yet (or be ``resume_from`` itself).
         """
         if not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
@@ -201,6 +200,14 @@ class ElasticTrainer:
             checkpoints.check_location(cfg.checkpoint_dir)
             own = checkpoints.latest_checkpoint(cfg.checkpoint_dir)
             theirs = checkpoints.foreign_task(own, ours)
+            if own is not None and resume_from not in (None, cfg.checkpoint_dir):
+                # Its saves would land among those checkpoints, and a recovery without a snapshot
+                # would restore the newest of them: possibly another run's later step.
+                raise ValueError(
+                    f"checkpoint_dir {cfg.checkpoint_dir!r} already holds checkpoints (newest: step {own.step}, "
+                    f"task {own.metadata.get('task')!r}), so a run resumed from {resume_from!r} would save among "
+                    "them and could restore one of theirs: give it an empty checkpoint_dir, or drop resume_from "
+                    "to train on from checkpoint_dir's own newest checkpoint")
             if theirs and resume_from != cfg.checkpoint_dir:
                 raise ValueError(
                     f"checkpoint_dir {cfg.checkpoint_dir!r} holds checkpoints of task {theirs!r} (newest: step "
@@ -223,6 +230,7 @@ class ElasticTrainer:
         self.recoveries: list[RecoveryRecord] = []
         self._failure_times: list[float] = []
         self._failures_in_a_row, self._steps_at_failure, self._last_origin = 0, 0, None
+        self._save_failures, self._committed_at_save_failure = 0, -1  # checkpoint saves failed in a row
         self._first_step = resume.step if resume else 0
         self.events = EventLog(self.run_dir, [self.callbacks])
         self.ledger = results.StepLedger(self.events, cfg.steps_per_chunk)
@@ -252,7 +260,8 @@ class ElasticTrainer:
         self._enter(S.RUNNING)
         world, start = self.world, self.worlds[-1].start_step
         streams = self.backend.drive(world, self.gens.store, self.ledger.add, self.ledger.step_times,
-                                     self._snapshot_interval, self.ledger.saves_committed, self.ledger.add_eval)
+                                     self._snapshot_interval, self.ledger.saves_committed, self.ledger.add_eval,
+                                     self.ledger.save_seconds)
         self.ledger.start_world(world.plan.generation, streams.take_snapshot_steps)
         t0 = time.perf_counter()
         outcome = streams.run(start, num_steps, self.gens.capacity_returned)
@@ -317,6 +326,7 @@ class ElasticTrainer:
                          since_last_progress_s=now - last_progress_at, drain_s=outcome.drain_s,
                          classify_s=classified_at - now,
                          detection_latency_s=classified_at - last_progress_at)
+        self._count_save_failures(outcome)
         self._may_retry(verdict, first)
         t0 = time.perf_counter()
         if self.world is not None:
@@ -349,6 +359,25 @@ class ElasticTrainer:
         attempt = len(self._failure_times)
         if self.retry_policy is not None and not self.retry_policy(attempt, error):
             raise RetriesExhaustedError(f"retry_policy declined attempt {attempt} after {verdict.reason}") from error
+
+    def _count_save_failures(self, outcome: RunOutcome) -> None:
+        """Stop once checkpoint saves failed ``max_save_failures_in_a_row`` times in a row with none
+        committed in between: each retry replays a few steps (progress for the other limits) and
+        fails the same save again."""
+        saves = [e for e in outcome.errors.values() if failed_save(e)]
+        committed = self.ledger.committed_step
+        if not saves:
+            self._save_failures = 0
+            return
+        self._save_failures = 1 if committed > self._committed_at_save_failure else self._save_failures + 1
+        self._committed_at_save_failure = committed
+        limit = self.config.max_save_failures_in_a_row
+        if self._save_failures >= limit:
+            raise StorageFailingError(
+                f"checkpoint saves to {self.config.checkpoint_dir} failed {self._save_failures} times in a row "
+                f"with none committed in between (max_save_failures_in_a_row={limit}); last: "
+                f"{self.backend.error_text(saves[0])}. Check that the location is writable (permissions, quota, "
+                "free space) and reachable, or raise save_timeout_s if saves are only slow") from saves[0]
 
     def _next_world(self, change: WorldChange, resume: Optional[checkpoints.CheckpointInfo] = None
                     ) -> Optional[RunOutcome]:
@@ -422,7 +451,8 @@ class ElasticTrainer:
     def _finish_checkpoints(self, save_step: Optional[int] = None) -> None:
         """Wait for the in-flight save of the current world to commit (first saving ``save_step``)."""
         if self.config.checkpoint_dir and self.world is not None:
-            self.ledger.saves_committed(self.world.finish_checkpoints(CHECKPOINT_FINISH_TIMEOUT_S, save_step))
+            limit = save_timeout(self.config.save_timeout_s, self.ledger.save_seconds)
+            self.ledger.saves_committed(self.world.finish_checkpoints(limit, save_step))
 
     def _final_checkpoint(self, num_steps: int) -> RunOutcome:
         """The run's last checkpoint is committed before ``fit`` returns: its in-flight save finishes,

@@ -86,11 +86,33 @@ class StorageError(SliceDownError):
         return (type(self), (str(self), self.checkpoint_step))
 
 
-def unreadable_checkpoint(exc: Optional[BaseException]) -> Optional[int]:
-    """The checkpoint step a world failed to restore, when that is what ``exc`` says (looked for
-    through the ``cause`` that FormingError, ProcessFailed and Ray's RayTaskError keep)."""
+class SaveTimedOut(StorageError):
+    """A checkpoint save or commit kept its process busy longer than ``save_timeout_s`` (a hung
+    write, a bucket that never answers): the world is recovered as after a failed save."""
+
+
+class StorageFailingError(RetriesExhaustedError):
+    """Checkpoint saves kept failing (``max_save_failures_in_a_row`` in a row, none committed in
+    between): the storage, not a slice, is the problem. The message names the location and error."""
+
+
+def storage_error(exc: Optional[BaseException]) -> Optional[StorageError]:
+    """The :class:`StorageError` ``exc`` is or carries (looked for through the ``cause`` that
+    FormingError, ProcessFailed and Ray's RayTaskError keep), else None."""
     while exc is not None:
         if isinstance(exc, StorageError):
-            return exc.checkpoint_step
+            return exc
         exc = getattr(exc, "cause", None)
     return None
+
+
+def unreadable_checkpoint(exc: Optional[BaseException]) -> Optional[int]:
+    """The checkpoint step a world failed to restore, when that is what ``exc`` says."""
+    found = storage_error(exc)
+    return found.checkpoint_step if found is not None else None
+
+
+def failed_save(exc: Optional[BaseException]) -> bool:
+    """``exc`` says a checkpoint save (not a restore) failed or timed out."""
+    found = storage_error(exc)
+    return found is not None and found.checkpoint_step is None

@@ -131,15 +131,17 @@ class Generations:
 
     def take(self, survivors: list, decision: NextWorld) -> tuple[list, list]:
         """The members ``decision`` names: its survivors (in order) and up to ``decision.replacements``
-        ready replacement slices, which stop being pending. Returns (members, added)."""
+        ready replacement slices, which stop being pending and become members at once (whatever
+        fails before the world forms, :meth:`release` still gives them back). Returns (members, added)."""
         kept = survivors[: len(decision.survivors)]  # decisions keep a prefix: replica order is stable
         for res in survivors[len(kept):]:  # trimmed: the world is full size without it
             self.drop(res, replace=False)
         taken = self.ready_replacements()[: decision.replacements]
+        added = [req.poll() for req in taken]
+        self.members = kept + added
         for req in taken:
             self.replacements.remove(req)
-        added = [req.poll() for req in taken]
-        return kept + added, added
+        return list(self.members), added
 
     def drop(self, res, *, replace: bool = True, quarantine: bool = False) -> None:
         """A slice left for good: free it (or, ``quarantine``, keep holding it until the run ends, so

@@ -24,6 +24,8 @@ def error_kind(exc: BaseException) -> ErrorKind:
         return ErrorKind.PROCESS_DIED  # its connection closed: the process is gone; is its host? (vouching)
     if isinstance(exc, HostLost):
         return ErrorKind.ACTOR_DIED  # its process is gone or never came: the node table decides
+    if isinstance(exc, StorageError):
+        return ErrorKind.STORAGE  # seen by the driver itself (a save past save_timeout_s)
     if isinstance(exc, TimeoutError):
         return ErrorKind.HANG  # a process that did not answer in time
     if isinstance(exc, ray.exceptions.ActorUnavailableError):
@@ -187,6 +189,13 @@ def busy(answers: list, last_seen_step: int) -> bool:
     if any(a.get("last_step", -1) > last_seen_step for a in answered):
         return True
     return len(answered) == len(answers) and any(a.get("saving") for a in answered)
+
+
+def stuck_saves(answers: list, limit_s: float) -> dict[int, float]:
+    """Processes (by index) whose probe answer says they have been inside one checkpoint save for
+    longer than ``limit_s``, with how long: a save that never ends is a failed save, not a slow one."""
+    return {p: a["saving_s"] for p, a in enumerate(answers)
+            if a is not None and a.get("saving") and a.get("saving_s", 0.0) > limit_s}
 
 
 def newest_step(answers: list) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import secrets
 import select
 import selectors
 import socket
@@ -28,59 +29,51 @@ import sys
 import threading
 from typing import Callable, Optional
 
+from ray_elastic import beacon_holder
+
 logger = logging.getLogger(__name__)
 CONNECT_S = 0.3  # a live process accepts in milliseconds (its own thread, whatever its steps do)
 WATCH_S = 1.0  # the watch thread's longest single wait (it checks for stop between waits)
 MAX_WATCHED = 4096  # beyond that many processes the driver's file descriptors are left to Ray's signal
 
 
-# The process that holds a beacon's connections (Linux): it dies by PR_SET_PDEATHSIG when the thread
-# that started it exits: when the parent is killed, one of its ~55 threads (only if it were the last,
-# the one that tears the address space down, would the child die as late as the parent's sockets close).
-# close_fds (Popen's default): it holds no other socket of the slice process.
-_HOLDER = r"""
-import ctypes, os, signal, socket, sys
-ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-if os.getppid() != int(sys.argv[2]):
-    sys.exit(0)  # the parent died before the line above
-server = socket.create_server((sys.argv[1], 0), backlog=16)
-sys.stdout.write(f"{server.getsockname()[1]}\n")
-sys.stdout.flush()
-held = []
-while True:
-    held.append(server.accept()[0])
-"""
 HOLDER_START_S = 10.0  # a bare interpreter starts in tens of milliseconds, on loaded cores in a few seconds
 
 
 class Beacon:
-    """The slice process's side: a listening socket on ``host`` whose accepted connections stay open
-    (and silent) until the process dies. ``port`` is what the driver connects to.
+    """The slice process's side: a listening socket on ``host`` whose connections from the driver
+    stay open (and silent) until the process dies. ``port`` and ``token`` are what the driver
+    connects with: a connection that does not send ``token`` first is closed, and the
+    connections held are bounded (:mod:`ray_elastic.beacon_holder`).
 
     On Linux the socket belongs to a tiny child process (a bare interpreter, ~10 MB), not to the
     slice process: a process's sockets close only once its last thread has exited, and a slice
     process's 50-60 threads exit at its niceness (Ray's 15); on two saturated cores that took up
     to ~1 s after a SIGKILL. The child is killed (``PR_SET_PDEATHSIG``) when the thread that
-    started it exits, one of the ~55 dying threads (see ``_HOLDER``). That thread lives as long
-    as the process, waiting on the child. Elsewhere, or if the child cannot start, the slice
-    process listens itself."""
+    started it exits, one of the ~55 dying threads (only if it were the last, the one that tears
+    the address space down, would the child die as late as the parent's sockets). That thread
+    lives as long as the process, waiting on the child. Elsewhere, or if the child cannot start,
+    the slice process listens itself."""
 
     def __init__(self, host: str):
+        self.token = secrets.token_bytes(beacon_holder.TOKEN_BYTES)
         self.port = self._start_holder(host) if sys.platform.startswith("linux") else None
         if self.port is None:
-            self._held: list[socket.socket] = []  # referenced so they are never collected (that would close them)
             self._server = socket.create_server((host, 0), backlog=16)
             self.port = self._server.getsockname()[1]
-            threading.Thread(target=self._accept, name="ray-elastic-beacon", daemon=True).start()
+            threading.Thread(target=beacon_holder.serve, args=(self._server, self.token),
+                             name="ray-elastic-beacon", daemon=True).start()
 
     def _start_holder(self, host: str) -> Optional[int]:
         started: queue.Queue = queue.Queue()
 
         def own() -> None:  # the child's death signal is tied to this thread: it must not end
-            try:
-                child = subprocess.Popen([sys.executable, "-S", "-c", _HOLDER, host, str(os.getpid())],
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            try:  # close_fds (Popen's default): the child holds no other socket of the slice process
+                child = subprocess.Popen([sys.executable, "-I", "-S", beacon_holder.__file__, host, str(os.getpid())],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=subprocess.DEVNULL, text=True)
+                child.stdin.write(self.token.hex() + "\n")
+                child.stdin.close()
             except OSError as e:
                 started.put(e)
                 return
@@ -101,23 +94,15 @@ class Beacon:
         self._child = child
         return int(line)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return
-            self._held.append(conn)
-
 
 class DeathWatch:
-    """The driver's side, for one world: ``addresses[p]`` is process ``p``'s beacon (None: it has
-    none). Connects to each from a thread of its own, started while the world forms so that it is
+    """The driver's side, for one world: ``addresses[p]`` is process ``p``'s beacon as ``(host, port,
+    token)`` (None: it has none). Connects to each from a thread of its own, started while the world forms so that it is
     connected before the first step (a process killed then was seen through Ray, 0.5-0.9 s later,
     when the watch only started with the steps); :meth:`dead` lists the processes whose connection
     ended, and the callback given to :meth:`notify` is called at each."""
 
-    def __init__(self, addresses: list[Optional[tuple[str, int]]]):
+    def __init__(self, addresses: list[Optional[tuple[str, int, bytes]]]):
         self._addresses = addresses
         self._on_death: Optional[Callable[[], None]] = None
         self._dead: set[int] = set()
@@ -158,10 +143,12 @@ class DeathWatch:
         for p, address in enumerate(self._addresses[:MAX_WATCHED]):
             if address is None or self._stop.is_set():
                 continue
+            host, port, token = address
             try:
-                conn = socket.create_connection(address, timeout=CONNECT_S)
+                conn = socket.create_connection((host, port), timeout=CONNECT_S)
+                conn.sendall(token)
             except OSError as e:  # not reached: proves nothing (the process may be behind a firewall)
-                logger.debug("beacon of process %d at %s not reached: %r", p, address, e)
+                logger.debug("beacon of process %d at %s:%d not reached: %r", p, host, port, e)
                 continue
             conn.setblocking(False)
             self._selector.register(conn, selectors.EVENT_READ, p)

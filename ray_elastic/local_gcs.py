@@ -104,6 +104,8 @@ class FlakyEndpoint:
     ``delay_s`` holds every request that long first: a bucket far away (a slow save whatever
     this machine's speed). ``fail_every=0`` refuses nothing. ``read_only``: every write (POST,
     PUT, PATCH, DELETE) is refused too, with ``status`` (403: credentials that may only read).
+    ``write_delay_s`` (an attribute, changeable while it serves) holds every write that much longer:
+    a save that hangs.
 
     Its ``env`` points GCS clients at it, like :attr:`LocalGCS.env`. ``failed`` counts the
     requests it refused, by HTTP method. Stop it with :meth:`stop`.
@@ -116,6 +118,7 @@ class FlakyEndpoint:
         import threading
 
         self.upstream, self.failed, self.passed = upstream, {}, 0
+        self.write_delay_s = 0.0
         lock, count = threading.Lock(), [0]
         up_host, up_port = "127.0.0.1", upstream.port
         endpoint = self
@@ -134,12 +137,14 @@ class FlakyEndpoint:
 
             def _answer(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if delay_s:
-                    time.sleep(delay_s)
+                writes = self.command in ("POST", "PUT", "PATCH", "DELETE")
+                wait = delay_s + (endpoint.write_delay_s if writes else 0.0)
+                if wait:
+                    time.sleep(wait)
                 with lock:
                     count[0] += 1
                     refuse = (bool(fail_every) and count[0] % fail_every == 0) or (
-                        read_only and self.command in ("POST", "PUT", "PATCH", "DELETE"))
+                        read_only and writes)
                     if refuse:
                         endpoint.failed[self.command] = endpoint.failed.get(self.command, 0) + 1
                     else:

@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray.util.tpu import SlicePlacementGroup
 
 from ray_elastic.config import SliceSpec
+from ray_elastic.errors import CapacityTimeoutError
 
 logger = logging.getLogger(__name__)
 REPORT_EVERY_S = 5.0  # how often a wait for slices says what it still waits for
@@ -223,10 +224,10 @@ def reserve_slices(spec: SliceSpec, count: int, timeout_s: float,
             r.release()
         if not isinstance(e, (TimeoutError, RuntimeError)):
             raise
-        raise TimeoutError(
+        raise CapacityTimeoutError(
             f"could not reserve {count} {spec.pod_type} slice(s) ({spec.topology}, {spec.num_hosts} host(s) each) "
-            f"within {timeout_s:.0f}s ({e}). Cluster resources: {ray.cluster_resources()}. "
-            "Add TPU capacity, check the accelerator/topology, or lower num_slices"
+            f"within slice_timeout_s={timeout_s:.0f} ({e}). Cluster resources: {ray.cluster_resources()}. "
+            "Add TPU capacity, check the accelerator/topology, raise slice_timeout_s, or lower num_slices"
         ) from None
     for r in reservations:
         r.wait(0)

@@ -400,6 +400,19 @@ def watchdog_timeout(step_times: Sequence[float], factor: float, min_s: float) -
     return max(min_s, factor * recent[len(recent) // 2])
 
 
+SAVE_TIMEOUT_MIN_S = 300.0  # the automatic bound on one save: never below this
+SAVE_TIMEOUT_FACTOR = 10.0  # ... and this many times the slowest save the run committed
+
+
+def save_timeout(configured: Optional[float], save_seconds: Sequence[float]) -> float:
+    """How long one checkpoint save may keep a world busy before it counts as failed:
+    ``configured`` (``save_timeout_s``), else ``SAVE_TIMEOUT_FACTOR`` x the slowest committed save
+    so far, at least ``SAVE_TIMEOUT_MIN_S``."""
+    if configured is not None:
+        return float(configured)
+    return max(SAVE_TIMEOUT_MIN_S, SAVE_TIMEOUT_FACTOR * max(save_seconds, default=0.0))
+
+
 # --------------------------------------------------------------------------- restore source
 @dataclasses.dataclass(frozen=True)
 class RestorePlan:

@@ -110,8 +110,9 @@ class RayBackend:
     def drive(self, world: World, store: SnapshotStore, on_metrics: Callable[[dict], None],
               step_times: list[float], on_interval: Optional[Callable[[int, int], None]] = None,
               on_committed: Optional[Callable[[list], None]] = None,
-              on_eval: Optional[Callable[[dict], bool]] = None) -> StepStreams:
-        return StepStreams(world, self.config, store, on_metrics, step_times, on_interval, on_committed, on_eval)
+              on_eval: Optional[Callable[[dict], bool]] = None, save_seconds: Optional[list] = None) -> StepStreams:
+        return StepStreams(world, self.config, store, on_metrics, step_times, on_interval, on_committed, on_eval,
+                           save_seconds)
 
     # ------------------------------------------------------------- evidence
     def error_kind(self, error: BaseException) -> ErrorKind:

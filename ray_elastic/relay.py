@@ -96,14 +96,30 @@ class RelayPool:
         self.relays: list = []
 
     def assign(self, generation: int, groups: list[list[Target]], timeout_s: float = 60.0) -> list:
-        """A relay for each group of ``generation``'s targets, ready to run its chunks."""
-        if len(self.relays) < len(groups):
-            strategy = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-            self.relays += [ChunkRelay.options(scheduling_strategy=strategy).remote()
-                            for _ in range(len(groups) - len(self.relays))]
-        relays = self.relays[:len(groups)]
-        ray.get([r.prepare.remote(generation, g) for r, g in zip(relays, groups)], timeout=timeout_s)
-        return relays
+        """A relay for each group of ``generation``'s targets, ready to run its chunks. A kept relay
+        that died or does not answer in ``timeout_s`` is replaced by a new one."""
+        self.relays += [self._start() for _ in range(len(groups) - len(self.relays))]
+        for attempt in range(2):
+            refs = [r.prepare.remote(generation, g) for r, g in zip(self.relays, groups)]
+            dead = []
+            for i, ref in enumerate(refs):
+                try:
+                    ray.get(ref, timeout=timeout_s)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    dead.append(i)
+            if not dead:
+                break
+            if attempt:
+                raise RuntimeError(f"relays {dead} died as soon as they were started")
+            for i in dead:
+                _kill(self.relays[i])  # a hung one too
+                self.relays[i] = self._start()
+        return self.relays[:len(groups)]
+
+    @staticmethod
+    def _start():
+        strategy = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        return ChunkRelay.options(scheduling_strategy=strategy).remote()
 
     def reach(self, generation: int, processes: int, quiet: Sequence[int], target) -> tuple[list[list[int]], list]:
         """A world's channels (:func:`channels`) and the relay serving each (None: the driver's own);
@@ -115,8 +131,12 @@ class RelayPool:
 
     def shutdown(self) -> None:
         for r in self.relays:
-            try:
-                ray.kill(r, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+            _kill(r)
         self.relays = []
+
+
+def _kill(relay) -> None:
+    try:
+        ray.kill(relay, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass

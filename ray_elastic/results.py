@@ -184,6 +184,7 @@ class StepLedger:
         self._generation = 0
         self._snapshot_steps: Callable[[], list[int]] = list
         self.committed_step = -1  # the newest checkpoint a process reported committed in this run
+        self.save_seconds: list[float] = []  # how long each committed save took (the automatic save_timeout_s)
         self._committed: set[int] = set()
         self.evals: dict[int, dict] = {}
 
@@ -229,6 +230,8 @@ class StepLedger:
                 continue
             self._committed.add(step)
             self.committed_step = max(self.committed_step, step)
+            if total_s is not None:
+                self.save_seconds.append(total_s)
             self.events.emit("checkpoint_committed", step=step, total_s=total_s)
 
     @property

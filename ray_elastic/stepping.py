@@ -25,9 +25,9 @@ import ray
 
 from ray_elastic import health
 from ray_elastic.config import ElasticConfig
-from ray_elastic.errors import ProcessGone, RayletGone
-from ray_elastic.plan import (MAX_SNAPSHOT_EVERY, chunk_steps, is_eval_step, newest_due_snapshot, snapshot_cost_in_steps,
-                              snapshot_interval, watchdog_timeout)
+from ray_elastic.errors import ProcessGone, RayletGone, SaveTimedOut
+from ray_elastic.plan import (MAX_SNAPSHOT_EVERY, chunk_steps, is_eval_step, newest_due_snapshot, save_timeout,
+                              snapshot_cost_in_steps, snapshot_interval, watchdog_timeout)
 from ray_elastic.snapshot_keeper import ask_keepers
 from ray_elastic.snapshots import SnapshotRef, SnapshotStore
 from ray_elastic.states import OutcomeKind, RunOutcome
@@ -67,7 +67,7 @@ class StepStreams:
                  on_metrics: Callable[[dict], None], step_times: list[float],
                  on_interval: Optional[Callable[[int, int], None]] = None,
                  on_committed: Optional[Callable[[list], None]] = None,
-                 on_eval: Optional[Callable[[dict], bool]] = None):
+                 on_eval: Optional[Callable[[dict], bool]] = None, save_seconds: Optional[list] = None):
         self.world = world
         self.config = config
         self.store = store
@@ -76,6 +76,7 @@ class StepStreams:
         self.on_committed = on_committed
         self.on_eval = on_eval  # an eval's metrics; asked with {"step": s} alone, says whether s's eval is known
         self.step_times = step_times
+        self.save_seconds = save_seconds if save_seconds is not None else []  # committed saves' durations (grows)
         self.steps_per_chunk = config.steps_per_chunk  # the last chunk's length (chunk_steps)
         # Per channel (World.channels: a process, or a relay's group of quiet ones): its chunks in flight.
         self.channels = world.channels
@@ -203,6 +204,13 @@ class StepStreams:
                 node_check_every = min(2 * node_check_every, NODE_CHECK_MAX_S)
             if time.monotonic() - last_progress > limit:
                 answers = health.probe(self.world.workers, self.config.probe_timeout_s)
+                save_limit = save_timeout(self.config.save_timeout_s, self.save_seconds)
+                stuck = health.stuck_saves(answers, save_limit)
+                if stuck:
+                    return RunOutcome(OutcomeKind.FAILURE, {p: SaveTimedOut(
+                        f"a checkpoint save of process {p} has run {s:.0f}s, over save_timeout_s={save_limit:.0f}: "
+                        f"the storage ({self.config.checkpoint_dir}) does not answer") for p, s in stuck.items()},
+                        last_progress_wall)
                 if not health.busy(answers, max(self._reported, probed)):
                     silent = {p: TimeoutError("no answer to the health probe")
                               for p, a in enumerate(answers) if a is None}

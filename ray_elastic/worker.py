@@ -111,7 +111,7 @@ class SliceWorker:
         self._tracing: list = []  # the same futures, for ``traced_ahead`` (``compile`` pops ``traced``)
         self._prepared = threading.Event()
         self.last_step = -1
-        self.saving = False  # inside a checkpoint save: a slow step then is not a hang
+        self.saving_since: Optional[float] = None  # inside a checkpoint save since (monotonic): not a hang, up to save_timeout_s
         self._port_holder = None  # process 0: the coordinator's port, held until JAX binds it
         self.writer: Optional[SnapshotWriter] = None  # snapshot holders: hands snapshots to the keeper
         self._finished: list[dict] = []  # metrics of finished steps not yet streamed
@@ -170,12 +170,15 @@ class SliceWorker:
             "pid": os.getpid(),
             "ip": ray.util.get_node_ip_address(),
             "beacon_port": self._beacon.port if self._beacon is not None else None,
+            "beacon_token": self._beacon.token.hex() if self._beacon is not None else None,
         }
 
     @ray.method(concurrency_group="health")
     def probe(self) -> dict:
         """Answered on its own thread even while a step is blocked in a collective."""
-        return {"pid": os.getpid(), "last_step": self.last_step, "saving": self.saving}
+        since = self.saving_since
+        return {"pid": os.getpid(), "last_step": self.last_step, "saving": since is not None,
+                "saving_s": time.monotonic() - since if since is not None else 0.0}
 
     def reserve_coordinator_port(self) -> str:
         """Process 0 hosts the JAX coordination service: a free port on its node's address, held
@@ -422,11 +425,11 @@ class SliceWorker:
     @contextlib.contextmanager
     def _saving(self):
         """Inside a checkpoint save or commit: the health probe says so, and the watchdog waits."""
-        self.saving = True
+        self.saving_since = time.monotonic()
         try:
             yield
         finally:
-            self.saving = False
+            self.saving_since = None
 
     def _metadata(self, steps_done: int) -> dict:
         """Saved with every checkpoint: where the data stands and the shape of the world that wrote it."""

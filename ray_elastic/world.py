@@ -364,7 +364,8 @@ class World:
             joins = _gather(joins, owners, config.jax_init_timeout_s * 2, watch=watch)
             host_infos = [ray.get(sp, timeout=config.jax_init_timeout_s) for sp in host_prepared]
             flat_infos = [i for hi in host_infos for i in hi]
-            deaths = DeathWatch([(i["ip"], i["beacon_port"]) if i.get("beacon_port") else None for i in flat_infos])
+            deaths = DeathWatch([(i["ip"], i["beacon_port"], bytes.fromhex(i["beacon_token"]))
+                                 if i.get("beacon_port") else None for i in flat_infos])
             times.jax_init_s = max(j["init_s"] for j in joins)
             times.state_load_s = max(j["snapshot_fetch_s"] + j["state_s"] for j in joins)
             flat = [w for sw in workers for w in sw]
@@ -373,6 +374,9 @@ class World:
             for phase in ("trace_s", "lower_s", "load_s", "compile_s"):
                 setattr(times, phase, max(c[phase] for c in compiles))
             times.compiled_from_cache = sum(bool(c.get("from_cache")) for c in compiles)
+            chans, relays = pool.relays.reach(generation, len(flat),
+                                              [p for p in range(len(flat)) if not plan.takes_snapshots(p)],
+                                              lambda p: (flat[p], "run_chunk_quiet", ()))
             times.total_s = time.perf_counter() - t0
         except BaseException:
             if deaths is not None:
@@ -381,9 +385,6 @@ class World:
                 for a in sa:
                     _kill(a)
             raise
-        chans, relays = pool.relays.reach(generation, len(flat),
-                                          [p for p in range(len(flat)) if not plan.takes_snapshots(p)],
-                                          lambda p: (flat[p], "run_chunk_quiet", ()))
         logger.info("world %d formed in %.2fs: %s", generation, times.total_s, plan.mesh_shape)
         return cls(plan, flat, flat_infos, times, joins, list(reservations),
                    [k for ks in keepers for k in ks], chans, relays, deaths)

@@ -58,6 +58,21 @@ def local_gcs():
             os.environ[k] = v
 
 
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    """Every test on a live cluster: once it is over (``fit`` returned or raised, whatever the
+    exit), no placement group and no actor that ray-elastic started during it is still alive."""
+    import ray
+
+    from faults import cluster_state, left_behind
+
+    before = cluster_state() if ray.is_initialized() else None
+    yield
+    if before is not None and ray.is_initialized():
+        left = left_behind(before)
+        assert not left, f"left behind after the test: {left}"
+
+
 def _shares_cluster(module) -> bool:
     """A module whose cluster is plain 1-host slices (``SIM_CLUSTER`` names only ``num_slices``) and
     that says ``SHARE_CLUSTER = True`` runs on the one cluster such modules share."""

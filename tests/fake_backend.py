@@ -13,7 +13,7 @@ import dataclasses
 import time
 from typing import Callable, Optional
 
-from ray_elastic.errors import FormingError, ProcessFailed, StorageError
+from ray_elastic.errors import CapacityTimeoutError, FormingError, ProcessFailed, StorageError
 from ray_elastic.plan import ErrorKind, is_snapshot_step
 from ray_elastic.snapshots import SnapshotRef
 from ray_elastic.states import OutcomeKind, RunOutcome
@@ -188,7 +188,7 @@ class FakeBackend:
     def reserve(self, count: int, on_wait=None) -> list[FakeReservation]:
         free = self.free_slices()
         if len(free) < count:
-            raise TimeoutError(f"could not reserve {count} slices: {len(free)} free")
+            raise CapacityTimeoutError(f"could not reserve {count} slices: {len(free)} free")
         return [self.claim(h) for h in free[:count]]
 
     def request_replacement(self) -> FakeRequest:
@@ -237,7 +237,7 @@ class FakeBackend:
         return set()  # the store is the truth here
 
     def drive(self, world, store, on_metrics, step_times, on_interval=None, on_committed=None,
-              on_eval=None) -> FakeStreams:
+              on_eval=None, save_seconds=None) -> FakeStreams:
         return FakeStreams(self, world, store, on_metrics)
 
     def error_text(self, error: BaseException) -> str:

@@ -69,3 +69,42 @@ def max_rel_err(a, b) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return float(np.max(np.abs(a - b) / np.abs(b)))
 
+
+
+OURS = ("SliceWorker", "SnapshotKeeper", "ChunkRelay")  # the actor classes ray-elastic starts
+
+
+def cluster_state() -> tuple[set, set, set]:
+    """The live placement groups, the live actors of ray-elastic's classes (ids), and the processes
+    of its dead actors that still run (pids)."""
+    import psutil
+    import ray
+
+    groups = {pg for pg, g in ray.util.placement_group_table().items() if g["state"] != "REMOVED"}
+    ours = [(aid, a) for aid, a in ray._private.state.actors().items()
+            if a["ActorClassName"].rsplit(".", 1)[-1] in OURS]
+    actors = {aid for aid, a in ours if a["State"] != "DEAD"}
+    running = set()
+    for _, a in ours:
+        if a["State"] == "DEAD" and a.get("Pid"):
+            try:
+                if psutil.Process(a["Pid"]).cmdline()[0].startswith("ray::"):  # not a reused pid
+                    running.add(a["Pid"])
+            except (psutil.Error, IndexError):
+                pass
+    return groups, actors, running
+
+
+def left_behind(before: tuple[set, set, set], timeout_s: float = 30.0) -> dict:
+    """What outlives a run, compared with ``before`` (:func:`cluster_state`): placement groups,
+    ray-elastic's actors, and processes of its actors that are gone. Waits up to ``timeout_s`` for
+    Ray's asynchronous removals. Empty when nothing is left."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = cluster_state()
+        left = {name: sorted(str(x) for x in n - b)
+                for name, n, b in zip(("placement_groups", "actors", "processes"), now, before)}
+        if not any(left.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    return {k: v for k, v in left.items() if v}

@@ -251,6 +251,11 @@ def test_checkpoints_belong_to_their_task_and_another_runs_are_loaded_only_when_
     assert result.steps == list(range(20, 30)) and max_rel_err(result.losses, ref_losses[20:30]) <= 1e-4
     assert (latest_checkpoint(b).step, latest_checkpoint(b).metadata["task"]) == (30, "OtherTask")
     assert latest_checkpoint(a).step == 20
+    # Issue 41 (9): B now holds checkpoints, so resuming from A into it would save among them, and a
+    # recovery without a snapshot would restore B's newest (another run's step): refused up front.
+    with pytest.raises(ValueError, match="already holds checkpoints.*step 30.*empty checkpoint_dir"):
+        ElasticTrainer(OtherTask(), cfg_b, progress=False).fit(40, resume_from=a)
+    assert latest_checkpoint(b).step == 30
 
 
 def test_a_slow_synchronous_save_is_not_a_hang(sim_cluster, local_gcs, monkeypatch):
@@ -273,6 +278,39 @@ def test_a_slow_synchronous_save_is_not_a_hang(sim_cluster, local_gcs, monkeypat
     failures = [e for e in result.events if e["kind"] == "failure"]
     assert not failures and result.steps == list(range(10)) and len(saves) == 2, (saves, failures)
     assert min(saves) > SLOW_SAVE_WATCHDOG_S, saves  # the watchdog's limit was really passed, every time
+
+
+def test_a_save_that_never_ends_is_a_failed_save_not_a_busy_world(sim_cluster, local_gcs, monkeypatch):
+    """Issue 41 (10): a process inside a save was "busy" for the watchdog however long the save took,
+    so a hung write kept the world waiting forever. Past ``save_timeout_s`` it is a failed save; with
+    ``max_save_failures_in_a_row=1`` the run then stops at once, naming the storage."""
+    from ray_elastic.errors import StorageFailingError
+    from ray_elastic.local_gcs import FlakyEndpoint
+
+    ensure_slices(sim_cluster, 4)
+    stuck = FlakyEndpoint(local_gcs, fail_every=0)
+    directory = f"gs://{_bucket(local_gcs)}/run"
+
+    def hang_the_writes(metrics):  # after the world formed: its first save (checkpoint 5) never ends
+        if metrics["step"] == 2:
+            stuck.write_delay_s = 120.0
+
+    try:
+        for k, v in stuck.env.items():  # the slice processes get the driver's GCS environment
+            monkeypatch.setenv(k, v)
+        cfg = _config(sim_cluster, checkpoint_dir=directory, checkpoint_every=5, async_checkpointing=False,
+                      hang_timeout_min_s=SLOW_SAVE_WATCHDOG_S, hang_timeout_factor=1.0, save_timeout_s=3.0,
+                      max_save_failures_in_a_row=1)
+        trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=hang_the_writes)
+        t0 = time.monotonic()
+        with pytest.raises(StorageFailingError, match=r"failed 1 times in a row.*save_timeout_s=3"):
+            trainer.fit(20)
+        assert time.monotonic() - t0 < 90
+    finally:
+        monkeypatch.undo()
+        stuck.stop()
+    (failure,) = [e for e in trainer.events.events if e["kind"] == "failure"]
+    assert set(failure["kinds"].values()) == {"storage"} and "over save_timeout_s=3" in failure["error"], str(failure)
 
 
 def test_transient_storage_errors_are_retried_not_failures(sim_cluster, local_gcs, reference, monkeypatch):

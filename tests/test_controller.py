@@ -12,7 +12,8 @@ import warnings
 import pytest
 
 from ray_elastic import ElasticConfig, ElasticTrainer, SliceSpec
-from ray_elastic.errors import CapacityTimeoutError, FormingError, StorageError, RetriesExhaustedError, StateLostError, TrainingCodeError
+from ray_elastic.errors import (CapacityTimeoutError, ElasticRuntimeError, FormingError, RetriesExhaustedError, StateLostError,
+                               StorageError, TrainingCodeError)
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
 from ray_elastic.states import ControllerState as S
 from ray_elastic.states import OutcomeKind, RunOutcome
@@ -435,7 +436,7 @@ _BEACON_CHILD = """
 import sys, time
 from ray_elastic.liveness import Beacon
 b = Beacon("127.0.0.1")
-print(b.port, flush=True)
+print(b.port, b.token.hex(), flush=True)
 time.sleep(600)
 """
 
@@ -457,7 +458,9 @@ def test_a_process_death_closes_its_beacon_connection_and_a_stopped_process_does
     children = [subprocess.Popen([sys.executable, "-c", _BEACON_CHILD], stdout=subprocess.PIPE, text=True)
                 for _ in range(2)]
     try:
-        ports = [int(c.stdout.readline()) for c in children]
+        beacons = [c.stdout.readline().split() for c in children]
+        ports = [int(port) for port, _ in beacons]
+        tokens = [bytes.fromhex(token) for _, token in beacons]
         holders = []
         if sys.platform.startswith("linux"):  # the socket is a child's, which dies with the thread that started it
             import psutil
@@ -466,7 +469,8 @@ def test_a_process_death_closes_its_beacon_connection_and_a_stopped_process_does
             assert any(c.status == "LISTEN" and c.laddr.port == ports[0] for h in holders for c in h.net_connections("tcp"))
         unreached = _port_nobody_listens_on()
         seen = threading.Event()
-        watch = DeathWatch([("127.0.0.1", ports[0]), ("127.0.0.1", ports[1]), ("127.0.0.1", unreached), None])
+        watch = DeathWatch([("127.0.0.1", ports[0], tokens[0]), ("127.0.0.1", ports[1], tokens[1]),
+                            ("127.0.0.1", unreached, tokens[0]), None])
         watch.notify(seen.set)
         time.sleep(0.3)  # connected
         children[1].send_signal(signal.SIGSTOP)
@@ -512,3 +516,112 @@ def test_a_process_lost_while_the_world_grows_back_is_recovered_not_the_end(tmp_
     failures = kinds(result, "failure")
     assert len(failures) == 2 and "died while committing" in failures[1]["error"]
     assert result.summary["recoveries"] == 2
+
+
+def test_replacements_taken_for_a_world_that_never_forms_are_given_back():
+    """Issue 41 (4): a replacement taken for the next world joined the members only once the world
+    formed, so anything raising in between (here ``pre_callback``) left its reservation held."""
+    calls = []
+
+    def pre_callback():
+        calls.append(1)
+        if len(calls) == 2:  # the world after the failure, which takes the spare slice s3
+            raise RuntimeError("pre_callback failed")
+
+    backend = FakeBackend(slices=4, faults={5: lose_slice(1)})
+    trainer = make(backend, mode="pause-and-resume", pre_callback=pre_callback)
+    with pytest.raises(ElasticRuntimeError, match="pre_callback failed"):
+        trainer.fit(STEPS)
+    assert backend.reserved == set(), f"reservations left held: {backend.reserved}"
+
+
+def _failing_save(step: int):
+    """Every time ``step`` runs, its checkpoint save fails (a bucket that refuses writes)."""
+    def fire(backend, world):
+        backend.faults[step] = fire  # and again when the step is run again
+        return RunOutcome(OutcomeKind.FAILURE, {0: StorageError(f"saving checkpoint {step + 1} failed: 403")})
+    return fire
+
+
+@pytest.mark.parametrize("snapshot_every", [0, 4])
+def test_a_save_that_keeps_failing_stops_the_run_naming_the_storage(tmp_path, snapshot_every):
+    """Issue 41 (6): each retry replays a few steps, which counted as progress, so a save failing
+    the same way every time was retried until ``max_failures`` (30 an hour). It now stops after
+    ``max_save_failures_in_a_row`` with an error that names the storage problem."""
+    from ray_elastic.errors import StorageFailingError
+
+    backend = FakeBackend(faults={10: _failing_save(10)})
+    trainer = make(backend, checkpoint_dir=str(tmp_path / "ckpt"), snapshot_every=snapshot_every,
+                   allow_restart_from_scratch=snapshot_every == 0, max_save_failures_in_a_row=3)
+    with pytest.raises(StorageFailingError, match=r"saves to .*ckpt failed 3 times in a row.*403.*writable"):
+        trainer.fit(STEPS)
+    assert len([e for e in trainer.events.events if e["kind"] == "failure"]) == 3
+    assert backend.reserved == set()
+
+
+def test_save_failures_between_other_failures_or_commits_start_the_count_again(tmp_path):
+    """Not in a row: a save failing, then a lost slice, then the save failing again is two runs of
+    one; the run goes on."""
+    from ray_elastic.errors import failed_save
+
+    assert failed_save(FormingError(["s0"], StorageError("saving checkpoint 5 failed")))
+    assert not failed_save(StorageError("restoring checkpoint 5 failed", 5))
+    backend = FakeBackend(slices=4, faults={6: _once_failing_save(6), 8: lose_slice(1), 12: _once_failing_save(12)})
+    result = make(backend, checkpoint_dir=str(tmp_path / "ckpt"), max_save_failures_in_a_row=2).fit(STEPS)
+    assert result.steps == list(range(STEPS)) and result.summary["recoveries"] == 3
+
+
+def _once_failing_save(step: int):
+    def fire(backend, world):
+        return RunOutcome(OutcomeKind.FAILURE, {0: StorageError(f"saving checkpoint {step + 1} failed: 503")})
+    return fire
+
+
+def test_a_beacon_holds_only_the_drivers_connections_and_a_bounded_number_of_strangers():
+    """Issue 41 (12): the beacon accepted every connection and held it forever, so a port scan or a
+    stray client could exhaust its file descriptors. Strangers (no token, a wrong token, silence) are
+    closed; their number open at once is bounded; the driver's connection stays and still sees the death."""
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    from ray_elastic import beacon_holder
+    from ray_elastic.liveness import DeathWatch
+
+    child = subprocess.Popen([sys.executable, "-c", _BEACON_CHILD], stdout=subprocess.PIPE, text=True)
+    try:
+        port, token = child.stdout.readline().split()
+        port, token = int(port), bytes.fromhex(token)
+        seen = threading.Event()
+        watch = DeathWatch([("127.0.0.1", port, token)])
+        watch.notify(seen.set)
+        time.sleep(0.3)  # connected
+
+        def ended(conn: socket.socket, within_s: float) -> bool:
+            conn.settimeout(within_s)
+            try:
+                return conn.recv(1) == b""
+            except ConnectionResetError:
+                return True
+            except socket.timeout:
+                return False
+
+        wrong = socket.create_connection(("127.0.0.1", port))
+        wrong.sendall(b"x" * len(token))
+        assert ended(wrong, 2.0), "a connection with the wrong token was held"
+        silent = socket.create_connection(("127.0.0.1", port))
+        assert ended(silent, beacon_holder.AUTH_S + 2.0), "a connection that never sent a token was held"
+        strangers = [socket.create_connection(("127.0.0.1", port)) for _ in range(3 * beacon_holder.MAX_PENDING)]
+        time.sleep(0.5)
+        closed = sum(ended(s, 0.05) for s in strangers)
+        assert closed >= len(strangers) - beacon_holder.MAX_PENDING, "strangers are not bounded"
+        for s in strangers + [wrong, silent]:
+            s.close()
+        assert watch.dead() == set() and not seen.is_set(), "the driver's connection was closed by strangers"
+        child.kill()
+        assert seen.wait(5.0) and watch.dead() == {0}, "the driver no longer sees the process's death"
+        watch.stop()
+    finally:
+        child.kill()
+        child.wait()

@@ -21,8 +21,8 @@ from ray_elastic.examples.digits_mlp import DigitsMLPTask
 from ray_elastic.results import unexplained_rewinds
 
 from conftest import reference_losses
-from faults import (FaultPlan, ensure_slices, in_thread, kill_process_of_slice, max_rel_err, slice_name,
-                    stop_process_of_slice)
+from faults import (FaultPlan, cluster_state, ensure_slices, in_thread, kill_process_of_slice, left_behind, max_rel_err,
+                    slice_name, stop_process_of_slice)
 
 SIM_CLUSTER = {"num_slices": 3}
 SHARE_CLUSTER = True  # conftest.py: one cluster for the modules of plain 1-host slices
@@ -195,6 +195,61 @@ def test_a_death_behind_a_relay_is_seen_by_its_signal(cluster, baseline, monkeyp
     assert failure["detection_latency_s"] < 3.0, failure
     assert trainer.worlds[-1].slices == trainer.worlds[0].slices  # a process, not its host: the same three
     assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
+
+
+def test_a_dead_relay_is_replaced_when_the_next_world_forms(cluster, baseline, monkeypatch):
+    """Issue 41 (5): relays are kept for the next worlds; one that died made every later world fail
+    to form (reused without a check, outside the try that tears a half-formed world down). Killed
+    here mid-chunk: its group's chunk fails, and the next world starts a new relay in its place."""
+    from ray_elastic import relay
+
+    monkeypatch.setattr(relay, "RELAY_MIN_QUIET", 1)
+    monkeypatch.setattr(relay, "PROCESSES_PER_RELAY", 2)
+    killed = []
+
+    def kill_relay(t):
+        killed.append(t.world.relays[1])
+        ray.kill(killed[0], no_restart=True)
+
+    trainer, result = run(cluster, {20: kill_relay}, snapshot_replicas=1)
+    assert len(result.recoveries) == 1, [e for e in result.events if e["kind"] == "failure"]
+    assert not [e for e in result.events if e["kind"] == "failure" and e["cause"] == "forming_failed"]
+    assert trainer.worlds[-1].slices == trainer.worlds[0].slices  # no slice was to blame
+    assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
+
+
+@pytest.mark.parametrize("where", ["forming_world", "running", "recovering", "waiting_for_capacity"])
+def test_ctrl_c_in_each_state_leaves_nothing_behind(cluster, where):
+    """Issue 41 guard: a KeyboardInterrupt delivered in each controller state (at its entry; in
+    ``running`` from a step's callback) ends ``fit`` with it, and no placement group (the pending
+    replacement's included), actor or process of the run is left. (``scheduling``: in
+    ``test_user_contract.py``; every state with the fake backend: ``test_fault_matrix.py``.)"""
+    from ray_elastic.states import ControllerState as S
+
+    before = cluster_state()
+
+    def on_step(m):
+        if m["step"] != 5:
+            return
+        if where == "running":
+            raise KeyboardInterrupt
+        if where == "recovering":
+            kill_process_of_slice(trainer, 1)
+        if where == "waiting_for_capacity":  # no spare slice: pause-and-resume waits for a replacement
+            cluster.kill_slice(slice_name(trainer, 1))
+
+    def on_state(old, new):
+        if new.value == where and where != "running":
+            raise KeyboardInterrupt
+
+    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster, mode="pause-and-resume"), progress=False,
+                             on_step=on_step)
+    trainer.callbacks.on_state = on_state  # the controller calls its listeners at every transition
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(STEPS)
+    assert trainer.state is S.ERRORED
+    assert where in [e["state"] for e in trainer.events.events if e["kind"] == "errored"]
+    assert left_behind(before) == {}
 
 
 def test_slice_hung_by_sigstop(cluster, baseline):

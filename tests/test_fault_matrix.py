@@ -1,0 +1,129 @@
+"""Every state the controller can be in, with a fault or a Ctrl-C delivered there (scripted fake backend).
+
+One journey passes through every state: a slice lost (recovering, a smaller world), capacity back
+(resizing, growing back), two slices lost at once (waiting for capacity below ``min_slices``), and
+the final checkpoint. A fault injected at the entry of each state must end in a recovery or in one
+of the documented errors, never ``InvalidTransition``, a hang or a bare exception; a
+``KeyboardInterrupt`` there must leave no reservation held; and no path may continue from fresh
+parameters once steps were done. The real-cluster counterparts are in ``test_recovery.py``.
+"""
+
+import pytest
+
+from ray_elastic import ElasticConfig, ElasticTrainer, SliceSpec
+from ray_elastic.errors import (CapacityTimeoutError, RetriesExhaustedError, StateLostError, StorageFailingError,
+                                TrainingCodeError)
+from ray_elastic.examples.digits_mlp import DigitsMLPTask
+from ray_elastic.states import ControllerState as S
+from ray_elastic.states import OutcomeKind, RunOutcome
+
+from fake_backend import FakeBackend, ProcessDied, add_capacity, lose_slice
+
+STEPS = 20
+STATES = [S.SCHEDULING, S.FORMING_WORLD, S.RUNNING, S.RECOVERING, S.WAITING_FOR_CAPACITY, S.RESIZING]
+DOCUMENTED = (TrainingCodeError, RetriesExhaustedError, CapacityTimeoutError, StateLostError, StorageFailingError)
+
+
+def lose_two(backend, world):
+    """Two of the three slices' hosts die at once."""
+    for name in world.plan.slice_names[:2]:
+        backend.kill(name)
+    return RunOutcome(OutcomeKind.FAILURE, {0: ProcessDied("actor died"), 1: ProcessDied("actor died")})
+
+
+def journey(tmp_path, on_state=None, **cfg):
+    """A run through every state: returns (trainer, backend, states entered)."""
+    backend = FakeBackend(slices=3, faults={5: lose_slice(1), 8: add_capacity, 12: lose_two})
+
+    def on_event(e):
+        if e["kind"] == "waiting_for_capacity":  # the autoscaler brings two slices back
+            backend.add_slice()
+            backend.add_slice()
+
+    config = ElasticConfig(**{"num_slices": 3, "min_slices": 2, "global_batch_size": 48,
+                              "slice": SliceSpec("v4", "2x2x1"), "replacement_timeout_s": 5.0,
+                              "checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_every": 5, **cfg})
+    trainer = ElasticTrainer(DigitsMLPTask(), config, progress=False, on_event=on_event)
+    trainer.backend_cls = backend
+    entered = []
+
+    def seen(old, new):
+        entered.append(new)
+        if on_state is not None:
+            on_state(trainer, backend, new, entered.count(new))
+    trainer.callbacks.on_state = seen  # the controller calls its listeners at every transition
+    return trainer, backend, entered
+
+
+def fresh_restarts(trainer) -> list:
+    """Worlds after the first that started from fresh parameters though steps were done."""
+    return [w.generation for w in trainer.worlds[1:] if str(w.restore_source) == "fresh"]
+
+
+def assert_released(backend):
+    assert backend.reserved == set(), f"reservations left held: {backend.reserved}"
+    assert all(r.cancelled or r.res is None or r.res.released for r in backend.requests)
+
+
+def test_the_journey_passes_through_every_state(tmp_path):
+    trainer, backend, entered = journey(tmp_path)
+    result = trainer.fit(STEPS)
+    assert result.steps == list(range(STEPS)) and result.summary["steps_rewound"] == 0
+    assert set(STATES) <= set(entered) and entered[-1] is S.FINISHED, entered
+    assert fresh_restarts(trainer) == []
+    assert_released(backend)
+
+
+@pytest.mark.parametrize("state", STATES, ids=[s.value for s in STATES])
+def test_ctrl_c_in_every_state_releases_everything(tmp_path, state):
+    def interrupt(trainer, backend, new, nth):
+        if new is state and nth == 1:
+            raise KeyboardInterrupt
+
+    trainer, backend, entered = journey(tmp_path, interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(STEPS)
+    assert trainer.state is S.ERRORED and state in entered
+    assert [e["kind"] for e in trainer.events.events][-1] == "errored"
+    assert_released(backend)
+
+
+def _fault_at(state, fired: list):
+    """At the first entry of ``state``: what can go wrong there."""
+    def inject(trainer, backend, new, nth):
+        if state == "final_checkpoint":  # the last world's final save: a process dies while it commits
+            if new is S.RUNNING and trainer.worlds[-1].start_step >= 12 and not fired:
+                backend.finish_checkpoint_failures = 1
+                fired.append(state)
+            return
+        if new is not state or nth != 1:
+            return
+        fired.append(state)
+        if state is S.SCHEDULING:  # a slice's host dies before it is reserved: too few are left
+            backend.kill(backend.hosts[0])
+        elif state is S.RUNNING:  # during the steps: the next one fails
+            backend.faults[trainer.worlds[-1].start_step + 1] = lose_slice(0)
+        elif state is S.RESIZING:  # a process dies while the in-flight save commits before the grow
+            backend.finish_checkpoint_failures = 1
+        else:  # forming, recovering, waiting: the host of a slice held for the next world dies
+            live = [r for r in trainer.gens.members if r.host in backend.alive]
+            backend.kill(live[-1].host)
+    return inject
+
+
+@pytest.mark.parametrize("state", STATES + ["final_checkpoint"], ids=[getattr(s, "value", s) for s in STATES] +
+                         ["final_checkpoint"])
+def test_a_fault_in_every_state_is_recovered_or_ends_with_a_documented_error(tmp_path, state):
+    fired = []
+    trainer, backend, entered = journey(tmp_path, _fault_at(state, fired))
+    try:
+        result = trainer.fit(STEPS)
+    except DOCUMENTED:
+        assert trainer.state is S.ERRORED
+    else:
+        assert result.steps == list(range(STEPS))
+        if state in (S.RESIZING, "final_checkpoint"):
+            assert any("died while committing" in e["error"] for e in result.events if e["kind"] == "failure")
+    assert fired == [state]
+    assert fresh_restarts(trainer) == [], "a world started from fresh parameters after steps were done"
+    assert_released(backend)
