@@ -11,7 +11,9 @@ slice, checkpoints every ``--checkpoint-every`` steps. ``--faults N`` faults fir
 - ``during_recovery``: a slice lost, and another 0.3 s after the controller saw the first;
 - ``while_forming``: a process killed, and a slice lost while the next world forms;
 - ``dies_on_arrival``: a slice lost, and its replacement lost as soon as it arrives;
-- ``during_save``: a process killed right after a checkpoint save started.
+- ``during_save``: a process killed right after a checkpoint save started;
+- ``during_grow``: a slice lost, and when its replacement arrives, a process of the world killed
+  while the world grows back (waiting for the in-flight save before it stops).
 
 Phase 2 (``--multihost-faults M``): 3 slices of 2 hosts (``min_slices`` 2), each fault one host of a
 slice lost.
@@ -47,7 +49,7 @@ import time
 from typing import Optional
 
 KINDS = ("process_kill", "node_loss", "host_hang", "two_at_once", "during_recovery", "while_forming",
-         "dies_on_arrival", "during_save")
+         "dies_on_arrival", "during_save", "during_grow")
 GBS, SEED = 48, 0  # 48 splits evenly over 2, 3 and 4 slices of 2 devices (and 2 or 3 slices of 4)
 
 
@@ -112,6 +114,10 @@ class Chaos:
             first = self._pick()[0]
             threading.Thread(target=self._lose_while_forming, args=(t, first), daemon=True).start()
             self._kill_process(first)
+        elif kind == "during_grow":  # a slice lost; when its replacement arrives and the world grows back,
+            # a process of the world dies while the grow waits for the in-flight save (resizing -> recovering)
+            threading.Thread(target=self._kill_while_growing, args=(t,), daemon=True).start()
+            self._lose(self._pick()[0])
         elif kind == "dies_on_arrival":
             known = {s.name for s in self.cluster.slices}
             threading.Thread(target=self._lose_on_arrival, args=(known,), daemon=True).start()
@@ -126,6 +132,13 @@ class Chaos:
         members = [r.slice_name for r in t.gens.members if r.slice_name and r.slice_name != spare]
         if members and t.state.value == "forming_world":
             self._lose(self.rng.choice(members))
+
+    def _kill_while_growing(self, t, timeout_s: float = 120.0) -> None:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline and t.state.value != "resizing":
+            time.sleep(0.005)
+        if t.state.value == "resizing" and t.world is not None:
+            self._kill_process(self.rng.choice(self._names()))
 
     def _lose_on_arrival(self, known: set, timeout_s: float = 120.0) -> None:
         deadline = time.time() + timeout_s

@@ -218,7 +218,7 @@ def test_a_dead_relay_is_replaced_when_the_next_world_forms(cluster, baseline, m
     assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
 
 
-@pytest.mark.parametrize("where", ["forming_world", "running", "recovering", "waiting_for_capacity"])
+@pytest.mark.parametrize("where", ["forming_world", "running", "recovering", "waiting_for_capacity", "resizing"])
 def test_ctrl_c_in_each_state_leaves_nothing_behind(cluster, where):
     """Issue 41 guard: a KeyboardInterrupt delivered in each controller state (at its entry; in
     ``running`` from a step's callback) ends ``fit`` with it, and no placement group (the pending
@@ -237,16 +237,24 @@ def test_ctrl_c_in_each_state_leaves_nothing_behind(cluster, where):
             kill_process_of_slice(trainer, 1)
         if where == "waiting_for_capacity":  # no spare slice: pause-and-resume waits for a replacement
             cluster.kill_slice(slice_name(trainer, 1))
+        if where == "resizing":  # replica-resize goes on with 2; the provisioner's slice makes it grow back
+            in_thread(cluster.kill_slice, slice_name(trainer, 1))
 
     def on_state(old, new):
         if new.value == where and where != "running":
             raise KeyboardInterrupt
 
-    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster, mode="pause-and-resume"), progress=False,
-                             on_step=on_step)
+    growing = where == "resizing"
+    cfg = config(cluster, mode="replica-resize" if growing else "pause-and-resume", min_slices=2 if growing else None)
+    trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=on_step)
     trainer.callbacks.on_state = on_state  # the controller calls its listeners at every transition
-    with pytest.raises(KeyboardInterrupt):
-        trainer.fit(STEPS)
+    prov = cluster.provisioner(delay_s=1.0) if growing else None
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.fit(LONG_STEPS if growing else STEPS)
+    finally:
+        if prov is not None:
+            prov.stop()
     assert trainer.state is S.ERRORED
     assert where in [e["state"] for e in trainer.events.events if e["kind"] == "errored"]
     assert left_behind(before) == {}
