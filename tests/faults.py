@@ -88,7 +88,10 @@ def cluster_state() -> tuple[set, set, set]:
     for _, a in ours:
         if a["State"] == "DEAD" and a.get("Pid"):
             try:
-                if psutil.Process(a["Pid"]).cmdline()[0].startswith("ray::"):  # not a reused pid
+                proc = psutil.Process(a["Pid"])
+                # Not a reused pid, and not on a host the test froze (SIGSTOP: nothing there runs, its
+                # raylet included, until the host is killed or resumed).
+                if proc.cmdline()[0].startswith("ray::") and proc.status() != psutil.STATUS_STOPPED:
                     running.add(a["Pid"])
             except (psutil.Error, IndexError):
                 pass
