@@ -12,8 +12,8 @@ slice, checkpoints every ``--checkpoint-every`` steps. ``--faults N`` faults fir
 - ``while_forming``: a process killed, and a slice lost while the next world forms;
 - ``dies_on_arrival``: a slice lost, and its replacement lost as soon as it arrives;
 - ``during_save``: a process killed right after a checkpoint save started;
-- ``during_grow``: a slice lost, and when its replacement arrives, a process of the world killed
-  while the world grows back (waiting for the in-flight save before it stops).
+- ``during_grow``: a slice lost, and at the next grow-back a process of the world killed as the
+  controller enters ``resizing``, before the in-flight save commits (resizing -> recovering).
 
 Phase 2 (``--multihost-faults M``): 3 slices of 2 hosts (``min_slices`` 2), each fault one host of a
 slice lost.
@@ -61,6 +61,7 @@ class Chaos:
         self.trainer = None
         self.fired: list[dict] = []
         self._after_failure = None  # a second fault waiting for the controller to see the first
+        self._kills_on_resize = 0  # during_grow faults waiting for the next grow-back
 
     # ----------------------------------------------------------------- victims
     def _names(self) -> list[str]:
@@ -114,9 +115,9 @@ class Chaos:
             first = self._pick()[0]
             threading.Thread(target=self._lose_while_forming, args=(t, first), daemon=True).start()
             self._kill_process(first)
-        elif kind == "during_grow":  # a slice lost; when its replacement arrives and the world grows back,
-            # a process of the world dies while the grow waits for the in-flight save (resizing -> recovering)
-            threading.Thread(target=self._kill_while_growing, args=(t,), daemon=True).start()
+        elif kind == "during_grow":  # a slice lost; at the next grow-back, a process of the world killed
+            # as the controller enters ``resizing``, before the in-flight save commits (resizing -> recovering)
+            self._kills_on_resize += 1
             self._lose(self._pick()[0])
         elif kind == "dies_on_arrival":
             known = {s.name for s in self.cluster.slices}
@@ -133,12 +134,14 @@ class Chaos:
         if members and t.state.value == "forming_world":
             self._lose(self.rng.choice(members))
 
-    def _kill_while_growing(self, t, timeout_s: float = 120.0) -> None:
-        deadline = time.time() + timeout_s
-        while time.time() < deadline and t.state.value != "resizing":
-            time.sleep(0.005)
-        if t.state.value == "resizing" and t.world is not None:
-            self._kill_process(self.rng.choice(self._names()))
+    def on_state(self, old, new) -> None:
+        """The controller's transitions (called synchronously by it): a ``during_grow`` kill lands
+        while the world it is about to stop is still committing its save."""
+        if new.value == "resizing" and self._kills_on_resize and self.trainer.world is not None:
+            self._kills_on_resize -= 1
+            victim = self.rng.choice(self._names())
+            print(f"    killed a process of {victim} as the world grows back", flush=True)
+            self._kill_process(victim)
 
     def _lose_on_arrival(self, known: set, timeout_s: float = 120.0) -> None:
         deadline = time.time() + timeout_s
@@ -226,6 +229,7 @@ def run_phase(cluster, *, steps: int, faults: int, every_s: float, kinds, hosts:
                                                   checkpoint_dir=ckpt_dir, checkpoint_every=checkpoint_every),
                              progress=False, on_step=on_step, on_event=chaos.on_event, run_dir=run_dir)
     chaos.trainer = trainer
+    trainer.callbacks.on_state = chaos.on_state  # the controller calls its listeners at every transition
     prov = cluster.provisioner(delay_s=1.0)
     timer = threading.Thread(target=every, daemon=True) if every_s else None
     error, result = None, None
