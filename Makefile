@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-soak test-all bench install clean
+.PHONY: demo test lint test-soak test-all bench install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/ray-elastic demo $(ARGS)
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check ray_elastic tests bench examples
+	$(VENV)/bin/ruff format --check ray_elastic tests bench examples
+
+test: lint
 	$(PY) -m pytest -q -ra $(ARGS)
 
 test-soak: $(STAMP)

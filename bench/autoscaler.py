@@ -1,6 +1,6 @@
 """Slice supply on the simulated cluster: Ray's autoscaler (v2) against the provisioner thread.
 
-Per source (``autoscaler``: the head's v2 monitor with ``ray_elastic.sim_provider``; ``thread``:
+Per source (``autoscaler``: the head's v2 monitor with ``ray_elastic.sim.node_provider``; ``thread``:
 ``SimulatedTPUCluster.provisioner(delay_s=0)``), on a 3-slice cluster with no provisioning delay:
 
 - ``demand``: every slice reserved, one more slice reservation made: seconds until it is ready
@@ -27,8 +27,8 @@ import time
 
 
 def measure(source: str, hosts: int, repeats: int, demand: bool) -> dict[str, list[float]]:
-    from ray_elastic.placement import ReplacementRequest, SliceReservation, reserve_slices
-    from ray_elastic.sim import SimulatedTPUCluster
+    from ray_elastic.control.placement import ReplacementRequest, SliceReservation, reserve_slices
+    from ray_elastic.sim.cluster import SimulatedTPUCluster
 
     kw = {"autoscaler": True, "max_slices": 4, "pool_slices": 4} if source == "autoscaler" else {}
     out: dict[str, list[float]] = {"demand": [], "replace": []}
@@ -43,8 +43,10 @@ def measure(source: str, hosts: int, repeats: int, demand: bool) -> dict[str, li
             extra = SliceReservation(spec, head_timeout_s=120)
             assert extra.wait(120), "the extra slice never came"
             out["demand"].append(time.monotonic() - t0)
-            print(json.dumps({"source": source, "hosts": hosts, "measure": "demand", "s": round(out["demand"][-1], 3)}),
-                  flush=True)
+            print(
+                json.dumps({"source": source, "hosts": hosts, "measure": "demand", "s": round(out["demand"][-1], 3)}),
+                flush=True,
+            )
             for r in held + [extra]:
                 r.release()
             _back_to(cluster, 3)
@@ -63,8 +65,10 @@ def measure(source: str, hosts: int, repeats: int, demand: bool) -> dict[str, li
                     raise TimeoutError("no replacement in 120 s")
                 time.sleep(0.02)
             out["replace"].append(time.monotonic() - t0)
-            print(json.dumps({"source": source, "hosts": hosts, "measure": "replace",
-                              "s": round(out["replace"][-1], 3)}), flush=True)
+            print(
+                json.dumps({"source": source, "hosts": hosts, "measure": "replace", "s": round(out["replace"][-1], 3)}),
+                flush=True,
+            )
             for r in held + [request.poll()]:
                 r.release()
             cluster.reap_dead_slices()
@@ -94,8 +98,10 @@ def _back_to(cluster, n: int) -> None:
         for sl in alive[n:]:
             cluster.kill_slice(sl.name)
         if len(cluster.alive_slices()) == n and all(
-                nid in {x["NodeID"] for x in ray.nodes() if x["Alive"]} for s in cluster.alive_slices()
-                for nid in s.node_ids):
+            nid in {x["NodeID"] for x in ray.nodes() if x["Alive"]}
+            for s in cluster.alive_slices()
+            for nid in s.node_ids
+        ):
             return
         if len(cluster.alive_slices()) < n:
             cluster.add_slice()

@@ -48,8 +48,17 @@ import threading
 import time
 from typing import Optional
 
-KINDS = ("process_kill", "node_loss", "host_hang", "two_at_once", "during_recovery", "while_forming",
-         "dies_on_arrival", "during_save", "during_grow")
+KINDS = (
+    "process_kill",
+    "node_loss",
+    "host_hang",
+    "two_at_once",
+    "during_recovery",
+    "while_forming",
+    "dies_on_arrival",
+    "during_save",
+    "during_grow",
+)
 GBS, SEED = 48, 0  # 48 splits evenly over 2, 3 and 4 slices of 2 devices (and 2 or 3 slices of 4)
 
 
@@ -85,6 +94,7 @@ class Chaos:
                     self.cluster.kill_slice(name)
             except KeyError:  # already gone
                 pass
+
         threading.Thread(target=go, daemon=True).start()
 
     def _kill_process(self, name: str) -> None:
@@ -154,10 +164,19 @@ class Chaos:
 
     def on_event(self, e: dict) -> None:
         if e["kind"] in ("recovered", "scale_up", "failure", "waiting_for_capacity"):
-            keys = {"failure": ("cause", "lost_slices", "crashed_slices", "world_slices", "detection_latency_s"),
-                    "recovered": ("slices", "recovery_s", "wait_for_capacity_s", "world_formation_s", "compile_s",
-                                  "steps_rewound"),
-                    "scale_up": ("from_slices", "to_slices", "pause_s"), "waiting_for_capacity": ("reason",)}[e["kind"]]
+            keys = {
+                "failure": ("cause", "lost_slices", "crashed_slices", "world_slices", "detection_latency_s"),
+                "recovered": (
+                    "slices",
+                    "recovery_s",
+                    "wait_for_capacity_s",
+                    "world_formation_s",
+                    "compile_s",
+                    "steps_rewound",
+                ),
+                "scale_up": ("from_slices", "to_slices", "pause_s"),
+                "waiting_for_capacity": ("reason",),
+            }[e["kind"]]
             print(f"    {e['kind']}: " + ", ".join(f"{k}={_short(e.get(k))}" for k in keys), flush=True)
         if e["kind"] == "failure" and self._after_failure is not None:
             second, self._after_failure = self._after_failure, None
@@ -181,29 +200,60 @@ def draw_kinds(rng: random.Random, kinds, n: int) -> list[str]:
     return out[:n]
 
 
-def run_phase(cluster, *, steps: int, faults: int, every_s: float, kinds, hosts: int, num_slices: int,
-              min_slices: int, checkpoint_every: int, gap: int, rng: random.Random, ckpt_dir: str,
-              run_dir: Optional[str] = None, noise: bool = True) -> dict:
-    from ray_elastic import ElasticConfig, ElasticTrainer, goodput
-    from ray_elastic.checkpoints import latest_checkpoint
+def run_phase(
+    cluster,
+    *,
+    steps: int,
+    faults: int,
+    every_s: float,
+    kinds,
+    hosts: int,
+    num_slices: int,
+    min_slices: int,
+    checkpoint_every: int,
+    gap: int,
+    rng: random.Random,
+    ckpt_dir: str,
+    run_dir: Optional[str] = None,
+    noise: bool = True,
+) -> dict:
+    from ray_elastic import ElasticConfig, ElasticTrainer
     from ray_elastic.examples.digits_mlp import DigitsMLPTask
-    from ray_elastic.results import unexplained_rewinds
+    from ray_elastic.observe import goodput
+    from ray_elastic.observe.results import unexplained_rewinds
+    from ray_elastic.state.checkpoints import latest_checkpoint
 
     def cfg(n: int, **kw) -> ElasticConfig:
         # max_failures: the bench injects faults far faster than a cluster meets them (a fault can
         # be two or three failures); max_failures_in_a_row still stops a run that makes no progress.
-        return ElasticConfig(num_slices=n, global_batch_size=GBS, slice=cluster.slice_spec, steps_per_chunk=10,
-                             seed=SEED, hang_timeout_min_s=3.0, replacement_timeout_s=120.0, snapshot_every=1,
-                             max_failures=max(30, 4 * faults, int(steps)), **kw)  # every step: 0 rewinds is a goal
+        return ElasticConfig(
+            num_slices=n,
+            global_batch_size=GBS,
+            slice=cluster.slice_spec,
+            steps_per_chunk=10,
+            seed=SEED,
+            hang_timeout_min_s=3.0,
+            replacement_timeout_s=120.0,
+            snapshot_every=1,
+            max_failures=max(30, 4 * faults, int(steps)),
+            **kw,
+        )  # every step: 0 rewinds is a goal
 
     t0 = time.time()
     # The failure-free references start no standby processes: nothing fails there, and the losses
     # do not depend on them.
     full = ElasticTrainer(DigitsMLPTask(), cfg(num_slices, standby_workers=0), progress=False).fit(steps).losses
-    small = ElasticTrainer(DigitsMLPTask(), cfg(min_slices, standby_workers=0), progress=False).fit(steps).losses \
-        if noise else None
-    print(f"  failure-free run(s) at {num_slices}" + (f" and {min_slices}" if noise else "")
-          + f" slices: {time.time() - t0:.0f}s", flush=True)
+    small = (
+        ElasticTrainer(DigitsMLPTask(), cfg(min_slices, standby_workers=0), progress=False).fit(steps).losses
+        if noise
+        else None
+    )
+    print(
+        f"  failure-free run(s) at {num_slices}"
+        + (f" and {min_slices}" if noise else "")
+        + f" slices: {time.time() - t0:.0f}s",
+        flush=True,
+    )
 
     chaos = Chaos(cluster, rng, hosts)
     schedule = {}
@@ -225,9 +275,20 @@ def run_phase(cluster, *, steps: int, faults: int, every_s: float, kinds, hosts:
             if chaos.trainer.world is not None and chaos.trainer.state.value == "running":
                 chaos.fire(rng.choice(kinds), -1)
 
-    trainer = ElasticTrainer(DigitsMLPTask(), cfg(num_slices, mode="replica-resize", min_slices=min_slices,
-                                                  checkpoint_dir=ckpt_dir, checkpoint_every=checkpoint_every),
-                             progress=False, on_step=on_step, on_event=chaos.on_event, run_dir=run_dir)
+    trainer = ElasticTrainer(
+        DigitsMLPTask(),
+        cfg(
+            num_slices,
+            mode="replica-resize",
+            min_slices=min_slices,
+            checkpoint_dir=ckpt_dir,
+            checkpoint_every=checkpoint_every,
+        ),
+        progress=False,
+        on_step=on_step,
+        on_event=chaos.on_event,
+        run_dir=run_dir,
+    )
     chaos.trainer = trainer
     trainer.callbacks.on_state = chaos.on_state  # the controller calls its listeners at every transition
     prov = cluster.provisioner(delay_s=1.0)
@@ -253,22 +314,32 @@ def run_phase(cluster, *, steps: int, faults: int, every_s: float, kinds, hosts:
         elif e["kind"] == "checkpoint_restore" and e["step"] not in committed:
             uncommitted_restored += 1
     latest = latest_checkpoint(ckpt_dir)
-    out = {"faults": len(chaos.fired), "planned": faults if not every_s else len(chaos.fired),
-           "unrecovered": int(error is not None), "error": error, "wall_s": round(wall, 1),
-           "uncommitted_restored": uncommitted_restored,
-           "final_checkpoint_committed": latest is not None and latest.step == steps,
-           "by_kind": {k: sum(1 for f in chaos.fired if f["kind"] == k) for k in sorted({f["kind"] for f in chaos.fired})},
-           "world_size_noise": _max_rel(small, full) if noise else None}
+    out = {
+        "faults": len(chaos.fired),
+        "planned": faults if not every_s else len(chaos.fired),
+        "unrecovered": int(error is not None),
+        "error": error,
+        "wall_s": round(wall, 1),
+        "uncommitted_restored": uncommitted_restored,
+        "final_checkpoint_committed": latest is not None and latest.step == steps,
+        "by_kind": {k: sum(1 for f in chaos.fired if f["kind"] == k) for k in sorted({f["kind"] for f in chaos.fired})},
+        "world_size_noise": _max_rel(small, full) if noise else None,
+    }
     if result is not None:
         # Steps before the world first changed shape trained exactly as the failure-free run did.
         resized = [r.restored_from_step for r in result.recoveries if r.slices != num_slices]
         prefix = min(resized) + 1 if resized else steps
-        out.update(steps_rewound=result.summary["steps_rewound"],
-                   unexplained_rewound=unexplained_rewinds(events, trainer.config.snapshot_replicas), goodput=result.summary["goodput"],
-                   goodput_breakdown=goodput.account(events).as_dict(),  # where the badput went, in seconds
-                   max_rel_loss_diff=_max_rel(result.losses, full), same_shape_steps=prefix,
-                   same_shape_max_diff=_max_rel(result.losses[:prefix], full[:prefix]),
-                   failures=result.summary["failures"], recoveries=result.summary["recoveries"])
+        out.update(
+            steps_rewound=result.summary["steps_rewound"],
+            unexplained_rewound=unexplained_rewinds(events, trainer.config.snapshot_replicas),
+            goodput=result.summary["goodput"],
+            goodput_breakdown=goodput.account(events).as_dict(),  # where the badput went, in seconds
+            max_rel_loss_diff=_max_rel(result.losses, full),
+            same_shape_steps=prefix,
+            same_shape_max_diff=_max_rel(result.losses[:prefix], full[:prefix]),
+            failures=result.summary["failures"],
+            recoveries=result.summary["recoveries"],
+        )
     return out
 
 
@@ -292,21 +363,35 @@ def _phase_dir(run_dir: Optional[str], phase: str) -> Optional[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--faults", type=int, default=8, help="faults of phase 1 (4 one-host slices)")
-    ap.add_argument("--multihost-faults", type=int, default=None,
-                    help="faults of phase 2 (2-host slices, one host lost each; default faults/10, at least 1)")
+    ap.add_argument(
+        "--multihost-faults",
+        type=int,
+        default=None,
+        help="faults of phase 2 (2-host slices, one host lost each; default faults/10, at least 1)",
+    )
     ap.add_argument("--every-s", type=float, default=0.0, help="a fault every this many seconds instead of --faults")
     ap.add_argument("--steps", type=int, default=None, help="steps per phase (default: 40 per fault + 60)")
     ap.add_argument("--gap", type=int, default=40, help="steps between fault windows")
-    ap.add_argument("--checkpoint-every", type=int, default=None,
-                    help="default: 20 with --faults (a checkpoint in every --gap window, so faults meet saves "
-                         "and a rewind to one is short); with --every-s, ElasticConfig's default (100): the "
-                         "goodput a user gets")
+    ap.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        help="default: 20 with --faults (a checkpoint in every --gap window, so faults meet saves "
+        "and a rewind to one is short); with --every-s, ElasticConfig's default (100): the "
+        "goodput a user gets",
+    )
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of " + ",".join(KINDS))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-noise", action="store_true",
-                    help="skip the failure-free run at min_slices (no noise floor: a quick check of recovery only)")
-    ap.add_argument("--run-dir", default=None,
-                    help="keep each phase's event log here (<dir>/<phase>/events.jsonl; see `ray-elastic report`)")
+    ap.add_argument(
+        "--no-noise",
+        action="store_true",
+        help="skip the failure-free run at min_slices (no noise floor: a quick check of recovery only)",
+    )
+    ap.add_argument(
+        "--run-dir",
+        default=None,
+        help="keep each phase's event log here (<dir>/<phase>/events.jsonl; see `ray-elastic report`)",
+    )
     args = ap.parse_args()
     kinds = [k for k in args.kinds.split(",") if k]
     if bad := [k for k in kinds if k not in KINDS]:
@@ -317,30 +402,54 @@ def main() -> int:
 
         args.checkpoint_every = ElasticConfig.checkpoint_every if args.every_s else 20
 
-    from ray_elastic.sim import SimulatedTPUCluster
+    from ray_elastic.sim.cluster import SimulatedTPUCluster
 
     rng = random.Random(args.seed)
     phases = {}
     with tempfile.TemporaryDirectory(prefix="ray-elastic-chaos-") as tmp:
         steps = args.steps or args.gap * args.faults + 60
-        print(f"phase 1: 4 slices x 1 host, min 2, {args.faults or 'every %ss' % args.every_s} fault(s), {steps} steps",
-              flush=True)
+        print(
+            f"phase 1: 4 slices x 1 host, min 2, {args.faults or 'every %ss' % args.every_s} fault(s), {steps} steps",
+            flush=True,
+        )
         with SimulatedTPUCluster(num_slices=4, log_to_driver=False) as cluster:
             phases["one_host_slices"] = run_phase(
-                cluster, steps=steps, faults=args.faults, every_s=args.every_s, kinds=kinds, hosts=1, num_slices=4,
-                min_slices=2, checkpoint_every=args.checkpoint_every, gap=args.gap, rng=rng,
-                ckpt_dir=os.path.join(tmp, "one-host"), run_dir=_phase_dir(args.run_dir, "one_host_slices"),
-                noise=not args.no_noise)
+                cluster,
+                steps=steps,
+                faults=args.faults,
+                every_s=args.every_s,
+                kinds=kinds,
+                hosts=1,
+                num_slices=4,
+                min_slices=2,
+                checkpoint_every=args.checkpoint_every,
+                gap=args.gap,
+                rng=rng,
+                ckpt_dir=os.path.join(tmp, "one-host"),
+                run_dir=_phase_dir(args.run_dir, "one_host_slices"),
+                noise=not args.no_noise,
+            )
         print(json.dumps(phases["one_host_slices"]), flush=True)
         if mh > 0:
             steps = args.steps or args.gap * mh + 60
             print(f"phase 2: 3 slices x 2 hosts, min 2, {mh} fault(s) (one host each), {steps} steps", flush=True)
             with SimulatedTPUCluster(num_slices=3, hosts_per_slice=2, log_to_driver=False) as cluster:
                 phases["two_host_slices"] = run_phase(
-                    cluster, steps=steps, faults=mh, every_s=0.0, kinds=["one_host"], hosts=2, num_slices=3,
-                    min_slices=2, checkpoint_every=args.checkpoint_every, gap=args.gap, rng=rng,
-                    ckpt_dir=os.path.join(tmp, "two-host"), run_dir=_phase_dir(args.run_dir, "two_host_slices"),
-                    noise=not args.no_noise)
+                    cluster,
+                    steps=steps,
+                    faults=mh,
+                    every_s=0.0,
+                    kinds=["one_host"],
+                    hosts=2,
+                    num_slices=3,
+                    min_slices=2,
+                    checkpoint_every=args.checkpoint_every,
+                    gap=args.gap,
+                    rng=rng,
+                    ckpt_dir=os.path.join(tmp, "two-host"),
+                    run_dir=_phase_dir(args.run_dir, "two_host_slices"),
+                    noise=not args.no_noise,
+                )
             print(json.dumps(phases["two_host_slices"]), flush=True)
     ps = list(phases.values())
     total = {
@@ -354,7 +463,8 @@ def main() -> int:
         "world_size_noise": max(p["world_size_noise"] for p in ps) if not args.no_noise else None,
         # The goal: each phase within twice its own noise floor.
         "loss_diff_over_noise": max(p.get("max_rel_loss_diff", float("nan")) / p["world_size_noise"] for p in ps)
-        if not args.no_noise else None,
+        if not args.no_noise
+        else None,
         "same_shape_max_diff": max(p.get("same_shape_max_diff", float("nan")) for p in ps),
         "uncommitted_restored": sum(p["uncommitted_restored"] for p in ps),
         "final_checkpoint_committed": all(p["final_checkpoint_committed"] for p in ps),

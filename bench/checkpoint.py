@@ -30,8 +30,14 @@ import tempfile
 def measure(cluster, task, directory: str, steps: int, every: int) -> dict:
     from ray_elastic import ElasticConfig, ElasticTrainer
 
-    cfg = ElasticConfig(num_slices=3, global_batch_size=48, slice=cluster.slice_spec, steps_per_chunk=10,
-                        checkpoint_dir=directory, checkpoint_every=every)
+    cfg = ElasticConfig(
+        num_slices=3,
+        global_batch_size=48,
+        slice=cluster.slice_spec,
+        steps_per_chunk=10,
+        checkpoint_dir=directory,
+        checkpoint_every=every,
+    )
     result = ElasticTrainer(task, cfg, progress=False).fit(steps)
     saves = [e for e in result.events if e["kind"] == "checkpoint_save"]
     committed = [e for e in result.events if e["kind"] == "checkpoint_committed"]
@@ -62,18 +68,20 @@ def main() -> None:
 
     task = load_task(args.example)
 
-    from ray_elastic.local_gcs import LocalGCS
+    from ray_elastic.sim.local_gcs import LocalGCS
 
     with LocalGCS() as gcs:
         gcs.activate()  # before any GCS client is imported
-        from ray_elastic.sim import SimulatedTPUCluster
+        from ray_elastic.sim.cluster import SimulatedTPUCluster
 
         bucket = gcs.create_bucket("ray-elastic-bench")
         local = tempfile.mkdtemp(prefix="ray-elastic-ckpt-bench-")
         try:
             with SimulatedTPUCluster(num_slices=3, log_to_driver=False) as cluster:
-                rows = {"local": measure(cluster, task, local + "/run", args.steps, args.every),
-                        "gcs": measure(cluster, task, bucket + "/run", args.steps, args.every)}
+                rows = {
+                    "local": measure(cluster, task, local + "/run", args.steps, args.every),
+                    "gcs": measure(cluster, task, bucket + "/run", args.steps, args.every),
+                }
         finally:
             shutil.rmtree(local, ignore_errors=True)
     print(f"\ncheckpoints of the example {args.example}, 3 slices, every {args.every} steps, {args.steps} steps")
@@ -82,8 +90,17 @@ def main() -> None:
     for where, row in rows.items():
         print("  " + f"{where:>6}" + "".join(f"{row[k]:>24}" for k in keys))
     g = rows["gcs"]
-    print(json.dumps({"save_blocking_fraction": g["save_blocking_fraction"], "save_total_s": g["save_total_s"],
-                      "restore_s": g["restore_s"], "local": rows["local"], "every": args.every}))
+    print(
+        json.dumps(
+            {
+                "save_blocking_fraction": g["save_blocking_fraction"],
+                "save_total_s": g["save_total_s"],
+                "restore_s": g["restore_s"],
+                "local": rows["local"],
+                "every": args.every,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import time
 
-PROBE_LOOP = 20_000_000  # the loop of the README's calibrations: 0.8-0.97 s in a normal hour here
+PROBE_LOOP = 20_000_000  # the loop of bench/README.md's calibrations: 0.8-0.97 s in a normal hour here
 NORMAL_S = 0.97  # the slowest probe seen in a normal hour
 
 
 def cpu_probe_s(loops: int = PROBE_LOOP) -> float:
-    """Wall seconds of a pure-Python loop in this process (one core, no Ray, no JAX): the README's
+    """Wall seconds of a pure-Python loop in this process (one core, no Ray, no JAX): bench/README.md's
     ``python3 -c "s=0\nfor i in range(20_000_000): s+=i"``, run the same way (module-level names,
     which a function's locals would make ~2x faster)."""
     t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """Controller overhead: a Ray-driven run against the best bare multi-process JAX loop, on two model sizes.
 
 Both sides run 3 processes x 2 CPU devices (3 simulated v4-8 slices), the same
-task, batch and step function (``ray_elastic.jax_world.TrainLoop``). The bare side
+task, batch and step function (``ray_elastic.slice.jax_world.TrainLoop``). The bare side
 is plain ``jax.distributed`` over subprocesses, no Ray, written as a JAX user would:
 the next step is dispatched before the last one's loss is read (``--in-flight 1``);
 the blocking loop (each loss read before the next step) is measured too. The
@@ -55,24 +55,40 @@ def layout(model: str) -> dict:
     return {"slice_mesh": {"fsdp": -1, "tensor": 2}, "logical_axis_rules": LOGICAL_AXIS_RULES}
 
 
-def bare_worker(process_id: int, coordinator: str, steps: int, out: str, model: str, in_flight: int,
-                processes: int, devices: int, batch: int) -> None:
+def bare_worker(
+    process_id: int,
+    coordinator: str,
+    steps: int,
+    out: str,
+    model: str,
+    in_flight: int,
+    processes: int,
+    devices: int,
+    batch: int,
+) -> None:
     """One process of the bare JAX program (no Ray anywhere)."""
-    from ray_elastic import jax_world
-    from ray_elastic.data import StepBatches
-    from ray_elastic.plan import plan_world
+    from ray_elastic.decide import plan_world
+    from ray_elastic.slice import jax_world
+    from ray_elastic.slice.data import StepBatches
 
     settings = layout(model)
-    plan = plan_world(0, [f"s{i}" for i in range(processes)], 1, devices, batch,
-                      slice_mesh=settings.get("slice_mesh"))
+    plan = plan_world(0, [f"s{i}" for i in range(processes)], 1, devices, batch, slice_mesh=settings.get("slice_mesh"))
     jax_world.enable_compilation_cache("/tmp/ray-elastic-jax-cache")
     jax_world.initialize(coordinator, plan, process_id, 120)
     from ray_elastic import ElasticConfig, SliceSpec
 
     fsdp_min_size = ElasticConfig(num_slices=1, global_batch_size=batch, slice=SliceSpec()).fsdp_min_size  # the default
     t = task(model)
-    loop = jax_world.TrainLoop(t, plan, process_id, 0, jax_world.build_mesh(plan), fsdp_min_size,
-                               StepBatches(t.dataset(), batch, 0), rules=settings.get("logical_axis_rules", ()))
+    loop = jax_world.TrainLoop(
+        t,
+        plan,
+        process_id,
+        0,
+        jax_world.build_mesh(plan),
+        fsdp_min_size,
+        StepBatches(t.dataset(), batch, 0),
+        rules=settings.get("logical_axis_rules", ()),
+    )
     loop.compile(0)
     half = steps // 2
     loop.run(0, half, in_flight)  # warm-up: measured like the controller side, over the second half
@@ -83,17 +99,45 @@ def bare_worker(process_id: int, coordinator: str, steps: int, out: str, model: 
             json.dump({"step_s": statistics.mean(times), "state_bytes": state_bytes}, f)
 
 
-def run_bare(steps: int, model: str, in_flight: int, processes: int = NUM_SLICES, devices: int = DEVICES,
-             batch: int = BATCH, **env_vars: str) -> dict:
-    from ray_elastic.sim import free_port
+def run_bare(
+    steps: int,
+    model: str,
+    in_flight: int,
+    processes: int = NUM_SLICES,
+    devices: int = DEVICES,
+    batch: int = BATCH,
+    **env_vars: str,
+) -> dict:
+    from ray_elastic.sim.hosts import free_port
 
     out = f"/tmp/ray-elastic-bare-{os.getpid()}.json"
     coord = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-           **env_vars}
-    procs = [subprocess.Popen([sys.executable, __file__, "--bare-worker", str(i), coord, str(steps), out, model,
-                               str(in_flight), str(processes), str(devices), str(batch)], env=env)
-             for i in range(processes)]
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        **env_vars,
+    }
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--bare-worker",
+                str(i),
+                coord,
+                str(steps),
+                out,
+                model,
+                str(in_flight),
+                str(processes),
+                str(devices),
+                str(batch),
+            ],
+            env=env,
+        )
+        for i in range(processes)
+    ]
     for p in procs:
         if p.wait(timeout=900) != 0:
             raise RuntimeError("bare worker failed")
@@ -121,47 +165,66 @@ def run_ray(steps: int, spec, model: str, **overrides) -> dict:
     # cores (one-time work; on a TPU host it runs on the host CPUs, beside the chips). Each step's
     # time is the interval between finished steps, as the bare loop measures it.
     first = max(steps // 2, warm_from[0] if warm_from else steps)
-    times = result.step_times_s[first:] or result.step_times_s[steps // 2:]
-    return {"step_s": statistics.mean(times), "snapshot_every": result.summary["snapshot_every"],
-            "steady_steps": len(times), "warm_at_step": warm_from[0] if warm_from else None}
+    times = result.step_times_s[first:] or result.step_times_s[steps // 2 :]
+    return {
+        "step_s": statistics.mean(times),
+        "snapshot_every": result.summary["snapshot_every"],
+        "steady_steps": len(times),
+        "warm_at_step": warm_from[0] if warm_from else None,
+    }
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--bare-worker":
-        bare_worker(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6],
-                    *map(int, sys.argv[7:11]))
+        bare_worker(
+            int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6], *map(int, sys.argv[7:11])
+        )
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300, help="steps per run, small model")
     ap.add_argument("--large-steps", type=int, default=120, help="steps per run, large model")
     ap.add_argument("--llm-steps", type=int, default=120, help="steps per run, the LLM example")
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--environment", action="store_true",
-                    help="also the bare loop with OMP_NUM_THREADS=1 and ray-elastic at niceness 0")
-    ap.add_argument("--only", default=None, help="comma-separated run names (default: all), e.g. bare,default,no_snapshots")
-    ap.add_argument("--snapshot-every", default=None, help="override ElasticConfig.snapshot_every (default: its default)")
+    ap.add_argument(
+        "--environment",
+        action="store_true",
+        help="also the bare loop with OMP_NUM_THREADS=1 and ray-elastic at niceness 0",
+    )
+    ap.add_argument(
+        "--only", default=None, help="comma-separated run names (default: all), e.g. bare,default,no_snapshots"
+    )
+    ap.add_argument(
+        "--snapshot-every", default=None, help="override ElasticConfig.snapshot_every (default: its default)"
+    )
     args = ap.parse_args()
 
     from machine import cpu_probe_s, hour
-    from ray_elastic.sim import SimulatedTPUCluster
+
+    from ray_elastic.sim.cluster import SimulatedTPUCluster
 
     probes = [cpu_probe_s()]
-    snap = {} if args.snapshot_every is None else {
-        "snapshot_every": args.snapshot_every if args.snapshot_every == "auto" else int(args.snapshot_every)}
+    snap = (
+        {}
+        if args.snapshot_every is None
+        else {"snapshot_every": args.snapshot_every if args.snapshot_every == "auto" else int(args.snapshot_every)}
+    )
     runs = {  # name -> (model, what runs it)
         "bare": ("small", lambda c, n: run_bare(n, "small", 1)),
         "bare_blocking": ("small", lambda c, n: run_bare(n, "small", 0)),
-
         "default": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", **snap)),
         "no_snapshots": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", snapshot_every=0)),
         "every_step": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", snapshot_every=1)),
-        "every_step_2_replicas": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", snapshot_every=1,
-                                                                  snapshot_replicas=2)),
+        "every_step_2_replicas": (
+            "small",
+            lambda c, n: run_ray(n, c.slice_spec, "small", snapshot_every=1, snapshot_replicas=2),
+        ),
         "bare_large": ("large", lambda c, n: run_bare(n, "large", 1)),
         "default_large": ("large", lambda c, n: run_ray(n, c.slice_spec, "large", **snap)),
         "no_snapshots_large": ("large", lambda c, n: run_ray(n, c.slice_spec, "large", snapshot_every=0)),
-        "no_snapshots_no_standbys_large": ("large", lambda c, n: run_ray(n, c.slice_spec, "large", snapshot_every=0,
-                                                                         standby_workers=0)),
+        "no_snapshots_no_standbys_large": (
+            "large",
+            lambda c, n: run_ray(n, c.slice_spec, "large", snapshot_every=0, standby_workers=0),
+        ),
         "bare_llm": ("llm", lambda c, n: run_bare(n, "llm", 1)),
         "default_llm": ("llm", lambda c, n: run_ray(n, c.slice_spec, "llm", **snap)),
     }
@@ -179,7 +242,7 @@ def main() -> None:
     names = list(runs)
     with SimulatedTPUCluster(num_slices=NUM_SLICES, devices_per_host=DEVICES, log_to_driver=False) as cluster:
         for rep in range(args.reps):
-            for name in names[rep % len(names):] + names[:rep % len(names)]:
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
                 model, fn = runs[name]
                 got[name].append(fn(cluster, {"large": args.large_steps, "llm": args.llm_steps}.get(model, args.steps)))
                 print(f"rep {rep} {name:<22} {got[name][-1]['step_s'] * 1e3:8.2f} ms/step", flush=True)
@@ -187,8 +250,13 @@ def main() -> None:
     print(f"machine: {hour(probes)}", flush=True)
     med = {k: statistics.median(r["step_s"] for r in v) for k, v in got.items()}
     print("median ms/step: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in med.items()))
-    print("min-max ms/step: " + ", ".join(f"{k} {min(r['step_s'] for r in v) * 1e3:.1f}-"
-                                          f"{max(r['step_s'] for r in v) * 1e3:.1f}" for k, v in got.items()))
+    print(
+        "min-max ms/step: "
+        + ", ".join(
+            f"{k} {min(r['step_s'] for r in v) * 1e3:.1f}-{max(r['step_s'] for r in v) * 1e3:.1f}"
+            for k, v in got.items()
+        )
+    )
 
     def ratio(k: str, base: str):
         return round(med[k] / med[base], 4) if k in med and base in med else None  # None: not run (--only)
@@ -197,7 +265,8 @@ def main() -> None:
         return {name: got[k][-1][field]} if k in got else {}
 
     ratios = {
-        "overhead_ratio": ("default", "bare"), "overhead_ratio_large": ("default_large", "bare_large"),
+        "overhead_ratio": ("default", "bare"),
+        "overhead_ratio_large": ("default_large", "bare_large"),
         "overhead_ratio_no_snapshots": ("no_snapshots", "bare"),
         "overhead_ratio_llm": ("default_llm", "bare_llm"),
         "overhead_ratio_no_snapshots_large": ("no_snapshots_large", "bare_large"),
@@ -205,20 +274,28 @@ def main() -> None:
         "overhead_ratio_every_step": ("every_step", "bare"),
         "overhead_ratio_every_step_2_replicas": ("every_step_2_replicas", "bare"),
         "blocking_loop_ratio": ("bare_blocking", "bare"),
-        "overhead_ratio_nice_0": ("default_nice_0", "bare"), "bare_omp_1_ratio": ("bare_omp_1", "bare"),
+        "overhead_ratio_nice_0": ("default_nice_0", "bare"),
+        "bare_omp_1_ratio": ("bare_omp_1", "bare"),
     }
-    print(json.dumps({
-        **{out: r for out, (k, base) in ratios.items() if (r := ratio(k, base)) is not None},
-        **last("default", "snapshot_every", "snapshot_every_chosen"),
-        **last("default_large", "snapshot_every", "snapshot_every_chosen_large"),
-        **last("default_llm", "snapshot_every", "snapshot_every_chosen_llm"),
-        **last("bare", "state_bytes", "state_bytes_per_process"),
-        **last("bare_large", "state_bytes", "state_bytes_per_process_large"),
-        "step_ms": {k: round(v * 1e3, 2) for k, v in med.items()},
-        "steady_steps": {k: [r["steady_steps"] for r in v] for k, v in got.items() if "steady_steps" in v[0]},
-        "steps": args.steps,
-        "large_steps": args.large_steps, "llm_steps": args.llm_steps, "reps": args.reps,
-        "cpu_probe_s": probes}))  # this hour's speed (bench/machine.py)
+    print(
+        json.dumps(
+            {
+                **{out: r for out, (k, base) in ratios.items() if (r := ratio(k, base)) is not None},
+                **last("default", "snapshot_every", "snapshot_every_chosen"),
+                **last("default_large", "snapshot_every", "snapshot_every_chosen_large"),
+                **last("default_llm", "snapshot_every", "snapshot_every_chosen_llm"),
+                **last("bare", "state_bytes", "state_bytes_per_process"),
+                **last("bare_large", "state_bytes", "state_bytes_per_process_large"),
+                "step_ms": {k: round(v * 1e3, 2) for k, v in med.items()},
+                "steady_steps": {k: [r["steady_steps"] for r in v] for k, v in got.items() if "steady_steps" in v[0]},
+                "steps": args.steps,
+                "large_steps": args.large_steps,
+                "llm_steps": args.llm_steps,
+                "reps": args.reps,
+                "cpu_probe_s": probes,
+            }
+        )
+    )  # this hour's speed (bench/machine.py)
 
 
 if __name__ == "__main__":

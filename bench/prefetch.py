@@ -37,19 +37,28 @@ class SlowDataset:
 
 
 def run(task, dataset, prefetch: int, steps: int, batch: int, in_flight: int = 1) -> float:
-    from ray_elastic import jax_world
-    from ray_elastic.data import StepBatches
-    from ray_elastic.plan import plan_world
+    from ray_elastic.decide import plan_world
+    from ray_elastic.slice import jax_world
+    from ray_elastic.slice.data import StepBatches
 
     plan = plan_world(0, ["s0"], 1, 4, batch, slice_mesh={"fsdp": -1, "tensor": 2})
     from ray_elastic.examples.llm import LOGICAL_AXIS_RULES
 
-    loop = jax_world.TrainLoop(task, plan, 0, 0, jax_world.build_mesh(plan), 1, StepBatches(dataset, batch, 0),
-                               rules=LOGICAL_AXIS_RULES, prefetch=prefetch)
+    loop = jax_world.TrainLoop(
+        task,
+        plan,
+        0,
+        0,
+        jax_world.build_mesh(plan),
+        1,
+        StepBatches(dataset, batch, 0),
+        rules=LOGICAL_AXIS_RULES,
+        prefetch=prefetch,
+    )
     loop.compile(0)
     times = [m["step_time_s"] for m in loop.run(0, steps, in_flight=in_flight)]
     loop.close()
-    return statistics.median(times[steps // 4:])
+    return statistics.median(times[steps // 4 :])
 
 
 def main() -> None:
@@ -76,14 +85,25 @@ def main() -> None:
     ahead_blocking = run(task, slow, 2, args.steps, args.batch, in_flight=0)
     bound = max(compute, data)
     print(f"per step: compute {compute * 1e3:.1f} ms, data {data * 1e3:.1f} ms")
-    print(f"  one step in flight (the slice processes' loop): read in the loop {serial * 1e3:.1f} ms, "
-          f"read ahead {ahead * 1e3:.1f} ms")
+    print(
+        f"  one step in flight (the slice processes' loop): read in the loop {serial * 1e3:.1f} ms, "
+        f"read ahead {ahead * 1e3:.1f} ms"
+    )
     print(f"  blocking loop: read in the loop {serial_blocking * 1e3:.1f} ms, read ahead {ahead_blocking * 1e3:.1f} ms")
-    print(json.dumps({"compute_s": round(compute, 4), "data_s": round(data, 4), "serial_s": round(serial, 4),
-                      "prefetch_s": round(ahead, 4), "prefetch_ratio": round(ahead / bound, 3),
-                      "serial_ratio": round(serial / bound, 3),
-                      "blocking_serial_ratio": round(serial_blocking / bound, 3),
-                      "blocking_prefetch_ratio": round(ahead_blocking / bound, 3)}))
+    print(
+        json.dumps(
+            {
+                "compute_s": round(compute, 4),
+                "data_s": round(data, 4),
+                "serial_s": round(serial, 4),
+                "prefetch_s": round(ahead, 4),
+                "prefetch_ratio": round(ahead / bound, 3),
+                "serial_ratio": round(serial / bound, 3),
+                "blocking_serial_ratio": round(serial_blocking / bound, 3),
+                "blocking_prefetch_ratio": round(ahead_blocking / bound, 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -41,16 +41,32 @@ import statistics
 import threading
 import time
 
-PHASES = ("node_dead_s", "detection_s", "drain_s", "classify_s", "teardown_s", "wait_for_capacity_s", "world_formation_s", "jax_init_s",
-          "state_load_s", "compile_s", "trace_s", "load_s", "first_step_s", "kill_to_step_s", "after_arrival_s")
+PHASES = (
+    "node_dead_s",
+    "detection_s",
+    "drain_s",
+    "classify_s",
+    "teardown_s",
+    "wait_for_capacity_s",
+    "world_formation_s",
+    "jax_init_s",
+    "state_load_s",
+    "compile_s",
+    "trace_s",
+    "load_s",
+    "first_step_s",
+    "kill_to_step_s",
+    "after_arrival_s",
+)
 
 
 class _Done(Exception):
     """Every fault has fired and settled: stop the run."""
 
 
-def faults_for(positions: list[int], kinds: list[str], repeats: int, cascades: int,
-               cold: int = 0) -> list[tuple[str, int, bool]]:
+def faults_for(
+    positions: list[int], kinds: list[str], repeats: int, cascades: int, cold: int = 0
+) -> list[tuple[str, int, bool]]:
     """(kind, position, cold) in firing order. A warm fault waits until every host has a warm standby
     process; a cold one fires at the first step of a new full-size world (standbys still starting)."""
     plan = [(kind, pos, False) for _ in range(repeats) for kind in kinds for pos in positions]
@@ -70,16 +86,28 @@ def model(name: str) -> tuple:
         return DigitsMLPTask(), {}
     from ray_elastic.examples.llm import LOGICAL_AXIS_RULES, DecoderLMTask
 
-    return (DecoderLMTask(seq_len=32, d_model=64, num_layers=2, max_chars=100_000),
-            {"slice_mesh": {"fsdp": -1, "tensor": 2}, "logical_axis_rules": LOGICAL_AXIS_RULES, "microbatch_size": 2})
+    return (
+        DecoderLMTask(seq_len=32, d_model=64, num_layers=2, max_chars=100_000),
+        {"slice_mesh": {"fsdp": -1, "tensor": 2}, "logical_axis_rules": LOGICAL_AXIS_RULES, "microbatch_size": 2},
+    )
 
 
-def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s: float, hosts: int,
-             timeline: bool = False, settle_timeout_s: float = 180.0, snapshot_every="1", model_name: str = "mlp") -> dict:
+def run_mode(
+    cluster,
+    mode: str,
+    faults: list[tuple[str, int]],
+    gap: int,
+    gap_s: float,
+    hosts: int,
+    timeline: bool = False,
+    settle_timeout_s: float = 180.0,
+    snapshot_every="1",
+    model_name: str = "mlp",
+) -> dict:
     """One run that fires ``faults`` in order; returns per-fault rows, grow pauses and rewinds."""
     from ray_elastic import ElasticConfig, ElasticTrainer
     from ray_elastic.errors import ElasticRuntimeError
-    from ray_elastic.results import failure_seen_at
+    from ray_elastic.observe.results import failure_seen_at
 
     arrivals: list[float] = []  # wall time of every finished step
     fired: list[dict] = []
@@ -91,8 +119,9 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
         if kind == "process":
             os.kill(t.world.host_infos[pos * hosts]["pid"], signal.SIGKILL)
             return
-        threading.Thread(target=watch_node_death, args=(cluster.slice_by_name(name).node_ids[hosts - 1], row),
-                         daemon=True).start()
+        threading.Thread(
+            target=watch_node_death, args=(cluster.slice_by_name(name).node_ids[hosts - 1], row), daemon=True
+        ).start()
 
         def lose_node() -> None:  # the loss happens at the first SIGKILL, not when the bench asked for it
             row["asked_at"] = row["at"]
@@ -116,14 +145,23 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
             return
         if not settled:
             if todo and time.time() > box["quiet_until"] + settle_timeout_s:
-                print(f"  {mode}: not back at full size {settle_timeout_s:.0f}s after the last fault; "
-                      f"{len(todo)} fault(s) not fired: {todo} (full size: {full}, quiet: {quiet})", flush=True)
+                print(
+                    f"  {mode}: not back at full size {settle_timeout_s:.0f}s after the last fault; "
+                    f"{len(todo)} fault(s) not fired: {todo} (full size: {full}, quiet: {quiet})",
+                    flush=True,
+                )
                 box["skipped"] = list(todo)
                 raise _Done()
             return
         kind, pos, cold = todo.pop(0)
-        row = {"kind": kind, "position": pos, "holder": pos < t.config.snapshot_replicas, "at": time.time(),
-               "step": m["step"], "cold": cold}
+        row = {
+            "kind": kind,
+            "position": pos,
+            "holder": pos < t.config.snapshot_replicas,
+            "at": time.time(),
+            "step": m["step"],
+            "cold": cold,
+        }
         box["cold_world"] = t.world  # a cold fault needs a newer world than this one
         fired.append(row)
         kill(t, "node" if kind == "cascade" else kind, pos, row)
@@ -150,9 +188,16 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
             box["quiet_until"] = max(box["quiet_until"], time.time() + gap_s)
 
     task, layout = model(model_name)
-    cfg = ElasticConfig(num_slices=3, global_batch_size=48, slice=cluster.slice_spec, steps_per_chunk=10, mode=mode,
-                        min_slices=1,  # a snapshot after every step by default: any rewind is a bug then
-                        snapshot_every="auto" if snapshot_every == "auto" else int(snapshot_every), **layout)
+    cfg = ElasticConfig(
+        num_slices=3,
+        global_batch_size=48,
+        slice=cluster.slice_spec,
+        steps_per_chunk=10,
+        mode=mode,
+        min_slices=1,  # a snapshot after every step by default: any rewind is a bug then
+        snapshot_every="auto" if snapshot_every == "auto" else int(snapshot_every),
+        **layout,
+    )
     trainer = ElasticTrainer(task, cfg, progress=False, on_step=on_step, on_event=on_event)
     box["t"] = trainer
     try:
@@ -170,18 +215,39 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
             continue
         rec = after[0]
         first = min(a for a in arrivals if a > rec.ready_at)
-        detected = [(failure_seen_at(e), e.get("drain_s", float("nan")))
-                    for e in events if e["kind"] == "failure" and e["ts"] > row["at"]]
-        rows.append({**row, **{k: getattr(rec, k) for k in ("classify_s", "teardown_s", "wait_for_capacity_s",
-                                                            "world_formation_s", "state_load_s", "compile_s",
-                                                            "steps_rewound")},
-                     **{k: trainer.worlds[rec.generation].times[k] for k in ("jax_init_s", "trace_s", "load_s",
-                                                                             "processes_starting")},
-                     "node_dead_s": row.get("node_dead_s", float("nan")),
-                     "detection_s": detected[0][0] - row["at"] if detected else float("nan"),
-                     "drain_s": detected[0][1] if detected else float("nan"),
-                     "first_step_s": first - rec.ready_at, "kill_to_step_s": first - t_kill,
-                     "after_arrival_s": first - rec.capacity_ready_at, "slices_after": rec.slices})
+        detected = [
+            (failure_seen_at(e), e.get("drain_s", float("nan")))
+            for e in events
+            if e["kind"] == "failure" and e["ts"] > row["at"]
+        ]
+        rows.append(
+            {
+                **row,
+                **{
+                    k: getattr(rec, k)
+                    for k in (
+                        "classify_s",
+                        "teardown_s",
+                        "wait_for_capacity_s",
+                        "world_formation_s",
+                        "state_load_s",
+                        "compile_s",
+                        "steps_rewound",
+                    )
+                },
+                **{
+                    k: trainer.worlds[rec.generation].times[k]
+                    for k in ("jax_init_s", "trace_s", "load_s", "processes_starting")
+                },
+                "node_dead_s": row.get("node_dead_s", float("nan")),
+                "detection_s": detected[0][0] - row["at"] if detected else float("nan"),
+                "drain_s": detected[0][1] if detected else float("nan"),
+                "first_step_s": first - rec.ready_at,
+                "kill_to_step_s": first - t_kill,
+                "after_arrival_s": first - rec.capacity_ready_at,
+                "slices_after": rec.slices,
+            }
+        )
     pauses = []
     for e in events:
         if e["kind"] == "scale_up":
@@ -193,7 +259,11 @@ def run_mode(cluster, mode: str, faults: list[tuple[str, int]], gap: int, gap_s:
     if timeline:  # the controller's events around each fault, in seconds after the kill
         for row in fired:
             t_kill = row.get("second_at", row["at"])
-            late = f" (first SIGKILL {row['at'] - row['asked_at']:.3f} s after it was asked for)" if "asked_at" in row else ""
+            late = (
+                f" (first SIGKILL {row['at'] - row['asked_at']:.3f} s after it was asked for)"
+                if "asked_at" in row
+                else ""
+            )
             print(f"--- {row['kind']} {row['position']}{late}")
             for e in events:
                 if t_kill - 0.1 < e["ts"] < t_kill + 12 and e["kind"] not in ("steps",):
@@ -218,17 +288,23 @@ def report(title: str, out: dict) -> None:
     rows = out["rows"]
     print(f"\n{title}: {len(rows)} faults")
     # starting: processes the new world took before they had started (Python, JAX, data)
-    print(f"  {'kind':>8} {'pos':>3} {'holder':>6} {'cold':>5} {'starting':>8} "
-          + " ".join(f"{p[:-2]:>11}" for p in PHASES))
+    print(
+        f"  {'kind':>8} {'pos':>3} {'holder':>6} {'cold':>5} {'starting':>8} "
+        + " ".join(f"{p[:-2]:>11}" for p in PHASES)
+    )
     for r in rows:
-        print(f"  {r['kind']:>8} {r['position']:>3} {str(r['holder']):>6} {str(r['cold']):>5} "
-              f"{r['processes_starting']:>8} " + " ".join(f"{r[p]:>11.3f}" for p in PHASES))
+        print(
+            f"  {r['kind']:>8} {r['position']:>3} {str(r['holder']):>6} {str(r['cold']):>5} "
+            f"{r['processes_starting']:>8} " + " ".join(f"{r[p]:>11.3f}" for p in PHASES)
+        )
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["kind"], r["position"], r["cold"]), []).append(r["kill_to_step_s"])
     for (kind, pos, cold), v in sorted(groups.items()):
-        print(f"  kill->step {kind:>8} position {pos} {'cold' if cold else 'warm'}: median {statistics.median(v):.3f}s"
-              f"  worst {max(v):.3f}s")
+        print(
+            f"  kill->step {kind:>8} position {pos} {'cold' if cold else 'warm'}: median {statistics.median(v):.3f}s"
+            f"  worst {max(v):.3f}s"
+        )
     if out["grow_pauses"]:
         p = out["grow_pauses"]
         print(f"  grow-back pause: median {statistics.median(p):.3f}s  worst {max(p):.3f}s  ({len(p)} grows)")
@@ -237,33 +313,58 @@ def report(title: str, out: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2, help="kills per kind and position")
-    ap.add_argument("--model", choices=MODELS, default="mlp",
-                    help="mlp: the digits MLP on slices of 2 devices; llm: the LLM example on slices of 4 (2 fsdp x "
-                         "2 tensor), annotated, with gradient accumulation")
+    ap.add_argument(
+        "--model",
+        choices=MODELS,
+        default="mlp",
+        help="mlp: the digits MLP on slices of 2 devices; llm: the LLM example on slices of 4 (2 fsdp x "
+        "2 tensor), annotated, with gradient accumulation",
+    )
     ap.add_argument("--positions", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--kinds", nargs="+", default=["node", "process"])
-    ap.add_argument("--cold", type=int, default=1,
-                    help="kills per kind and position fired at the first step of a new world (standbys still starting)")
+    ap.add_argument(
+        "--cold",
+        type=int,
+        default=1,
+        help="kills per kind and position fired at the first step of a new world (standbys still starting)",
+    )
     ap.add_argument("--cascades", type=int, default=2, help="faults during a recovery, per mode")
     ap.add_argument("--modes", nargs="*", default=["replica-resize", "pause-and-resume"])
-    ap.add_argument("--settle-timeout", type=float, default=180.0,
-                    help="seconds to wait for the world to be back at full size before giving up on the rest")
+    ap.add_argument(
+        "--settle-timeout",
+        type=float,
+        default=180.0,
+        help="seconds to wait for the world to be back at full size before giving up on the rest",
+    )
     ap.add_argument("--timeline", action="store_true", help="print the events around each fault")
     ap.add_argument("--multihost", type=int, default=1, help="also run the 2-host-slice variant (replica-resize)")
     ap.add_argument("--gap", type=int, default=10, help="steps at full size between faults")
-    ap.add_argument("--gap-s", type=float, default=5.0,
-                    help="seconds of training between faults (standby processes warm up; cascades measure the cold case)")
-    ap.add_argument("--arrival-delay", type=float, default=1.0,
-                    help="pause-and-resume: seconds until a replacement slice arrives")
-    ap.add_argument("--regrow-delay", type=float, default=8.0,
-                    help="replica-resize: seconds until a lost slice comes back (after the recovery being measured)")
-    ap.add_argument("--snapshot-every", default="1",
-                    help='snapshot interval (1: zero rewind, the figures below; "auto": the default users get, '
-                         'whose recoveries may rewind up to the interval it picks)')
+    ap.add_argument(
+        "--gap-s",
+        type=float,
+        default=5.0,
+        help="seconds of training between faults (standby processes warm up; cascades measure the cold case)",
+    )
+    ap.add_argument(
+        "--arrival-delay", type=float, default=1.0, help="pause-and-resume: seconds until a replacement slice arrives"
+    )
+    ap.add_argument(
+        "--regrow-delay",
+        type=float,
+        default=8.0,
+        help="replica-resize: seconds until a lost slice comes back (after the recovery being measured)",
+    )
+    ap.add_argument(
+        "--snapshot-every",
+        default="1",
+        help='snapshot interval (1: zero rewind, the figures below; "auto": the default users get, '
+        "whose recoveries may rewind up to the interval it picks)",
+    )
     args = ap.parse_args()
 
     from machine import cpu_probe_s, hour
-    from ray_elastic.sim import SimulatedTPUCluster
+
+    from ray_elastic.sim.cluster import SimulatedTPUCluster
 
     probes = [cpu_probe_s()]
     results = {}
@@ -272,20 +373,38 @@ def main() -> None:
     with SimulatedTPUCluster(num_slices=3, devices_per_host=devices, log_to_driver=False) as cluster:
         for mode in args.modes:
             prov = cluster.provisioner(delay_s=args.regrow_delay if mode == "replica-resize" else args.arrival_delay)
-            results[mode] = run_mode(cluster, mode, faults, args.gap, args.gap_s, hosts=1, timeline=args.timeline,
-                                     settle_timeout_s=args.settle_timeout, snapshot_every=args.snapshot_every,
-                                     model_name=args.model)
+            results[mode] = run_mode(
+                cluster,
+                mode,
+                faults,
+                args.gap,
+                args.gap_s,
+                hosts=1,
+                timeline=args.timeline,
+                settle_timeout_s=args.settle_timeout,
+                snapshot_every=args.snapshot_every,
+                model_name=args.model,
+            )
             prov.stop()
             report(mode, results[mode])
             cluster.reap_dead_slices()
     if args.multihost:
-        with SimulatedTPUCluster(num_slices=3, hosts_per_slice=2, devices_per_host=devices,
-                                 log_to_driver=False) as cluster:
+        with SimulatedTPUCluster(
+            num_slices=3, hosts_per_slice=2, devices_per_host=devices, log_to_driver=False
+        ) as cluster:
             prov = cluster.provisioner(delay_s=args.regrow_delay)
-            results["multihost"] = run_mode(cluster, "replica-resize", faults_for(args.positions, ["node"], 1, 0),
-                                            args.gap, args.gap_s, hosts=2, timeline=args.timeline,
-                                            settle_timeout_s=args.settle_timeout, snapshot_every=args.snapshot_every,
-                                            model_name=args.model)
+            results["multihost"] = run_mode(
+                cluster,
+                "replica-resize",
+                faults_for(args.positions, ["node"], 1, 0),
+                args.gap,
+                args.gap_s,
+                hosts=2,
+                timeline=args.timeline,
+                settle_timeout_s=args.settle_timeout,
+                snapshot_every=args.snapshot_every,
+                model_name=args.model,
+            )
             prov.stop()
             report("replica-resize, 2-host slices (one host lost)", results["multihost"])
 
@@ -314,15 +433,21 @@ def main() -> None:
         "cascade_recovery_s": round(statistics.median(cascade), 3) if cascade else None,
         "cascade_worst_s": round(max(cascade), 3) if cascade else None,
         "pause_resume_cascade_s": round(statistics.median(r["kill_to_step_s"] for r in pr_cascade), 3)
-        if pr_cascade else None,
+        if pr_cascade
+        else None,
         "pause_resume_cascade_after_arrival_s": round(statistics.median(r["after_arrival_s"] for r in pr_cascade), 3)
-        if pr_cascade else None,
+        if pr_cascade
+        else None,
         "grow_pause_s": round(statistics.median(pauses), 3) if pauses else None,
         "grow_pause_worst_s": round(max(pauses), 3) if pauses else None,
         "grow_pause_multihost_s": round(statistics.median(results["multihost"]["grow_pauses"]), 3)
-        if results.get("multihost", {}).get("grow_pauses") else None,
-        "pause_resume_recovery_after_arrival_s": round(statistics.median(
-            r["after_arrival_s"] for r in rows("pause-and-resume")), 3) if rows("pause-and-resume") else None,
+        if results.get("multihost", {}).get("grow_pauses")
+        else None,
+        "pause_resume_recovery_after_arrival_s": round(
+            statistics.median(r["after_arrival_s"] for r in rows("pause-and-resume")), 3
+        )
+        if rows("pause-and-resume")
+        else None,
         "steps_rewound_max": max((r["steps_rewound"] for r in everything), default=0),
         "faults": len(everything),
         "faults_not_fired": sum(len(out["skipped"]) for out in results.values()),

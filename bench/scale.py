@@ -8,7 +8,7 @@ Two parts:
    and one lost node (kill -> first step after recovery, and detection).
 2. **Driver model** at 64, 256 and 1024 processes: the controller's real per-step path
    (``StepStreams``: chunks submitted as Ray streaming generators to the snapshot holders and
-   as plain tasks, or through relays (``ray_elastic.relay``) from 16 quiet processes up, to the
+   as plain tasks, or through relays (``ray_elastic.control.relay``) from 16 quiet processes up, to the
    others; every item read, the holders' reports folded into the snapshot store and the step
    ledger) driving scripted streams instead of JAX (a few async Ray actors play every process
    and yield what a slice process yields, at a fixed step time). Reports driver CPU per step,
@@ -45,20 +45,29 @@ class _Done(Exception):
 def cluster_point(num_slices: int, hosts: int, steps: int) -> dict:
     """Overhead ratio and recovery figures of one world size on its own simulated cluster."""
     import overhead
+
     from ray_elastic import ElasticConfig, ElasticTrainer
     from ray_elastic.errors import ElasticRuntimeError
     from ray_elastic.examples.char_transformer import CharTransformerTask
-    from ray_elastic.results import failure_seen_at
-    from ray_elastic.sim import SimulatedTPUCluster
+    from ray_elastic.observe.results import failure_seen_at
+    from ray_elastic.sim.cluster import SimulatedTPUCluster
 
     bare = overhead.run_bare(steps, "small", 1, processes=num_slices * hosts, devices=1, batch=BATCH)["step_s"]
-    with SimulatedTPUCluster(num_slices=num_slices, devices_per_host=1, hosts_per_slice=hosts,
-                             log_to_driver=False) as cluster:
-        cfg = dict(num_slices=num_slices, global_batch_size=BATCH, slice=cluster.slice_spec, steps_per_chunk=20,
-                   snapshot_replicas=num_slices, standby_workers=1, min_slices=1)
+    with SimulatedTPUCluster(
+        num_slices=num_slices, devices_per_host=1, hosts_per_slice=hosts, log_to_driver=False
+    ) as cluster:
+        cfg = dict(
+            num_slices=num_slices,
+            global_batch_size=BATCH,
+            slice=cluster.slice_spec,
+            steps_per_chunk=20,
+            snapshot_replicas=num_slices,
+            standby_workers=1,
+            min_slices=1,
+        )
         task = CharTransformerTask(max_chars=100_000, **overhead.MODELS["small"])
         steady = ElasticTrainer(task, ElasticConfig(**cfg), progress=False).fit(steps)
-        ray_step = statistics.mean(steady.step_times_s[steps // 2:])
+        ray_step = statistics.mean(steady.step_times_s[steps // 2 :])
 
         kills = [("process", 0), ("node", num_slices - 1)]  # the coordinator's process; the last slice's host
         fired: list[dict] = []
@@ -69,7 +78,12 @@ def cluster_point(num_slices: int, hosts: int, steps: int) -> dict:
             t = box["t"]
             if not kills and m["step"] >= box["next"]:
                 raise _Done()
-            if kills and m["step"] >= box["next"] and t.world.plan.num_slices == num_slices and t.backend.warm(t.gens.members):
+            if (
+                kills
+                and m["step"] >= box["next"]
+                and t.world.plan.num_slices == num_slices
+                and t.backend.warm(t.gens.members)
+            ):
                 kind, pos = kills.pop(0)
                 fired.append({"kind": kind, "at": time.time()})
                 if kind == "process":
@@ -97,11 +111,23 @@ def cluster_point(num_slices: int, hosts: int, steps: int) -> dict:
             fails = [e for e in t.events.events if e["kind"] == "failure" and e["ts"] > f["at"]]
             if recs and fails:
                 first = min(a for a in done_at if a > recs[0].ready_at)
-                rows.append({"kind": f["kind"], "detection_s": round(failure_seen_at(fails[0]) - f["at"], 3),
-                             "kill_to_step_s": round(first - f["at"], 3), "steps_rewound": recs[0].steps_rewound})
-    return {"slices": num_slices, "hosts_per_slice": hosts, "processes": num_slices * hosts,
-            "bare_step_ms": round(bare * 1e3, 2), "step_ms": round(ray_step * 1e3, 2),
-            "overhead_ratio": round(ray_step / bare, 4), "recoveries": rows}
+                rows.append(
+                    {
+                        "kind": f["kind"],
+                        "detection_s": round(failure_seen_at(fails[0]) - f["at"], 3),
+                        "kill_to_step_s": round(first - f["at"], 3),
+                        "steps_rewound": recs[0].steps_rewound,
+                    }
+                )
+    return {
+        "slices": num_slices,
+        "hosts_per_slice": hosts,
+        "processes": num_slices * hosts,
+        "bare_step_ms": round(bare * 1e3, 2),
+        "step_ms": round(ray_step * 1e3, 2),
+        "overhead_ratio": round(ray_step / bare, 4),
+        "recoveries": rows,
+    }
 
 
 def _regrow(cluster, num_slices: int, box: dict) -> None:
@@ -120,11 +146,11 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
     import ray
 
     from ray_elastic.config import ElasticConfig, SliceSpec
-    from ray_elastic.plan import plan_world
-    from ray_elastic.relay import RelayPool
-    from ray_elastic.snapshots import SnapshotStore
-    from ray_elastic.stepping import StepStreams
-    from ray_elastic.worker import FLUSH_S
+    from ray_elastic.control.relay import RelayPool
+    from ray_elastic.control.stepping import StepStreams
+    from ray_elastic.decide import plan_world
+    from ray_elastic.slice.worker import FLUSH_S
+    from ray_elastic.state.snapshots import SnapshotStore
 
     @ray.remote(num_cpus=0, max_concurrency=100_000)
     class Script:
@@ -163,8 +189,12 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
     plan = plan_world(0, [f"s{i}" for i in range(processes)], 1, 1, processes, snapshot_slices=holders)
 
     relay_pool = RelayPool()
-    chans, relays = relay_pool.reach(0, processes, [p for p in range(processes) if not plan.takes_snapshots(p)],
-                                     lambda p: (scripts[p % actors], "run_chunk_quiet", (p, False, step_s)))
+    chans, relays = relay_pool.reach(
+        0,
+        processes,
+        [p for p in range(processes) if not plan.takes_snapshots(p)],
+        lambda p: (scripts[p % actors], "run_chunk_quiet", (p, False, step_s)),
+    )
 
     class ScriptedWorld:
         def __init__(self):
@@ -183,20 +213,29 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
                 if relay is not None:
                     refs.append(relay.run.remote(0, self.sent, start, n, final, every))
                     continue
-                p, = procs
-                method = scripts[p % actors].run_chunk if plan.takes_snapshots(p) else scripts[p % actors].run_chunk_quiet
+                (p,) = procs
+                method = (
+                    scripts[p % actors].run_chunk if plan.takes_snapshots(p) else scripts[p % actors].run_chunk_quiet
+                )
                 refs.append(method.remote(p, plan.takes_snapshots(p), step_s, start, n, final, every))
             self.sent += 1
             return refs
 
-    cfg = ElasticConfig(num_slices=1, global_batch_size=1, slice=SliceSpec(devices_per_host=1),
-                        steps_per_chunk=steps_per_chunk, hang_timeout_min_s=600)
+    cfg = ElasticConfig(
+        num_slices=1,
+        global_batch_size=1,
+        slice=SliceSpec(devices_per_host=1),
+        steps_per_chunk=steps_per_chunk,
+        hang_timeout_min_s=600,
+    )
     ledger: list[dict] = []
     streams = StepStreams(ScriptedWorld(), cfg, SnapshotStore(1), ledger.append, [])
     import psutil
 
-    relay_procs = [psutil.Process(pid) for pid in ray.get([r.__ray_call__.remote(lambda self: os.getpid())
-                                                          for r in relay_pool.relays])]
+    relay_procs = [
+        psutil.Process(pid)
+        for pid in ray.get([r.__ray_call__.remote(lambda self: os.getpid()) for r in relay_pool.relays])
+    ]
     relay_cpu0 = sum(sum(p.cpu_times()[:2]) for p in relay_procs)
     cpu0, wall0 = time.process_time(), time.perf_counter()
     streams.run(0, steps, lambda: False)
@@ -206,11 +245,18 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
         ray.kill(s)
     relay_pool.shutdown()
     assert [m["step"] for m in ledger] == list(range(steps)), "the driver lost steps"
-    return {"processes": processes, "holders": holders, "steps": steps, "steps_per_chunk": cfg.steps_per_chunk,
-            "chunk_steps_run": streams.steps_per_chunk, "relays": sum(r is not None for r in relays),
-            "driver_cpu_ms_per_step": round(cpu / steps * 1e3, 3), "wall_ms_per_step": round(wall / steps * 1e3, 2),
-            "relay_cpu_ms_per_step": round(relay_cpu / steps * 1e3, 3),
-            "scripted_step_ms": step_s * 1e3}
+    return {
+        "processes": processes,
+        "holders": holders,
+        "steps": steps,
+        "steps_per_chunk": cfg.steps_per_chunk,
+        "chunk_steps_run": streams.steps_per_chunk,
+        "relays": sum(r is not None for r in relays),
+        "driver_cpu_ms_per_step": round(cpu / steps * 1e3, 3),
+        "wall_ms_per_step": round(wall / steps * 1e3, 2),
+        "relay_cpu_ms_per_step": round(relay_cpu / steps * 1e3, 3),
+        "scripted_step_ms": step_s * 1e3,
+    }
 
 
 def plot(out: dict, path: str) -> None:
@@ -236,11 +282,19 @@ def plot(out: dict, path: str) -> None:
         a2.legend(loc="lower right", fontsize=8)
     for chunk in sorted({x["steps_per_chunk"] for x in out["driver"]}):
         d = [x for x in out["driver"] if x["steps_per_chunk"] == chunk]
-        b.plot([x["processes"] for x in d], [x["driver_cpu_ms_per_step"] for x in d], "o-",
-               label=f"steps_per_chunk={chunk}")
+        b.plot(
+            [x["processes"] for x in d],
+            [x["driver_cpu_ms_per_step"] for x in d],
+            "o-",
+            label=f"steps_per_chunk={chunk}",
+        )
         if any(x.get("relay_cpu_ms_per_step") for x in d):
-            b.plot([x["processes"] for x in d], [x.get("relay_cpu_ms_per_step", 0.0) for x in d], "x:",
-                   label=f"relays' CPU (their own processes), chunk {chunk}")
+            b.plot(
+                [x["processes"] for x in d],
+                [x.get("relay_cpu_ms_per_step", 0.0) for x in d],
+                "x:",
+                label=f"relays' CPU (their own processes), chunk {chunk}",
+            )
     b.axhline(5.0, color="grey", ls=":", label="goal: 5 ms/step at 1024")
     b.set_xscale("log", base=2)
     b.set_xlabel("processes (driver model)")
@@ -252,7 +306,7 @@ def plot(out: dict, path: str) -> None:
 
 
 def chunk_steps(steps_per_chunk: int, processes: int, step_s: float) -> int:
-    from ray_elastic.plan import chunk_steps as steps
+    from ray_elastic.decide import chunk_steps as steps
 
     return steps(steps_per_chunk, processes, [step_s])
 
@@ -265,12 +319,20 @@ def main() -> None:
     ap.add_argument("--processes", type=int, nargs="*", default=[64, 256, 1024])
     # (scripted step 100 ms: the driver keeps up with 1024 processes at chunk 10 only if its CPU allows)
     ap.add_argument("--model-steps", type=int, default=100, help="at least two chunks are run")
-    ap.add_argument("--model-chunks", type=int, nargs="*", default=[10, 100],
-                    help="steps_per_chunk values (10 is ElasticConfig's default)")
+    ap.add_argument(
+        "--model-chunks",
+        type=int,
+        nargs="*",
+        default=[10, 100],
+        help="steps_per_chunk values (10 is ElasticConfig's default)",
+    )
     ap.add_argument("--model-step-ms", type=float, default=100.0)
     ap.add_argument("--plot", default=None, help="write the curve to this PNG")
-    ap.add_argument("--clusters-from", default=None,
-                    help="take the cluster points from an earlier run's output (its last line) instead of measuring")
+    ap.add_argument(
+        "--clusters-from",
+        default=None,
+        help="take the cluster points from an earlier run's output (its last line) instead of measuring",
+    )
     args = ap.parse_args()
 
     out: dict = {"clusters": [], "driver": []}
@@ -284,16 +346,17 @@ def main() -> None:
         out["clusters"].append(cluster_point(args.multihost, 2, args.steps))
         print(json.dumps(out["clusters"][-1]), flush=True)
     if args.processes:
-        import ray
-
-        from ray_elastic.sim import SimulatedTPUCluster
+        from ray_elastic.sim.cluster import SimulatedTPUCluster
 
         with SimulatedTPUCluster(num_slices=1, devices_per_host=1, log_to_driver=False):
             for chunk in args.model_chunks:
                 for n in args.processes:
-                    steps = max(args.model_steps, 2 * chunk_steps(chunk, n, args.model_step_ms / 1e3))  # at least two chunks as run
-                    out["driver"].append(driver_point(n, steps, args.model_step_ms / 1e3,
-                                                      holders=3, actors=8, steps_per_chunk=chunk))
+                    steps = max(
+                        args.model_steps, 2 * chunk_steps(chunk, n, args.model_step_ms / 1e3)
+                    )  # at least two chunks as run
+                    out["driver"].append(
+                        driver_point(n, steps, args.model_step_ms / 1e3, holders=3, actors=8, steps_per_chunk=chunk)
+                    )
                     print(json.dumps(out["driver"][-1]), flush=True)
     if args.plot:
         plot(out, args.plot)

@@ -38,11 +38,12 @@ if __name__ == "__main__":
     import tempfile
     import threading
 
-    from ray_elastic.report import render
+    from ray_elastic.observe.report import render
 
     # Ray's autoscaler launches the slices, and a replacement ~1 s after one is asked for.
-    with SimulatedTPUCluster(num_slices=3, log_to_driver=False, autoscaler=True, launch_delay_s=1.0,
-                             max_slices=3) as cluster:
+    with SimulatedTPUCluster(
+        num_slices=3, log_to_driver=False, autoscaler=True, launch_delay_s=1.0, max_slices=3
+    ) as cluster:
         config = ElasticConfig(num_slices=3, global_batch_size=96, slice=cluster.slice_spec, steps_per_chunk=25)
         result = ElasticTrainer(SineRegression(), config).fit(100)
 
@@ -61,14 +62,17 @@ if __name__ == "__main__":
         run_dir = tempfile.mkdtemp(prefix="quickstart-run-")
         # A snapshot after every step: a lost slice costs no step at all. (The default, "auto", keeps
         # snapshots within 2% of the step time and bounds the rewind by the interval it picks.)
-        config = ElasticConfig(num_slices=3, global_batch_size=96, slice=cluster.slice_spec, steps_per_chunk=10,
-                               snapshot_every=1)
+        config = ElasticConfig(
+            num_slices=3, global_batch_size=96, slice=cluster.slice_spec, steps_per_chunk=10, snapshot_every=1
+        )
         trainer = ElasticTrainer(SineRegression(), config, on_step=kill_a_slice_once, run_dir=run_dir)
-        result = trainer.fit(100)   # the progress bar shows state=recovering, then slices=2/3
+        result = trainer.fit(100)  # the progress bar shows state=recovering, then slices=2/3
 
         # %% The run went on with the survivors (replica-resize), and grew back onto the slice the
         # autoscaler launched; nothing was recomputed.
         rec = result.recoveries[0]
-        print(f"lost {killed[0]}: training again after {rec.recovery_s:.2f}s on {rec.slices} slices, "
-              f"{rec.steps_rewound} steps rewound, {len(result.steps)} steps done")
-        print("timeline:", render(run_dir))   # in a notebook: IPython.display.Image(render(run_dir))
+        print(
+            f"lost {killed[0]}: training again after {rec.recovery_s:.2f}s on {rec.slices} slices, "
+            f"{rec.steps_rewound} steps rewound, {len(result.steps)} steps done"
+        )
+        print("timeline:", render(run_dir))  # in a notebook: IPython.display.Image(render(run_dir))

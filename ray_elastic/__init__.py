@@ -9,23 +9,34 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
-    "ElasticConfig": "ray_elastic.config", "SliceSpec": "ray_elastic.config",
-    "ElasticTrainer": "ray_elastic.controller",
-    "FitResult": "ray_elastic.results", "RecoveryRecord": "ray_elastic.results",
+    "ElasticConfig": "ray_elastic.config",
+    "SliceSpec": "ray_elastic.config",
+    "ElasticTrainer": "ray_elastic.control.controller",
+    "FitResult": "ray_elastic.observe.results",
+    "RecoveryRecord": "ray_elastic.observe.results",
     "TrainTask": "ray_elastic.task",
-    "ElasticRuntimeError": "ray_elastic.errors", "TrainingCodeError": "ray_elastic.errors",
-    "RetriesExhaustedError": "ray_elastic.errors", "CapacityTimeoutError": "ray_elastic.errors",
-    "StateLostError": "ray_elastic.errors", "StorageFailingError": "ray_elastic.errors",
+    "ElasticRuntimeError": "ray_elastic.errors",
+    "TrainingCodeError": "ray_elastic.errors",
+    "RetriesExhaustedError": "ray_elastic.errors",
+    "CapacityTimeoutError": "ray_elastic.errors",
+    "StateLostError": "ray_elastic.errors",
+    "StorageFailingError": "ray_elastic.errors",
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from ray_elastic.config import ElasticConfig, SliceSpec
-    from ray_elastic.controller import ElasticTrainer
-    from ray_elastic.errors import (CapacityTimeoutError, ElasticRuntimeError, RetriesExhaustedError,
-                                    StateLostError, StorageFailingError, TrainingCodeError)
-    from ray_elastic.results import FitResult, RecoveryRecord
+    from ray_elastic.control.controller import ElasticTrainer
+    from ray_elastic.errors import (
+        CapacityTimeoutError,
+        ElasticRuntimeError,
+        RetriesExhaustedError,
+        StateLostError,
+        StorageFailingError,
+        TrainingCodeError,
+    )
+    from ray_elastic.observe.results import FitResult, RecoveryRecord
     from ray_elastic.task import TrainTask
 
 

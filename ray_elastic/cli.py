@@ -12,9 +12,9 @@ import json
 import logging
 import sys
 
-from ray_elastic.controller import ElasticTrainer
-from ray_elastic.errors import ElasticRuntimeError
 from ray_elastic.config import BATCH_POLICIES, MODES, ElasticConfig, SliceSpec
+from ray_elastic.control.controller import ElasticTrainer
+from ray_elastic.errors import ElasticRuntimeError
 from ray_elastic.examples import EXAMPLE_SETTINGS, EXAMPLES
 from ray_elastic.task import TrainTask
 
@@ -40,8 +40,13 @@ def load_task(ref: str) -> TrainTask:
 
 
 def _add_training_args(p: argparse.ArgumentParser, default_slices: int) -> None:
-    p.add_argument("--example", "--task", dest="task", default="transformer",
-                   help=f"example name ({', '.join(EXAMPLES)}) or module:attr of a TrainTask (default: transformer)")
+    p.add_argument(
+        "--example",
+        "--task",
+        dest="task",
+        default="transformer",
+        help=f"example name ({', '.join(EXAMPLES)}) or module:attr of a TrainTask (default: transformer)",
+    )
     p.add_argument("--num-slices", type=int, default=default_slices, help="slices to train on")
     p.add_argument("--min-slices", type=int, default=None, help="fewest slices to continue on (replica-resize)")
     p.add_argument("--mode", choices=MODES, default="replica-resize")
@@ -52,37 +57,71 @@ def _add_training_args(p: argparse.ArgumentParser, default_slices: int) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slice-timeout", type=float, default=300.0, help="seconds to wait for slices to be reserved")
     p.add_argument("--run-dir", default=None, help="write the event log (events.jsonl) here")
-    p.add_argument("--checkpoint-dir", default=None,
-                   help="Orbax checkpoints: local path or gs://bucket/prefix; a rerun resumes from the newest")
-    p.add_argument("--resume-from", default=None,
-                   help="start from the newest committed checkpoint of this directory (another run's, or "
-                        "--checkpoint-dir itself to accept another task's); new ones go to --checkpoint-dir")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="Orbax checkpoints: local path or gs://bucket/prefix; a rerun resumes from the newest",
+    )
+    p.add_argument(
+        "--resume-from",
+        default=None,
+        help="start from the newest committed checkpoint of this directory (another run's, or "
+        "--checkpoint-dir itself to accept another task's); new ones go to --checkpoint-dir",
+    )
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--max-to-keep", type=int, default=3, help="committed checkpoints kept")
-    p.add_argument("--snapshot-every", type=_snapshot_every, default=ElasticConfig.snapshot_every,
-                   help="steps between in-memory snapshots (0: none, recover from checkpoints; 'auto': "
-                        "the smallest interval costing at most --snapshot-budget of the step time)")
-    p.add_argument("--snapshot-budget", type=float, default=ElasticConfig.snapshot_budget,
-                   help="share of the step time snapshots may cost with --snapshot-every auto")
-    p.add_argument("--standby-workers", type=int, default=ElasticConfig.standby_workers,
-                   help="warm processes kept on every slice host for the next generations (0: none; a "
-                        "recovery then starts its processes cold, seconds more)")
-    p.add_argument("--allow-restart-from-scratch", action="store_true",
-                   help="when every snapshot holder is lost and there is no checkpoint, restart from step 0 "
-                        "instead of failing")
-    p.add_argument("--slice-mesh", type=_slice_mesh, default=None,
-                   help="a slice's mesh axes, e.g. fsdp=-1,tensor=2 (default fsdp=-1,tensor=1; the llm example: "
-                        "tensor=2)")
-    p.add_argument("--logical-axis-rules", type=_rules, default=None,
-                   help="logical axis -> mesh axis, e.g. embed=fsdp,mlp=tensor,vocab=tensor (a module:attr of "
-                        "such a list works too); the llm example brings its own")
-    p.add_argument("--microbatch-size", type=int, default=None,
-                   help="examples per device per microbatch (gradient accumulation); default: none")
+    p.add_argument(
+        "--snapshot-every",
+        type=_snapshot_every,
+        default=ElasticConfig.snapshot_every,
+        help="steps between in-memory snapshots (0: none, recover from checkpoints; 'auto': "
+        "the smallest interval costing at most --snapshot-budget of the step time)",
+    )
+    p.add_argument(
+        "--snapshot-budget",
+        type=float,
+        default=ElasticConfig.snapshot_budget,
+        help="share of the step time snapshots may cost with --snapshot-every auto",
+    )
+    p.add_argument(
+        "--standby-workers",
+        type=int,
+        default=ElasticConfig.standby_workers,
+        help="warm processes kept on every slice host for the next generations (0: none; a "
+        "recovery then starts its processes cold, seconds more)",
+    )
+    p.add_argument(
+        "--allow-restart-from-scratch",
+        action="store_true",
+        help="when every snapshot holder is lost and there is no checkpoint, restart from step 0 instead of failing",
+    )
+    p.add_argument(
+        "--slice-mesh",
+        type=_slice_mesh,
+        default=None,
+        help="a slice's mesh axes, e.g. fsdp=-1,tensor=2 (default fsdp=-1,tensor=1; the llm example: tensor=2)",
+    )
+    p.add_argument(
+        "--logical-axis-rules",
+        type=_rules,
+        default=None,
+        help="logical axis -> mesh axis, e.g. embed=fsdp,mlp=tensor,vocab=tensor (a module:attr of "
+        "such a list works too); the llm example brings its own",
+    )
+    p.add_argument(
+        "--microbatch-size",
+        type=int,
+        default=None,
+        help="examples per device per microbatch (gradient accumulation); default: none",
+    )
     p.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (0: never)")
     p.add_argument("--eval-steps", type=int, default=None, help="batches per evaluation")
     p.add_argument("--eval-batch", type=int, default=None, help="examples per eval batch (default: --global-batch)")
-    p.add_argument("--tensorboard-dir", default=None,
-                   help="TensorBoard scalars here (local or gs://; default RUN_DIR/tensorboard with --run-dir)")
+    p.add_argument(
+        "--tensorboard-dir",
+        default=None,
+        help="TensorBoard scalars here (local or gs://; default RUN_DIR/tensorboard with --run-dir)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
 
@@ -90,9 +129,14 @@ def _add_training_args(p: argparse.ArgumentParser, default_slices: int) -> None:
 def _model_settings(args) -> dict:
     """The layout, eval and accumulation settings: the flags, else the example's own, else the defaults."""
     settings = dict(EXAMPLE_SETTINGS.get(args.task, {}))
-    for key, value in (("slice_mesh", args.slice_mesh), ("logical_axis_rules", args.logical_axis_rules),
-                       ("microbatch_size", args.microbatch_size), ("eval_every", args.eval_every),
-                       ("eval_steps", args.eval_steps), ("eval_batch_size", args.eval_batch)):
+    for key, value in (
+        ("slice_mesh", args.slice_mesh),
+        ("logical_axis_rules", args.logical_axis_rules),
+        ("microbatch_size", args.microbatch_size),
+        ("eval_every", args.eval_every),
+        ("eval_steps", args.eval_steps),
+        ("eval_batch_size", args.eval_batch),
+    ):
         if value is not None:
             settings[key] = value
     if isinstance(settings.get("logical_axis_rules"), str):
@@ -116,11 +160,13 @@ def _rules(value: str) -> tuple:
             raise argparse.ArgumentTypeError(f"cannot load rules {value!r}: {e}") from None
     try:
         pairs = [part.split("=") for part in value.split(",")]
-        return tuple((k.strip(), None if v.strip() in ("", "none", "None") else tuple(v.strip().split("+")))
-                     for k, v in pairs)
+        return tuple(
+            (k.strip(), None if v.strip() in ("", "none", "None") else tuple(v.strip().split("+"))) for k, v in pairs
+        )
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected NAME=AXIS,... (e.g. embed=fsdp,mlp=tensor; AXIS+AXIS for "
-                                         f"two), got {value!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=AXIS,... (e.g. embed=fsdp,mlp=tensor; AXIS+AXIS for two), got {value!r}"
+        ) from None
 
 
 def _config(args, spec: SliceSpec) -> ElasticConfig:
@@ -159,7 +205,7 @@ def _print_summary(result, as_json: bool, goodput_printed: bool = False) -> None
         print(json.dumps(result.summary))
         return
     if not goodput_printed and result.events:
-        from ray_elastic.goodput import account
+        from ray_elastic.observe.goodput import account
 
         print(account(result.events).table())
     print("\nray-elastic summary")
@@ -171,8 +217,14 @@ def _print_summary(result, as_json: bool, goodput_printed: bool = False) -> None
 
 
 def _fit(task, config, args, address=None):
-    result = ElasticTrainer(task, config, address=address, progress=not args.no_progress, run_dir=args.run_dir,
-                            tensorboard_dir=args.tensorboard_dir).fit(args.steps, resume_from=args.resume_from)
+    result = ElasticTrainer(
+        task,
+        config,
+        address=address,
+        progress=not args.no_progress,
+        run_dir=args.run_dir,
+        tensorboard_dir=args.tensorboard_dir,
+    ).fit(args.steps, resume_from=args.resume_from)
     _print_summary(result, args.json, goodput_printed=not args.no_progress)
     return result
 
@@ -181,7 +233,7 @@ def cmd_demo(args) -> int:
     import threading
     import time
 
-    from ray_elastic.sim import SimulatedTPUCluster
+    from ray_elastic.sim.cluster import SimulatedTPUCluster
 
     args.devices_per_host = args.devices_per_host or (4 if args.task == "llm" else 2)
     spec = SliceSpec.for_hosts(args.accelerator, args.hosts_per_slice, args.devices_per_host)
@@ -194,8 +246,10 @@ def cmd_demo(args) -> int:
     kill_at = args.steps // 2 if args.kill_at is None else args.kill_at
     if kill_at >= args.steps:
         raise ValueError(f"--kill-at {kill_at} must be below --steps {args.steps} (or -1 for no kill)")
-    print(f"starting a simulated cluster: {args.num_slices} x {spec.pod_type} slice(s), "
-          f"{spec.num_hosts} host(s) each, {spec.host_devices} JAX CPU device(s) per host; mode {args.mode}")
+    print(
+        f"starting a simulated cluster: {args.num_slices} x {spec.pod_type} slice(s), "
+        f"{spec.num_hosts} host(s) each, {spec.host_devices} JAX CPU device(s) per host; mode {args.mode}"
+    )
     with SimulatedTPUCluster(
         num_slices=args.num_slices,
         hosts_per_slice=args.hosts_per_slice,
@@ -215,8 +269,14 @@ def cmd_demo(args) -> int:
                 killed.update(name=victim, at=time.time(), step=metrics["step"])
                 threading.Thread(target=cluster.kill_slice, args=(victim,), daemon=True).start()
 
-        trainer = ElasticTrainer(task, config, progress=not args.no_progress, on_step=on_step, run_dir=args.run_dir,
-                                 tensorboard_dir=args.tensorboard_dir)
+        trainer = ElasticTrainer(
+            task,
+            config,
+            progress=not args.no_progress,
+            on_step=on_step,
+            run_dir=args.run_dir,
+            tensorboard_dir=args.tensorboard_dir,
+        )
         trainer_box["t"] = trainer
         result = trainer.fit(args.steps, resume_from=args.resume_from)
         if killed and result.recoveries:
@@ -226,7 +286,7 @@ def cmd_demo(args) -> int:
             result.summary["kill_to_training_again_s"] = round(rec.ready_at - killed["at"], 3)
         _print_summary(result, args.json, goodput_printed=not args.no_progress)
     if not args.json:
-        from ray_elastic import report
+        from ray_elastic.observe import report
 
         print(f"timeline of this run: {report.render(args.run_dir)}  (ray-elastic report {args.run_dir})")
     return 0
@@ -237,29 +297,42 @@ def cmd_sim(args) -> int:
     import math
     import os
 
-    from ray_elastic.sim import SimulatedTPUCluster, wait_for_job_server
+    from ray_elastic.sim.cluster import SimulatedTPUCluster
+    from ray_elastic.sim.hosts import wait_for_job_server
 
     # Jobs run on this cluster's nodes: they must find this installation's ray-elastic.
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     spec = SliceSpec.for_hosts(args.accelerator, args.hosts_per_slice, args.devices_per_host)
-    with SimulatedTPUCluster(num_slices=args.num_slices, hosts_per_slice=args.hosts_per_slice,
-                             devices_per_host=args.devices_per_host, accelerator=args.accelerator,
-                             log_to_driver=False, dashboard=True, **_slice_source(args)) as cluster:
+    with SimulatedTPUCluster(
+        num_slices=args.num_slices,
+        hosts_per_slice=args.hosts_per_slice,
+        devices_per_host=args.devices_per_host,
+        accelerator=args.accelerator,
+        log_to_driver=False,
+        dashboard=True,
+        **_slice_source(args),
+    ) as cluster:
         if not cluster.autoscaler and args.arrival_delay >= 0:
             cluster.provisioner(delay_s=args.arrival_delay)
         url = f"http://127.0.0.1:{cluster.dashboard_port}"
         wait_for_job_server(url)
-        print(f"simulated cluster up: {args.num_slices} x {spec.pod_type} slice(s) ({spec.topology}), "
-              f"{spec.num_hosts} host(s) each, {spec.host_devices} JAX CPU device(s) per host")
+        print(
+            f"simulated cluster up: {args.num_slices} x {spec.pod_type} slice(s) ({spec.topology}), "
+            f"{spec.num_hosts} host(s) each, {spec.host_devices} JAX CPU device(s) per host"
+        )
         print(f"dashboard and job server: {url}")
         print("submit a job from another terminal:")
-        print(f"  ray job submit --address {url} -- ray-elastic train --example mlp --num-slices {args.num_slices} "
-              f"--topology {spec.topology} --devices-per-host {spec.host_devices} --global-batch "
-              f"{4 * math.lcm(*range(1, args.num_slices + 1)) * spec.devices_per_slice} --steps 800 "
-              "--run-dir /tmp/ray-elastic/job")
+        print(
+            f"  ray job submit --address {url} -- ray-elastic train --example mlp --num-slices {args.num_slices} "
+            f"--topology {spec.topology} --devices-per-host {spec.host_devices} --global-batch "
+            f"{4 * math.lcm(*range(1, args.num_slices + 1)) * spec.devices_per_slice} --steps 800 "
+            "--run-dir /tmp/ray-elastic/job"
+        )
         if cluster.autoscaler:
-            print(f"slices come from Ray's autoscaler: a lost slice is replaced {args.arrival_delay:.0f}s after it is "
-                  f"asked for, up to {args.max_slices or args.num_slices} slices ('capacity N' changes that)")
+            print(
+                f"slices come from Ray's autoscaler: a lost slice is replaced {args.arrival_delay:.0f}s after it is "
+                f"asked for, up to {args.max_slices or args.num_slices} slices ('capacity N' changes that)"
+            )
         print(f"commands: {SIM_COMMANDS}", flush=True)
         for line in sys.stdin:
             cmd, *rest = line.split() or [""]
@@ -291,25 +364,39 @@ SIM_COMMANDS = "list | kill [SLICE] (default: the newest) | add | capacity N (au
 
 
 def _add_slice_source_args(p: argparse.ArgumentParser, arrival_delay: float) -> None:
-    p.add_argument("--no-autoscaler", action="store_true",
-                   help="add replacement slices from a thread of this process instead of Ray's autoscaler")
-    p.add_argument("--arrival-delay", type=float, default=arrival_delay,
-                   help="seconds a replacement slice takes to be provisioned (simulated)")
-    p.add_argument("--max-slices", type=int, default=None,
-                   help="TPU capacity: slices that may be alive at once (default: --num-slices); beyond it "
-                        "launches fail like a stock-out")
+    p.add_argument(
+        "--no-autoscaler",
+        action="store_true",
+        help="add replacement slices from a thread of this process instead of Ray's autoscaler",
+    )
+    p.add_argument(
+        "--arrival-delay",
+        type=float,
+        default=arrival_delay,
+        help="seconds a replacement slice takes to be provisioned (simulated)",
+    )
+    p.add_argument(
+        "--max-slices",
+        type=int,
+        default=None,
+        help="TPU capacity: slices that may be alive at once (default: --num-slices); beyond it "
+        "launches fail like a stock-out",
+    )
 
 
 def _slice_source(args) -> dict:
     """Where the simulated cluster's slices come from: Ray's autoscaler (v2), unless --no-autoscaler."""
     if args.no_autoscaler:
         return {}
-    return {"autoscaler": True, "launch_delay_s": max(0.0, args.arrival_delay),
-            "max_slices": args.max_slices or args.num_slices}
+    return {
+        "autoscaler": True,
+        "launch_delay_s": max(0.0, args.arrival_delay),
+        "max_slices": args.max_slices or args.num_slices,
+    }
 
 
 def cmd_report(args) -> int:
-    from ray_elastic import report
+    from ray_elastic.observe import report
 
     tl = report.timeline(report.load_events(args.run_dir))
     out = report.render(args.run_dir, args.out, tl)
@@ -335,24 +422,36 @@ def main(argv=None) -> int:
     _add_training_args(demo, default_slices=3)
     demo.add_argument("--accelerator", default="v4", help="TPU generation the simulated hosts pretend to be")
     demo.add_argument("--hosts-per-slice", type=int, default=1)
-    demo.add_argument("--devices-per-host", type=int, default=None,
-                      help="JAX CPU devices per simulated host (default 2; 4 for the llm example: 2 fsdp x 2 tensor)")
-    demo.add_argument("--kill-at", type=int, default=None,
-                      help="kill a slice (node and processes) after this step (default: half way; -1: never)")
+    demo.add_argument(
+        "--devices-per-host",
+        type=int,
+        default=None,
+        help="JAX CPU devices per simulated host (default 2; 4 for the llm example: 2 fsdp x 2 tensor)",
+    )
+    demo.add_argument(
+        "--kill-at",
+        type=int,
+        default=None,
+        help="kill a slice (node and processes) after this step (default: half way; -1: never)",
+    )
     _add_slice_source_args(demo, arrival_delay=2.0)
     demo.set_defaults(func=cmd_demo)
 
     train = sub.add_parser("train", help="train on an existing Ray cluster (RAY_ADDRESS or --address)")
     _add_training_args(train, default_slices=2)
     train.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, or the job's cluster)")
-    train.add_argument("--accelerator", default="v4", help="TPU generation of the slices (v4, v5p, v5litepod, v6e, ...)")
+    train.add_argument(
+        "--accelerator", default="v4", help="TPU generation of the slices (v4, v5p, v5litepod, v6e, ...)"
+    )
     train.add_argument("--topology", default="2x2x1", help="topology of one slice, e.g. 2x2x2")
-    train.add_argument("--devices-per-host", type=int, default=None,
-                       help="JAX devices per host (default: one per TPU chip)")
+    train.add_argument(
+        "--devices-per-host", type=int, default=None, help="JAX devices per host (default: one per TPU chip)"
+    )
     train.set_defaults(func=cmd_train)
 
-    sim = sub.add_parser("sim", help="run a simulated TPU cluster in the foreground (for ray job submit); "
-                                     "kill/add slices from stdin")
+    sim = sub.add_parser(
+        "sim", help="run a simulated TPU cluster in the foreground (for ray job submit); kill/add slices from stdin"
+    )
     sim.add_argument("--num-slices", type=int, default=3)
     sim.add_argument("--accelerator", default="v4", help="TPU generation the simulated hosts pretend to be")
     sim.add_argument("--hosts-per-slice", type=int, default=1)
@@ -368,8 +467,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "steps", 1) < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     try:
         return args.func(args)
     except ValueError as e:

@@ -11,8 +11,8 @@ import dataclasses
 import math
 from typing import Optional, Union
 
-from ray_elastic.layout import DEFAULT_SLICE_MESH, FSDP_AXIS, normalize_rules, resolve_slice_mesh
-from ray_elastic.plan import WorldPlan, batch_for_world, lr_scale, plan_world
+from ray_elastic.decide import WorldPlan, batch_for_world, lr_scale, plan_world
+from ray_elastic.decide.layout import DEFAULT_SLICE_MESH, FSDP_AXIS, normalize_rules, resolve_slice_mesh
 
 MODES = ("replica-resize", "pause-and-resume")
 BATCH_POLICIES = ("constant", "scale")
@@ -57,9 +57,7 @@ class SliceSpec:
         object.__setattr__(self, "topology", topo)
         if not ray_tpu.TPUAcceleratorManager.is_valid_tpu_accelerator_topology(acc, topo):
             valid = sorted(ray_tpu.VALID_TPU_TOPOLOGY.get(acc, ()), key=lambda t: (len(t), t))[:8]
-            raise ValueError(
-                f"unknown topology {self.topology!r} for TPU {acc}: use one of {', '.join(valid)}, ..."
-            )
+            raise ValueError(f"unknown topology {self.topology!r} for TPU {acc}: use one of {', '.join(valid)}, ...")
         if self.devices_per_host is not None and self.devices_per_host < 1:
             raise ValueError(f"devices_per_host must be >= 1 (or None for one per chip), got {self.devices_per_host}")
 
@@ -105,17 +103,34 @@ def _first_topology(accelerator: str) -> str:
     acc = accelerator.strip().lower().removeprefix("tpu-")
     topos = ray_tpu.VALID_TPU_TOPOLOGY.get(acc)
     if not topos:
-        raise ValueError(
-            f"unknown TPU accelerator {accelerator!r}: use one of {', '.join(ray_tpu.VALID_TPU_TYPES)}"
-        )
+        raise ValueError(f"unknown TPU accelerator {accelerator!r}: use one of {', '.join(ray_tpu.VALID_TPU_TYPES)}")
     return min(topos, key=ray_tpu.get_num_chips_from_topology)
 
 
-_INT_FIELDS = ("min_slices", "steps_per_chunk", "seed", "fsdp_min_size", "snapshot_replicas", "max_failures",
-               "max_failures_in_a_row", "max_save_failures_in_a_row", "checkpoint_every", "max_to_keep")  # the others say so in their own checks
-_SECONDS_FIELDS = ("slice_timeout_s", "jax_init_timeout_s", "snapshot_budget", "replacement_timeout_s",
-                   "hang_timeout_factor", "hang_timeout_min_s", "probe_timeout_s", "node_death_grace_s",
-                   "failure_window_s", "save_timeout_s")
+_INT_FIELDS = (
+    "min_slices",
+    "steps_per_chunk",
+    "seed",
+    "fsdp_min_size",
+    "snapshot_replicas",
+    "max_failures",
+    "max_failures_in_a_row",
+    "max_save_failures_in_a_row",
+    "checkpoint_every",
+    "max_to_keep",
+)  # the others say so in their own checks
+_SECONDS_FIELDS = (
+    "slice_timeout_s",
+    "jax_init_timeout_s",
+    "snapshot_budget",
+    "replacement_timeout_s",
+    "hang_timeout_factor",
+    "hang_timeout_min_s",
+    "probe_timeout_s",
+    "node_death_grace_s",
+    "failure_window_s",
+    "save_timeout_s",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,50 +287,80 @@ class ElasticConfig:
         if self.lr_rule is not None and self.batch_policy != "scale":
             raise ValueError("lr_rule only applies with batch_policy='scale'; remove it or set batch_policy='scale'")
         if not isinstance(self.standby_workers, int) or self.standby_workers < 0:
-            raise ValueError(f"standby_workers must be an integer >= 0 (warm processes per host), "
-                             f"got {self.standby_workers!r}")
+            raise ValueError(
+                f"standby_workers must be an integer >= 0 (warm processes per host), got {self.standby_workers!r}"
+            )
         object.__setattr__(self, "standby_workers", int(self.standby_workers))  # True/False read as 1/0
-        for name in ("snapshot_replicas", "max_failures", "max_failures_in_a_row", "max_save_failures_in_a_row",
-                     "checkpoint_every"):
+        for name in (
+            "snapshot_replicas",
+            "max_failures",
+            "max_failures_in_a_row",
+            "max_save_failures_in_a_row",
+            "checkpoint_every",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.snapshot_every != "auto" and (isinstance(self.snapshot_every, bool) or not isinstance(self.snapshot_every, int)
-                                              or self.snapshot_every < 0):
-            raise ValueError(f"snapshot_every must be an integer >= 0 (0 turns snapshots off) or 'auto', "
-                             f"got {self.snapshot_every!r}")
+        if self.snapshot_every != "auto" and (
+            isinstance(self.snapshot_every, bool) or not isinstance(self.snapshot_every, int) or self.snapshot_every < 0
+        ):
+            raise ValueError(
+                f"snapshot_every must be an integer >= 0 (0 turns snapshots off) or 'auto', got {self.snapshot_every!r}"
+            )
         if not isinstance(self.snapshot_budget, (int, float)) or not 0 < self.snapshot_budget < 1:
-            raise ValueError(f"snapshot_budget must be a share of the step time between 0 and 1 (0.02 = 2%), "
-                             f"got {self.snapshot_budget!r}")
+            raise ValueError(
+                f"snapshot_budget must be a share of the step time between 0 and 1 (0.02 = 2%), "
+                f"got {self.snapshot_budget!r}"
+            )
         if self.snapshot_every == 0 and self.checkpoint_dir is None and not self.allow_restart_from_scratch:
-            raise ValueError("snapshot_every=0 without a checkpoint_dir keeps no state to recover from: any lost "
-                             "slice would restart training from step 0. Set checkpoint_dir, keep snapshots "
-                             "(snapshot_every >= 1), or set allow_restart_from_scratch=True")
-        if self.worker_niceness is not None and (isinstance(self.worker_niceness, bool) or
-                                                 not isinstance(self.worker_niceness, int) or
-                                                 not -20 <= self.worker_niceness <= 19):
-            raise ValueError(f"worker_niceness must be None (as Ray sets it) or an integer from -20 to 19, "
-                             f"got {self.worker_niceness!r}")
+            raise ValueError(
+                "snapshot_every=0 without a checkpoint_dir keeps no state to recover from: any lost "
+                "slice would restart training from step 0. Set checkpoint_dir, keep snapshots "
+                "(snapshot_every >= 1), or set allow_restart_from_scratch=True"
+            )
+        if self.worker_niceness is not None and (
+            isinstance(self.worker_niceness, bool)
+            or not isinstance(self.worker_niceness, int)
+            or not -20 <= self.worker_niceness <= 19
+        ):
+            raise ValueError(
+                f"worker_niceness must be None (as Ray sets it) or an integer from -20 to 19, "
+                f"got {self.worker_niceness!r}"
+            )
         if self.max_to_keep is not None and self.max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1 (or None to keep every checkpoint), got {self.max_to_keep}")
-        if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir.strip()):
+        if self.checkpoint_dir is not None and (
+            not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir.strip()
+        ):
             raise ValueError(f"checkpoint_dir must be a local path or gs://bucket/prefix, got {self.checkpoint_dir!r}")
         if self.checkpoint_dir is not None:
-            from ray_elastic.checkpoints import resolve
+            from ray_elastic.state.checkpoints import resolve
 
             object.__setattr__(self, "checkpoint_dir", resolve(self.checkpoint_dir.strip()))
-        for name in ("replacement_timeout_s", "hang_timeout_min_s", "hang_timeout_factor", "probe_timeout_s",
-                     "failure_window_s", "slice_timeout_s", "jax_init_timeout_s"):
+        for name in (
+            "replacement_timeout_s",
+            "hang_timeout_min_s",
+            "hang_timeout_factor",
+            "probe_timeout_s",
+            "failure_window_s",
+            "slice_timeout_s",
+            "jax_init_timeout_s",
+        ):
             value = getattr(self, name)  # None would mean "wait forever": not allowed
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
         if self.jax_init_timeout_s < 1:  # jax.distributed.initialize takes whole seconds
-            raise ValueError(f"jax_init_timeout_s must be >= 1 (JAX counts it in whole seconds), "
-                             f"got {self.jax_init_timeout_s!r}")
-        if self.save_timeout_s is not None and (isinstance(self.save_timeout_s, bool) or
-                                                not isinstance(self.save_timeout_s, (int, float)) or
-                                                not self.save_timeout_s > 0):
-            raise ValueError(f"save_timeout_s must be a number of seconds > 0, or None (10 x the slowest save, "
-                             f"at least 300 s), got {self.save_timeout_s!r}")
+            raise ValueError(
+                f"jax_init_timeout_s must be >= 1 (JAX counts it in whole seconds), got {self.jax_init_timeout_s!r}"
+            )
+        if self.save_timeout_s is not None and (
+            isinstance(self.save_timeout_s, bool)
+            or not isinstance(self.save_timeout_s, (int, float))
+            or not self.save_timeout_s > 0
+        ):
+            raise ValueError(
+                f"save_timeout_s must be a number of seconds > 0, or None (10 x the slowest save, "
+                f"at least 300 s), got {self.save_timeout_s!r}"
+            )
         grace = self.node_death_grace_s
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
             raise ValueError(f"node_death_grace_s must be a number of seconds >= 0, got {grace!r}")
@@ -374,11 +419,18 @@ class ElasticConfig:
         later must get the same one, or the traced step does not fit and is traced again.
         """
         n = len(slice_names)
-        return plan_world(generation, slice_names, self.slice.num_hosts, self.slice.host_devices,
-                          batch_for_world(n, self.num_slices, self.global_batch_size, self.batch_policy),
-                          data_stride=self.global_batch_size, lr_scale=lr_scale(n, self.num_slices, self.lr_rule),
-                          snapshot_slices=self.snapshot_replicas, slice_mesh=self.slice_mesh,
-                          microbatch_size=self.microbatch_size or 0)
+        return plan_world(
+            generation,
+            slice_names,
+            self.slice.num_hosts,
+            self.slice.host_devices,
+            batch_for_world(n, self.num_slices, self.global_batch_size, self.batch_policy),
+            data_stride=self.global_batch_size,
+            lr_scale=lr_scale(n, self.num_slices, self.lr_rule),
+            snapshot_slices=self.snapshot_replicas,
+            slice_mesh=self.slice_mesh,
+            microbatch_size=self.microbatch_size or 0,
+        )
 
     def world_sizes(self) -> list[int]:
         """Slice counts the run may train on: only full size in pure pause-and-resume."""
@@ -393,9 +445,11 @@ class ElasticConfig:
             bad_eval = [n for n in self.world_sizes() if self.eval_batch % (n * dps)]
             if bad_eval:
                 need = math.lcm(*(n * dps for n in self.world_sizes()))
-                raise ValueError(f"eval_batch_size={self.eval_batch} cannot be split evenly over "
-                                 f"{', '.join(f'{n} slice(s) x {dps} device(s)' for n in bad_eval)}: use a multiple "
-                                 f"of {need}")
+                raise ValueError(
+                    f"eval_batch_size={self.eval_batch} cannot be split evenly over "
+                    f"{', '.join(f'{n} slice(s) x {dps} device(s)' for n in bad_eval)}: use a multiple "
+                    f"of {need}"
+                )
         bad = [n for n in self.world_sizes() if self.global_batch_size % (n * dps)]
         if not bad:
             return
@@ -419,8 +473,11 @@ class ElasticConfig:
         if not mb:
             return
         for n in self.world_sizes():
-            batch = batch_for_world(n, self.num_slices, self.global_batch_size, self.batch_policy) \
-                if self.batch_policy == "constant" or n == self.num_slices else None
+            batch = (
+                batch_for_world(n, self.num_slices, self.global_batch_size, self.batch_policy)
+                if self.batch_policy == "constant" or n == self.num_slices
+                else None
+            )
             if batch is None or batch % (n * dps):
                 continue  # reported by the batch check
             per_device = batch // (n * dps)
@@ -428,4 +485,5 @@ class ElasticConfig:
                 raise ValueError(
                     f"microbatch_size={mb} does not divide the per-device batch {per_device} of a world of {n} "
                     f"slice(s) (global_batch_size={batch} over {n} x {dps} data-parallel devices): choose a "
-                    f"microbatch_size that divides it, or change min_slices")
+                    f"microbatch_size that divides it, or change min_slices"
+                )

@@ -49,7 +49,7 @@ class RayletGone(HostLost):
 
 class ProcessGone(RuntimeError):
     """A slice process's liveness connection closed: the process is dead (its host may be too;
-    the node check decides). See :mod:`ray_elastic.liveness`."""
+    the node check decides). See :mod:`ray_elastic.detect.liveness`."""
 
 
 class ProcessFailed(RuntimeError):

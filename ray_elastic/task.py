@@ -30,8 +30,14 @@ from typing import Any, Optional
 from ray_elastic.errors import TrainingCodeError
 
 # What a step's metrics carry besides the task's own: a metric may not take these names.
-RESERVED_METRICS = ("step", "step_time_s", "finished_at", "checkpoint_step", "checkpoint_blocking_s",
-                    "checkpoints_committed")
+RESERVED_METRICS = (
+    "step",
+    "step_time_s",
+    "finished_at",
+    "checkpoint_step",
+    "checkpoint_blocking_s",
+    "checkpoints_committed",
+)
 
 _microbatches: contextvars.ContextVar[int] = contextvars.ContextVar("ray_elastic_microbatches", default=1)
 _data_shards: contextvars.ContextVar[int] = contextvars.ContextVar("ray_elastic_data_shards", default=1)
@@ -59,23 +65,28 @@ def loss_and_metrics(out: Any) -> tuple[Any, dict]:
     elif isinstance(out, (tuple, list, dict)):
         raise TrainingCodeError(
             f"loss returned {_describe(out)}; expected a scalar loss or (loss, metrics) with metrics a dict "
-            "of scalars, e.g. return loss, {'accuracy': acc}")
+            "of scalars, e.g. return loss, {'accuracy': acc}"
+        )
     else:
         loss, metrics = out, {}
     if jnp.ndim(loss) != 0:
-        raise TrainingCodeError(f"loss returned a loss of shape {jnp.shape(loss)}; expected a scalar (take the "
-                                "mean over the batch)")
+        raise TrainingCodeError(
+            f"loss returned a loss of shape {jnp.shape(loss)}; expected a scalar (take the mean over the batch)"
+        )
     for name, value in metrics.items():
         if not isinstance(name, str) or jnp.ndim(value) != 0:
-            raise TrainingCodeError(f"loss returned metric {name!r} of shape {jnp.shape(value)}; metrics must be "
-                                    "a dict of str -> scalar")
+            raise TrainingCodeError(
+                f"loss returned metric {name!r} of shape {jnp.shape(value)}; metrics must be a dict of str -> scalar"
+            )
     clash = sorted(set(metrics) & set(RESERVED_METRICS))
     if clash:
-        raise TrainingCodeError(f"loss returned metric(s) {clash}: those names are taken by ray-elastic's own "
-                                "step fields; rename them")
+        raise TrainingCodeError(
+            f"loss returned metric(s) {clash}: those names are taken by ray-elastic's own step fields; rename them"
+        )
     if "loss" in metrics:
-        raise TrainingCodeError("loss returned a metric named 'loss'; the loss itself is reported as 'loss': "
-                                "rename the metric")
+        raise TrainingCodeError(
+            "loss returned a metric named 'loss'; the loss itself is reported as 'loss': rename the metric"
+        )
     return loss, dict(metrics)
 
 
@@ -181,5 +192,6 @@ def _accumulate(f, model, batch: dict, n: int):
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), nnx.state(model, nnx.Param))
     mzeros = {k: jnp.zeros((), jnp.float32) for k in ("loss", *names)}
     _, gsum, msum = body((model, zeros, mzeros), micro)
-    return {k: v / n for k, v in msum.items()}, jax.tree.map(lambda g, p: (g / n).astype(p.dtype), gsum,
-                                                             nnx.state(model, nnx.Param))
+    return {k: v / n for k, v in msum.items()}, jax.tree.map(
+        lambda g, p: (g / n).astype(p.dtype), gsum, nnx.state(model, nnx.Param)
+    )

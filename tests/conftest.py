@@ -21,7 +21,7 @@ def reference_run(task, global_batch_size: int, seed: int, num_steps: int):
     """
     from flax import nnx
 
-    from ray_elastic.data import StepBatches
+    from ray_elastic.slice.data import StepBatches
 
     model = task.create_model(nnx.Rngs(seed))
     optimizer = nnx.Optimizer(model, task.create_optimizer(), wrt=nnx.Param)
@@ -44,7 +44,7 @@ def reference_losses(task, global_batch_size: int, seed: int, num_steps: int) ->
 @pytest.fixture(scope="session")
 def local_gcs():
     """One fake-gcs-server for the whole session (GCS clients cache their endpoint per process)."""
-    from ray_elastic.local_gcs import LocalGCS
+    from ray_elastic.sim.local_gcs import LocalGCS
 
     gcs = LocalGCS()
     saved = {k: os.environ.get(k) for k in gcs.env}
@@ -63,7 +63,6 @@ def nothing_left_behind():
     """Every test on a live cluster: once it is over (``fit`` returned or raised, whatever the
     exit), no placement group and no actor that ray-elastic started during it is still alive."""
     import ray
-
     from faults import cluster_state, left_behind
 
     before = cluster_state() if ray.is_initialized() else None
@@ -86,7 +85,7 @@ def pytest_collection_modifyitems(items):
 
 
 def _start_cluster(kwargs: dict):
-    from ray_elastic.sim import SimulatedTPUCluster
+    from ray_elastic.sim.cluster import SimulatedTPUCluster
 
     return SimulatedTPUCluster(log_to_driver=False, **{"num_slices": 3, **kwargs})
 

@@ -1,4 +1,4 @@
-"""A scripted stand-in for :class:`ray_elastic.ray_backend.RayBackend`: no Ray, no JAX, milliseconds.
+"""A scripted stand-in for :class:`ray_elastic.control.ray_backend.RayBackend`: no Ray, no JAX, milliseconds.
 
 The controller, ``Generations`` and ``plan`` run for real; only the cluster is scripted:
 slices are names with a node that is alive or dead, a world's steps are a loop that
@@ -13,11 +13,11 @@ import dataclasses
 import time
 from typing import Callable, Optional
 
+from ray_elastic.control.states import OutcomeKind, RunOutcome
+from ray_elastic.control.world import FormationTimes
+from ray_elastic.decide import ErrorKind, is_snapshot_step
 from ray_elastic.errors import CapacityTimeoutError, FormingError, ProcessFailed, StorageError
-from ray_elastic.plan import ErrorKind, is_snapshot_step
-from ray_elastic.snapshots import SnapshotRef
-from ray_elastic.states import OutcomeKind, RunOutcome
-from ray_elastic.world import FormationTimes
+from ray_elastic.state.snapshots import SnapshotRef
 
 
 class ProcessDied(RuntimeError):
@@ -76,8 +76,9 @@ class FakeWorld:
     def __init__(self, backend, plan, reservations, restored: dict):
         self.backend, self.plan, self.reservations = backend, plan, list(reservations)
         self.restored = restored  # slice -> step of the snapshot it loaded
-        self.times = FormationTimes(start_actors_s=0.001, jax_init_s=0.001, state_load_s=0.001, compile_s=0.001,
-                                    total_s=0.004)
+        self.times = FormationTimes(
+            start_actors_s=0.001, jax_init_s=0.001, state_load_s=0.001, compile_s=0.001, total_s=0.004
+        )
         self.workers = list(range(plan.num_processes))
         self.join_infos = [{} for _ in self.workers]
         self.host_infos = [{"node_id": f"node-{r.host}", "pid": 0} for r in reservations]
@@ -120,8 +121,9 @@ class FakeStreams:
             if is_snapshot_step(step, 1 if every == "auto" else every):
                 for p in range(self.world.plan.num_processes):
                     if self.world.plan.takes_snapshots(p):
-                        self.store.add(self.world.slice_of(p), 0, step,
-                                       SnapshotRef(None, self.world.plan.generation, step))
+                        self.store.add(
+                            self.world.slice_of(p), 0, step, SnapshotRef(None, self.world.plan.generation, step)
+                        )
         return RunOutcome(OutcomeKind.DONE)
 
     def drain(self, timeout_s: float, errors: dict) -> None:
@@ -236,8 +238,9 @@ class FakeBackend:
     def missing_snapshots(self, refs, members=()) -> set:
         return set()  # the store is the truth here
 
-    def drive(self, world, store, on_metrics, step_times, on_interval=None, on_committed=None,
-              on_eval=None, save_seconds=None) -> FakeStreams:
+    def drive(
+        self, world, store, on_metrics, step_times, on_interval=None, on_committed=None, on_eval=None, save_seconds=None
+    ) -> FakeStreams:
         return FakeStreams(self, world, store, on_metrics)
 
     def error_text(self, error: BaseException) -> str:
@@ -274,25 +277,31 @@ class FakeBackend:
 # Faults, as ``faults={step: ...}`` values.
 def lose_slice(index: int):
     """The host of the world's slice ``index`` dies (its process with it)."""
+
     def fire(backend, world):
         backend.kill(world.plan.slice_names[index])
         return RunOutcome(OutcomeKind.FAILURE, {index: ProcessDied("actor died")})
+
     return fire
 
 
 def crash_process(index: int):
     """Slice ``index``'s process dies; its host lives."""
+
     def fire(backend, world):
         return RunOutcome(OutcomeKind.FAILURE, {index: ProcessDied("actor died")})
+
     return fire
 
 
 def lose_coordinator_survivor_reports_first(survivor: int):
     """Slice 0's host dies; the JAX processes elsewhere abort with it, and ``survivor``'s death is
     the first (and only) error seen."""
+
     def fire(backend, world):
         backend.kill(world.plan.slice_names[0])
         return RunOutcome(OutcomeKind.FAILURE, {survivor: ProcessDied("actor died")})
+
     return fire
 
 
@@ -300,12 +309,14 @@ def hang_slice(index: int):
     def fire(backend, world):
         backend.hung.add(world.plan.slice_names[index])
         return RunOutcome(OutcomeKind.HANG)
+
     return fire
 
 
 def task_bug(index: int = 0):
     def fire(backend, world):
         return RunOutcome(OutcomeKind.FAILURE, {index: TaskBug("bug in the loss")})
+
     return fire
 
 

@@ -70,7 +70,6 @@ def max_rel_err(a, b) -> float:
     return float(np.max(np.abs(a - b) / np.abs(b)))
 
 
-
 OURS = ("SliceWorker", "SnapshotKeeper", "ChunkRelay")  # the actor classes ray-elastic starts
 
 
@@ -81,8 +80,9 @@ def cluster_state() -> tuple[set, set, set]:
     import ray
 
     groups = {pg for pg, g in ray.util.placement_group_table().items() if g["state"] != "REMOVED"}
-    ours = [(aid, a) for aid, a in ray._private.state.actors().items()
-            if a["ActorClassName"].rsplit(".", 1)[-1] in OURS]
+    ours = [
+        (aid, a) for aid, a in ray._private.state.actors().items() if a["ActorClassName"].rsplit(".", 1)[-1] in OURS
+    ]
     actors = {aid for aid, a in ours if a["State"] != "DEAD"}
     running = set()
     for _, a in ours:
@@ -105,8 +105,10 @@ def left_behind(before: tuple[set, set, set], timeout_s: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         now = cluster_state()
-        left = {name: sorted(str(x) for x in n - b)
-                for name, n, b in zip(("placement_groups", "actors", "processes"), now, before)}
+        left = {
+            name: sorted(str(x) for x in n - b)
+            for name, n, b in zip(("placement_groups", "actors", "processes"), now, before)
+        }
         if not any(left.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.5)

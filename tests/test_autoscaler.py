@@ -1,6 +1,6 @@
 """Slices launched and replaced by Ray's own autoscaler (v2), not by a thread of ours.
 
-The module's cluster starts its head with the v2 monitor and ``ray_elastic.sim_provider``: its
+The module's cluster starts its head with the v2 monitor and ``ray_elastic.sim.node_provider``: its
 slices, and every replacement, are launched by the real reconciler for pending demand, and a dead
 host's instance is retired by it. The provider's event file is the witness of what it did.
 """
@@ -10,12 +10,11 @@ import time
 
 import pytest
 import ray
+from faults import FaultPlan, ensure_slices, in_thread, max_rel_err, slice_name
 
 from ray_elastic import ElasticConfig, ElasticTrainer
+from ray_elastic.control.placement import reserve_slices
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
-from ray_elastic.placement import reserve_slices
-
-from faults import FaultPlan, ensure_slices, in_thread, max_rel_err, slice_name
 
 # Capacity for the three slices the runs need: a reservation made right after another run released
 # its slices can look unsatisfiable to the autoscaler (its resource view lags), which would launch
@@ -30,9 +29,18 @@ SAME_SHAPE, RESIZED = 1e-6, 1e-4
 
 
 def config(cluster, **kw) -> ElasticConfig:
-    base = dict(num_slices=3, global_batch_size=48, slice=cluster.slice_spec, steps_per_chunk=10, seed=0,
-                hang_timeout_min_s=3.0, slice_timeout_s=60.0, replacement_timeout_s=90.0, standby_workers=1,
-                snapshot_every=1)
+    base = dict(
+        num_slices=3,
+        global_batch_size=48,
+        slice=cluster.slice_spec,
+        steps_per_chunk=10,
+        seed=0,
+        hang_timeout_min_s=3.0,
+        slice_timeout_s=60.0,
+        replacement_timeout_s=90.0,
+        standby_workers=1,
+        snapshot_every=1,
+    )
     return ElasticConfig(**{**base, **kw})
 
 
@@ -94,8 +102,9 @@ def test_a_lost_slice_is_replaced_by_the_autoscaler(sim_cluster, baseline):
         in_thread(sim_cluster.kill_slice, victim["name"])
 
     plan = FaultPlan({20: kill})
-    trainer = ElasticTrainer(DigitsMLPTask(), config(sim_cluster, mode="pause-and-resume"), progress=False,
-                             on_step=plan.on_step)
+    trainer = ElasticTrainer(
+        DigitsMLPTask(), config(sim_cluster, mode="pause-and-resume"), progress=False, on_step=plan.on_step
+    )
     plan.trainer = trainer
     result = trainer.fit(STEPS)
     assert result.steps == list(range(STEPS)) and result.summary["steps_rewound"] == 0
@@ -128,18 +137,24 @@ def test_stock_out_resizes_then_the_world_grows_back_when_capacity_returns(sim_c
     def look_then_give_capacity(t):
         status = get_cluster_status(sim_cluster.address)
         seen["demand"] = [d for d in status.resource_demands.placement_group_demand]
-        seen["stock_outs"] = [e for e in sim_cluster.autoscaler_events() if e["event"] == "stock_out"
-                              and e["t"] >= seen["t"]]
+        seen["stock_outs"] = [
+            e for e in sim_cluster.autoscaler_events() if e["event"] == "stock_out" and e["t"] >= seen["t"]
+        ]
         seen["slices_then"] = len(t.world.plan.slice_names)
         sim_cluster.set_capacity(CAPACITY)
 
     def at_30(t):  # a step past the shrink: keep looking until the replacement's demand was refused
-        threading.Thread(target=lambda: (_wait_for_stock_out(sim_cluster, seen), look_then_give_capacity(t)),
-                         daemon=True).start()
+        threading.Thread(
+            target=lambda: (_wait_for_stock_out(sim_cluster, seen), look_then_give_capacity(t)), daemon=True
+        ).start()
 
     plan = FaultPlan({15: kill, 30: at_30})
-    trainer = ElasticTrainer(DigitsMLPTask(), config(sim_cluster, min_slices=2, replacement_timeout_s=120.0),
-                             progress=False, on_step=plan.on_step)
+    trainer = ElasticTrainer(
+        DigitsMLPTask(),
+        config(sim_cluster, min_slices=2, replacement_timeout_s=120.0),
+        progress=False,
+        on_step=plan.on_step,
+    )
     plan.trainer = trainer
     try:
         result = trainer.fit(GROW_STEPS)

@@ -7,11 +7,11 @@ pool here has exactly as many names as the run needs, so the replacement must re
 
 import time
 
-from ray_elastic import ElasticConfig, ElasticTrainer
-from ray_elastic.examples.digits_mlp import DigitsMLPTask
-
 from conftest import reference_losses
 from faults import FaultPlan, in_thread, max_rel_err, slice_name
+
+from ray_elastic import ElasticConfig, ElasticTrainer
+from ray_elastic.examples.digits_mlp import DigitsMLPTask
 
 SIM_CLUSTER = {"num_slices": 2, "hosts_per_slice": 2, "autoscaler": True, "pool_slices": 2}
 STEPS = 30
@@ -25,9 +25,18 @@ def test_a_slice_that_lost_one_host_is_replaced_whole_under_its_name(sim_cluster
         victim["nodes"] = sim_cluster.slice_by_name(victim["name"]).node_ids
         in_thread(sim_cluster.kill_host, victim["name"], 1)
 
-    cfg = ElasticConfig(num_slices=2, global_batch_size=32, slice=sim_cluster.slice_spec, steps_per_chunk=10, seed=1,
-                        standby_workers=1, hang_timeout_min_s=3.0, replacement_timeout_s=90.0, snapshot_every=1,
-                        mode="pause-and-resume")
+    cfg = ElasticConfig(
+        num_slices=2,
+        global_batch_size=32,
+        slice=sim_cluster.slice_spec,
+        steps_per_chunk=10,
+        seed=1,
+        standby_workers=1,
+        hang_timeout_min_s=3.0,
+        replacement_timeout_s=90.0,
+        snapshot_every=1,
+        mode="pause-and-resume",
+    )
     plan = FaultPlan({15: kill_one_host})
     trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=plan.on_step)
     plan.trainer = trainer
@@ -53,5 +62,7 @@ def test_a_slice_that_lost_one_host_is_replaced_whole_under_its_name(sim_cluster
     for pid, info in enumerate(infos):
         assert info["tpu_worker_id"] == str(pid % 2)
         assert info["node_id"] == by_slice[info["slice_name"]][pid % 2]
-    print(f"one host killed -> whole slice back: {max(e['t'] for e in made) - victim['t']:.2f}s; "
-          f"recovery {result.recoveries[0].recovery_s:.2f}s")
+    print(
+        f"one host killed -> whole slice back: {max(e['t'] for e in made) - victim['t']:.2f}s; "
+        f"recovery {result.recoveries[0].recovery_s:.2f}s"
+    )

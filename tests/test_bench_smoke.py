@@ -22,8 +22,9 @@ def _last_json(args, timeout=600):
 
 @pytest.mark.bench
 def test_overhead_bench_prints_ratio():
-    out = _last_json(["bench/overhead.py", "--steps", "40", "--large-steps", "8", "--llm-steps", "8", "--reps", "1"],
-                     timeout=900)
+    out = _last_json(
+        ["bench/overhead.py", "--steps", "40", "--large-steps", "8", "--llm-steps", "8", "--reps", "1"], timeout=900
+    )
     assert out["overhead_ratio"] > 0 and out["overhead_ratio_large"] > 0 and out["overhead_ratio_no_snapshots"] > 0
     assert out["overhead_ratio_llm"] > 0
     assert out["snapshot_every_chosen"] >= 1
@@ -34,8 +35,26 @@ def test_overhead_bench_prints_ratio():
 @pytest.mark.bench
 def test_scale_bench_prints_the_curve(tmp_path):
     png = tmp_path / "scale.png"
-    out = _last_json(["bench/scale.py", "--slices", "2", "--multihost", "0", "--steps", "30",
-                      "--processes", "16", "--model-steps", "20", "--model-chunks", "10", "--plot", str(png)], timeout=900)
+    out = _last_json(
+        [
+            "bench/scale.py",
+            "--slices",
+            "2",
+            "--multihost",
+            "0",
+            "--steps",
+            "30",
+            "--processes",
+            "16",
+            "--model-steps",
+            "20",
+            "--model-chunks",
+            "10",
+            "--plot",
+            str(png),
+        ],
+        timeout=900,
+    )
     (point,) = out["clusters"]
     assert point["processes"] == 2 and point["overhead_ratio"] > 0
     assert {r["kind"] for r in point["recoveries"]} == {"process", "node"}
@@ -45,8 +64,27 @@ def test_scale_bench_prints_the_curve(tmp_path):
 
 @pytest.mark.bench
 def test_recovery_bench_prints_recovery_times():
-    out = _last_json(["bench/recovery.py", "--repeats", "1", "--positions", "0", "--kinds", "process", "--cascades",
-                      "0", "--cold", "0", "--multihost", "0", "--gap", "5", "--gap-s", "3"])
+    out = _last_json(
+        [
+            "bench/recovery.py",
+            "--repeats",
+            "1",
+            "--positions",
+            "0",
+            "--kinds",
+            "process",
+            "--cascades",
+            "0",
+            "--cold",
+            "0",
+            "--multihost",
+            "0",
+            "--gap",
+            "5",
+            "--gap-s",
+            "3",
+        ]
+    )
     assert out["steps_rewound_max"] == 0 and out["faults"] == 2
     assert 0 < out["replica_resize_recovery_s"] <= out["replica_resize_worst_s"] < 60
     assert 0 < out["detection_worst_s"] < 60 and 0 < out["pause_resume_recovery_after_arrival_s"] < 60
@@ -81,12 +119,28 @@ def _chaos(args, timeout):
 def test_chaos_bench_recovers_every_fault():
     """A short chaos soak: four faults of the kinds that combine failures (two at once, a second
     during a recovery, one while a world forms, a replacement lost on arrival)."""
-    out = _chaos(["--faults", "4", "--multihost-faults", "0", "--steps", "100", "--gap", "20", "--no-noise",
-                  "--kinds", "two_at_once,during_recovery,while_forming,dies_on_arrival"], timeout=900)
+    out = _chaos(
+        [
+            "--faults",
+            "4",
+            "--multihost-faults",
+            "0",
+            "--steps",
+            "100",
+            "--gap",
+            "20",
+            "--no-noise",
+            "--kinds",
+            "two_at_once,during_recovery,while_forming,dies_on_arrival",
+        ],
+        timeout=900,
+    )
     assert out["faults"] == 4 and out["max_rel_loss_diff"] <= 1e-4, out
     gp = out["goodput_breakdown"]  # where the badput went: the seconds add up to the run's wall time
     assert gp["goodput"] == out["goodput"] and gp["productive_s"] > 0, gp
-    assert abs(sum(v for k, v in gp.items() if k not in ("total_s", "goodput")) - gp["total_s"]) < 0.05 * gp["total_s"], gp
+    assert (
+        abs(sum(v for k, v in gp.items() if k not in ("total_s", "goodput")) - gp["total_s"]) < 0.05 * gp["total_s"]
+    ), gp
 
 
 @pytest.mark.soak
@@ -98,9 +152,31 @@ def test_chaos_bench_soak():
 
 @pytest.mark.bench
 def test_recovery_bench_runs_the_llm_example():
-    out = _last_json(["bench/recovery.py", "--model", "llm", "--repeats", "1", "--positions", "1", "--kinds", "node",
-                      "--cascades", "0", "--cold", "0", "--multihost", "0", "--modes", "replica-resize", "--gap", "5",
-                      "--gap-s", "3"])
+    out = _last_json(
+        [
+            "bench/recovery.py",
+            "--model",
+            "llm",
+            "--repeats",
+            "1",
+            "--positions",
+            "1",
+            "--kinds",
+            "node",
+            "--cascades",
+            "0",
+            "--cold",
+            "0",
+            "--multihost",
+            "0",
+            "--modes",
+            "replica-resize",
+            "--gap",
+            "5",
+            "--gap-s",
+            "3",
+        ]
+    )
     assert out["steps_rewound_max"] == 0 and out["faults"] == 1
 
 

@@ -14,13 +14,12 @@ import jax
 import numpy as np
 import pytest
 import ray
+from conftest import reference_run
+from faults import FaultPlan, ensure_slices, kill_process_of_slice, max_rel_err
 
 from ray_elastic import ElasticConfig, ElasticTrainer
-from ray_elastic.checkpoints import Checkpointer, latest_checkpoint
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
-
-from conftest import reference_losses, reference_run
-from faults import FaultPlan, ensure_slices, kill_process_of_slice, max_rel_err
+from ray_elastic.state.checkpoints import Checkpointer, latest_checkpoint
 
 SIM_CLUSTER = {"num_slices": 4}
 SHARE_CLUSTER = True  # conftest.py: one cluster for the modules of plain 1-host slices
@@ -35,8 +34,14 @@ def _config(cluster, num_slices=2, **kw) -> ElasticConfig:
     importing JAX and tracing steps on the machine's cores (a recovery here starts new processes).
     Two slices unless a test is about the world's size (a third is one more process and keeper
     per fit, and the suite's time is its number of process starts)."""
-    return ElasticConfig(num_slices=num_slices, global_batch_size=GBS, slice=cluster.slice_spec, seed=SEED,
-                         steps_per_chunk=5, **{"standby_workers": 0, **kw})
+    return ElasticConfig(
+        num_slices=num_slices,
+        global_batch_size=GBS,
+        slice=cluster.slice_spec,
+        seed=SEED,
+        steps_per_chunk=5,
+        **{"standby_workers": 0, **kw},
+    )
 
 
 def _fit(cluster, directory: str, steps: int, num_slices: int = 2, every: int = 10):
@@ -54,7 +59,7 @@ def _steps_in_bucket(gcs, bucket: str, prefix: str) -> dict[int, bool]:
     """step -> committed (has commit_success.txt), from a raw GCS listing."""
     out: dict[int, bool] = {}
     for name in gcs.list(bucket, prefix=prefix + "/"):
-        parts = name[len(prefix) + 1:].split("/")
+        parts = name[len(prefix) + 1 :].split("/")
         if parts[0].isdigit():
             step = int(parts[0])
             out[step] = out.get(step, False) or parts[1:] == ["commit_success.txt"]
@@ -87,8 +92,9 @@ def reference():
 
 
 @pytest.mark.parametrize("where, resume_on", [("local", 2), ("gcs", 4)])
-def test_round_trip_values_equal_and_resume_on_another_world_size(where, resume_on, sim_cluster, local_gcs, tmp_path,
-                                                                   reference):
+def test_round_trip_values_equal_and_resume_on_another_world_size(
+    where, resume_on, sim_cluster, local_gcs, tmp_path, reference
+):
     """Saved by 3 slices, the values are the training state; a run resumes from them on fewer
     (local disk) or more (gs://) slices, resharded, and trains on with the reference's losses."""
     ensure_slices(sim_cluster, 4)
@@ -131,7 +137,7 @@ def test_unfinished_step_is_ignored_and_cleaned(sim_cluster, local_gcs, referenc
     b.blob("run/20/commit_success.txt").delete()
     # And a later step of which only some shards landed (no run will write step 25 again).
     for blob in b.list_blobs(prefix="run/20/state/"):
-        b.copy_blob(blob, b, "run/25/" + blob.name[len("run/20/"):])
+        b.copy_blob(blob, b, "run/25/" + blob.name[len("run/20/") :])
     assert _steps_in_bucket(local_gcs, bucket, "run") == {10: True, 20: False, 25: False}
     assert latest_checkpoint(directory).step == 10
 
@@ -201,8 +207,12 @@ def test_the_final_checkpoint_survives_a_failure_while_it_is_written(sim_cluster
     ensure_slices(sim_cluster, 4)
     directory = str(tmp_path / "ckpt")
     plan = FaultPlan({29: lambda t: kill_process_of_slice(t, 1)})
-    trainer = ElasticTrainer(DigitsMLPTask(), _config(sim_cluster, checkpoint_dir=directory, checkpoint_every=1000),
-                             progress=False, on_step=plan.on_step)
+    trainer = ElasticTrainer(
+        DigitsMLPTask(),
+        _config(sim_cluster, checkpoint_dir=directory, checkpoint_every=1000),
+        progress=False,
+        on_step=plan.on_step,
+    )
     plan.trainer = trainer
     result = trainer.fit(30)
     assert not plan.faults and len(result.recoveries) == 1 and result.steps == list(range(30))
@@ -230,8 +240,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(sim_cluster,
     assert max_rel_err(result.losses, ref_losses[10:30]) <= 1e-4
 
 
-def test_checkpoints_belong_to_their_task_and_another_runs_are_loaded_only_when_asked(sim_cluster, tmp_path,
-                                                                                       reference):
+def test_checkpoints_belong_to_their_task_and_another_runs_are_loaded_only_when_asked(sim_cluster, tmp_path, reference):
     @dataclasses.dataclass
     class OtherTask(DigitsMLPTask):
         """Another job: same shapes, another name."""
@@ -261,15 +270,21 @@ def test_checkpoints_belong_to_their_task_and_another_runs_are_loaded_only_when_
 def test_a_slow_synchronous_save_is_not_a_hang(sim_cluster, local_gcs, monkeypatch):
     """Synchronous saves to a far-away bucket (every request held SLOW_BUCKET_DELAY_S) take longer
     than the watchdog allows a step: still no hang."""
-    from ray_elastic.local_gcs import FlakyEndpoint
+    from ray_elastic.sim.local_gcs import FlakyEndpoint
 
     ensure_slices(sim_cluster, 4)
     slow = FlakyEndpoint(local_gcs, fail_every=0, delay_s=SLOW_BUCKET_DELAY_S)
     try:
         for k, v in slow.env.items():  # the slice processes get the driver's GCS environment
             monkeypatch.setenv(k, v)
-        cfg = _config(sim_cluster, checkpoint_dir=f"gs://{_bucket(local_gcs)}/run", checkpoint_every=5,
-                      async_checkpointing=False, hang_timeout_min_s=SLOW_SAVE_WATCHDOG_S, hang_timeout_factor=1.0)
+        cfg = _config(
+            sim_cluster,
+            checkpoint_dir=f"gs://{_bucket(local_gcs)}/run",
+            checkpoint_every=5,
+            async_checkpointing=False,
+            hang_timeout_min_s=SLOW_SAVE_WATCHDOG_S,
+            hang_timeout_factor=1.0,
+        )
         result = ElasticTrainer(DigitsMLPTask(), cfg, progress=False).fit(10)
     finally:
         monkeypatch.undo()
@@ -285,7 +300,7 @@ def test_a_save_that_never_ends_is_a_failed_save_not_a_busy_world(sim_cluster, l
     so a hung write kept the world waiting forever. Past ``save_timeout_s`` it is a failed save; with
     ``max_save_failures_in_a_row=1`` the run then stops at once, naming the storage."""
     from ray_elastic.errors import StorageFailingError
-    from ray_elastic.local_gcs import FlakyEndpoint
+    from ray_elastic.sim.local_gcs import FlakyEndpoint
 
     ensure_slices(sim_cluster, 4)
     stuck = FlakyEndpoint(local_gcs, fail_every=0)
@@ -298,9 +313,16 @@ def test_a_save_that_never_ends_is_a_failed_save_not_a_busy_world(sim_cluster, l
     try:
         for k, v in stuck.env.items():  # the slice processes get the driver's GCS environment
             monkeypatch.setenv(k, v)
-        cfg = _config(sim_cluster, checkpoint_dir=directory, checkpoint_every=5, async_checkpointing=False,
-                      hang_timeout_min_s=SLOW_SAVE_WATCHDOG_S, hang_timeout_factor=1.0, save_timeout_s=3.0,
-                      max_save_failures_in_a_row=1)
+        cfg = _config(
+            sim_cluster,
+            checkpoint_dir=directory,
+            checkpoint_every=5,
+            async_checkpointing=False,
+            hang_timeout_min_s=SLOW_SAVE_WATCHDOG_S,
+            hang_timeout_factor=1.0,
+            save_timeout_s=3.0,
+            max_save_failures_in_a_row=1,
+        )
         trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=hang_the_writes)
         t0 = time.monotonic()
         with pytest.raises(StorageFailingError, match=r"failed 1 times in a row.*save_timeout_s=3"):
@@ -318,7 +340,7 @@ def test_transient_storage_errors_are_retried_not_failures(sim_cluster, local_gc
     (listings, reads, writes, commits): the GCS clients retry them with backoff, so no world
     fails and nothing is rewound. (Every 4th also passes, at four times the length: each refusal
     costs a backoff of about a second.)"""
-    from ray_elastic.local_gcs import FlakyEndpoint
+    from ray_elastic.sim.local_gcs import FlakyEndpoint
 
     ensure_slices(sim_cluster, 3)
     bucket, ref_losses = _bucket(local_gcs), reference[0]
@@ -339,10 +361,36 @@ def test_transient_storage_errors_are_retried_not_failures(sim_cluster, local_gc
 
 
 def _train_cmd(address_env, directory, run_dir):
-    return [BIN, "train", "--example", "mlp", "--num-slices", "2", "--topology", "2x2x1", "--devices-per-host", "2",
-            "--steps", "80", "--global-batch", str(GBS), "--seed", str(SEED), "--steps-per-chunk", "5",
-            "--standby-workers", "0",
-            "--checkpoint-dir", directory, "--checkpoint-every", "10", "--run-dir", run_dir, "--json", "--no-progress"]
+    return [
+        BIN,
+        "train",
+        "--example",
+        "mlp",
+        "--num-slices",
+        "2",
+        "--topology",
+        "2x2x1",
+        "--devices-per-host",
+        "2",
+        "--steps",
+        "80",
+        "--global-batch",
+        str(GBS),
+        "--seed",
+        str(SEED),
+        "--steps-per-chunk",
+        "5",
+        "--standby-workers",
+        "0",
+        "--checkpoint-dir",
+        directory,
+        "--checkpoint-every",
+        "10",
+        "--run-dir",
+        run_dir,
+        "--json",
+        "--no-progress",
+    ]
 
 
 def _run_losses(run_dir: str) -> list[dict]:
@@ -376,8 +424,7 @@ def test_driver_killed_and_rerun_resumes_with_the_same_losses(sim_cluster, local
     killed_at = latest_checkpoint(directory).step
     assert 20 <= killed_at < 80
 
-    second = subprocess.run(_train_cmd(env, directory, run_dir), env=env, capture_output=True, text=True,
-                            timeout=300)
+    second = subprocess.run(_train_cmd(env, directory, run_dir), env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     summary = json.loads([ln for ln in second.stdout.splitlines() if ln.startswith("{")][-1])
     assert summary["resumed_from_checkpoint"] == killed_at
@@ -401,19 +448,26 @@ def test_bad_checkpoint_locations_fail_before_any_slice_is_taken(sim_cluster, lo
     assert free == ray.cluster_resources()["TPU"]
     pgs = len(ray.util.placement_group_table())
     with pytest.raises(ValueError, match="bucket 'no-such-bucket-x' does not exist"):
-        ElasticTrainer(DigitsMLPTask(), _config(sim_cluster, checkpoint_dir="gs://no-such-bucket-x/run"),
-                       progress=False).fit(5)
+        ElasticTrainer(
+            DigitsMLPTask(), _config(sim_cluster, checkpoint_dir="gs://no-such-bucket-x/run"), progress=False
+        ).fit(5)
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     with pytest.raises(ValueError, match="is not writable"):
-        ElasticTrainer(DigitsMLPTask(), _config(sim_cluster, checkpoint_dir=str(blocker / "ckpt")),
-                       progress=False).fit(5)
+        ElasticTrainer(DigitsMLPTask(), _config(sim_cluster, checkpoint_dir=str(blocker / "ckpt")), progress=False).fit(
+            5
+        )
     assert len(ray.util.placement_group_table()) == pgs
     assert ray.available_resources().get("TPU", 0) == free
 
     env = {**os.environ, "RAY_ADDRESS": sim_cluster.address}
-    proc = subprocess.run(_train_cmd(env, "gs://no-such-bucket-x/run", str(tmp_path / "r")), env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        _train_cmd(env, "gs://no-such-bucket-x/run", str(tmp_path / "r")),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "does not exist" in proc.stderr and "gcloud storage buckets create" in proc.stderr, proc.stderr[-2000:]
 
@@ -427,8 +481,8 @@ def test_a_newer_checkpoint_than_the_record_is_set_aside_when_a_snapshot_is_rest
     newer checkpoint is set aside, kept, and named in the restore's evidence."""
     import types
 
-    from ray_elastic.generations import Generations
-    from ray_elastic.plan import RestoreSource
+    from ray_elastic.control.generations import Generations
+    from ray_elastic.decide import RestoreSource
 
     ensure_slices(sim_cluster, 4)
     ref_losses, _ = reference

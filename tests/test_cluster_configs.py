@@ -40,7 +40,7 @@ def test_gce_launcher_yaml_passes_rays_own_validation():
     assert tpu["resources"]["TPU"] == spec.chips_per_host
     assert config["max_workers"] >= 4 * spec.num_hosts
     head_cmd = " ".join(config["head_start_ray_commands"])
-    sysconf = _system_config(head_cmd[head_cmd.index("ray start"):])
+    sysconf = _system_config(head_cmd[head_cmd.index("ray start") :])
     assert set(sysconf) == HEALTH_KEYS and sysconf["health_check_period_ms"] <= 500
     # Autoscaler v2 retires a dead host at once (v1: a 30 s heartbeat timeout), and one round may
     # launch max(1, upscaling_speed x running) nodes of a type: all but one of 4 slices lost at once

@@ -31,7 +31,10 @@ SIM = SliceSpec("v4", "2x2x1", devices_per_host=2)
         (dict(num_slices=2, global_batch_size=12, snapshot_every=0), "snapshot_every=0 without a checkpoint_dir"),
         (dict(num_slices=2, global_batch_size=12, jax_init_timeout_s=None), "jax_init_timeout_s must be a number"),
         (dict(num_slices=2, global_batch_size=12, jax_init_timeout_s=0.5), "jax_init_timeout_s must be >= 1"),
-        (dict(num_slices=2, global_batch_size=12, slice_timeout_s=0), "slice_timeout_s must be a number of seconds > 0"),
+        (
+            dict(num_slices=2, global_batch_size=12, slice_timeout_s=0),
+            "slice_timeout_s must be a number of seconds > 0",
+        ),
         (dict(num_slices=2, global_batch_size=12, hang_timeout_factor=-1), "hang_timeout_factor must be"),
         (dict(num_slices=2, global_batch_size=12, node_death_grace_s=None), "node_death_grace_s must be"),
         (dict(num_slices=2, global_batch_size=12, standby_workers=-1), "standby_workers must be an integer >= 0"),
@@ -104,15 +107,18 @@ def test_cli_bad_input_exits_2_without_starting_a_cluster(capsys):
     assert not ray.is_initialized()
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("node_death_grace_s", float("inf"), "node_death_grace_s must be a finite number, got inf"),
-    ("replacement_timeout_s", float("inf"), "replacement_timeout_s must be a finite number, got inf"),
-    ("max_failures_in_a_row", float("nan"), "max_failures_in_a_row must be a whole number, got nan"),
-    ("steps_per_chunk", 2.5, "steps_per_chunk must be a whole number, got 2.5"),
-    ("checkpoint_every", 10.0, "checkpoint_every must be a whole number, got 10.0"),
-    ("min_slices", 1.5, "min_slices must be a whole number, got 1.5"),
-    ("hang_timeout_factor", float("nan"), "hang_timeout_factor must be a finite number, got nan"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("node_death_grace_s", float("inf"), "node_death_grace_s must be a finite number, got inf"),
+        ("replacement_timeout_s", float("inf"), "replacement_timeout_s must be a finite number, got inf"),
+        ("max_failures_in_a_row", float("nan"), "max_failures_in_a_row must be a whole number, got nan"),
+        ("steps_per_chunk", 2.5, "steps_per_chunk must be a whole number, got 2.5"),
+        ("checkpoint_every", 10.0, "checkpoint_every must be a whole number, got 10.0"),
+        ("min_slices", 1.5, "min_slices must be a whole number, got 1.5"),
+        ("hang_timeout_factor", float("nan"), "hang_timeout_factor must be a finite number, got nan"),
+    ],
+)
 def test_nan_inf_and_fractional_counts_are_refused_before_anything_runs(field, value, message):
     with pytest.raises(ValueError, match=message):
         ElasticConfig(num_slices=3, global_batch_size=48, slice=SIM, **{field: value})
@@ -129,5 +135,7 @@ def test_a_checkpoint_path_with_tilde_or_relative_is_made_absolute_on_the_driver
     assert cfg.checkpoint_dir == os.path.join(str(tmp_path), "runs", "ckpt")
     cfg = ElasticConfig(num_slices=1, global_batch_size=2, slice=SIM, checkpoint_dir="runs/rel")
     assert cfg.checkpoint_dir == os.path.join(str(tmp_path), "runs", "rel")
-    assert ElasticConfig(num_slices=1, global_batch_size=2, slice=SIM,
-                         checkpoint_dir="gs://b/p").checkpoint_dir == "gs://b/p"
+    assert (
+        ElasticConfig(num_slices=1, global_batch_size=2, slice=SIM, checkpoint_dir="gs://b/p").checkpoint_dir
+        == "gs://b/p"
+    )

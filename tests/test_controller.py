@@ -10,26 +10,51 @@ import time
 import warnings
 
 import pytest
+from fake_backend import (
+    FakeBackend,
+    NodeDied,
+    ProcessDied,
+    TaskBug,
+    add_capacity,
+    crash_process,
+    hang_slice,
+    lose_coordinator_survivor_reports_first,
+    lose_slice,
+    task_bug,
+)
 
 from ray_elastic import ElasticConfig, ElasticTrainer, SliceSpec
-from ray_elastic.errors import (CapacityTimeoutError, ElasticRuntimeError, FormingError, RetriesExhaustedError, StateLostError,
-                               StorageError, TrainingCodeError)
+from ray_elastic.control.states import ControllerState as S
+from ray_elastic.control.states import InvalidTransition, OutcomeKind, RunOutcome, check_transition
+from ray_elastic.errors import (
+    CapacityTimeoutError,
+    ElasticRuntimeError,
+    FormingError,
+    RetriesExhaustedError,
+    StateLostError,
+    StorageError,
+    TrainingCodeError,
+)
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
-from ray_elastic.states import ControllerState as S
-from ray_elastic.states import OutcomeKind, RunOutcome
-from ray_elastic.states import InvalidTransition, check_transition
-
-from fake_backend import (FakeBackend, NodeDied, ProcessDied, TaskBug, add_capacity, crash_process, hang_slice, lose_slice,
-                          task_bug, lose_coordinator_survivor_reports_first)
 
 STEPS = 20
 
 
 def make(backend: FakeBackend, **kw):
-    trainer_kw = {k: kw.pop(k) for k in ("retry_policy", "pre_callback", "on_event", "on_step", "on_chunk",
-                                         "on_elastic_event_callback") if k in kw}
-    cfg = ElasticConfig(**{"num_slices": 3, "global_batch_size": 48, "slice": SliceSpec("v4", "2x2x1"),
-                           "replacement_timeout_s": 5.0, **kw})
+    trainer_kw = {
+        k: kw.pop(k)
+        for k in ("retry_policy", "pre_callback", "on_event", "on_step", "on_chunk", "on_elastic_event_callback")
+        if k in kw
+    }
+    cfg = ElasticConfig(
+        **{
+            "num_slices": 3,
+            "global_batch_size": 48,
+            "slice": SliceSpec("v4", "2x2x1"),
+            "replacement_timeout_s": 5.0,
+            **kw,
+        }
+    )
     trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, **trainer_kw)
     trainer.backend_cls = backend
     return trainer
@@ -146,7 +171,9 @@ def test_a_slice_that_fails_twice_in_a_row_without_progress_is_dropped():
     assert_every_step_once_no_rewind(result, backend)
     failures = kinds(result, "failure")
     assert [(f["origin"], f["lost_slices"], f["failures_in_a_row"]) for f in failures] == [
-        ("s1", [], 1), ("s1", ["s1"], 2)]
+        ("s1", [], 1),
+        ("s1", ["s1"], 2),
+    ]
     assert failures[1]["quarantined_slices"] == ["s1"]
     # A replacement is asked for, and the quarantined slice is held so it cannot be that replacement.
     assert trainer.worlds[-1].slices == ["s0", "s2"] and len(backend.requests) == 1
@@ -221,6 +248,7 @@ def test_restart_from_scratch_when_allowed():
 @pytest.mark.parametrize("lost", list(itertools.combinations(range(4), 2)))
 def test_any_two_slices_lost_at_once_leave_a_snapshot_holder(lost):
     """The default holders (3) outlast any two lost slices: nothing is rewound."""
+
     def lose_two(backend, world):
         for i in lost:
             backend.kill(world.plan.slice_names[i])
@@ -242,8 +270,12 @@ def test_a_lost_holder_is_replaced_by_a_survivor_at_once():
 
 def test_pause_and_resume_waits_for_the_replacement():
     backend = FakeBackend(faults={5: lose_slice(1)})
-    trainer = make(backend, mode="pause-and-resume", replacement_timeout_s=10.0,
-                   on_event=lambda e: e["kind"] == "waiting_for_capacity" and backend.add_slice())
+    trainer = make(
+        backend,
+        mode="pause-and-resume",
+        replacement_timeout_s=10.0,
+        on_event=lambda e: e["kind"] == "waiting_for_capacity" and backend.add_slice(),
+    )
     result = trainer.fit(STEPS)
     assert_every_step_once_no_rewind(result, backend)
     (rec,) = result.recoveries
@@ -415,9 +447,9 @@ def test_a_raylet_port_nothing_listens_on_is_proof_of_a_lost_node_and_a_listenin
     from a raylet this driver has reached before."""
     import socket
 
-    from ray_elastic import health
+    from ray_elastic.decide import ErrorKind
+    from ray_elastic.detect import health
     from ray_elastic.errors import RayletGone
-    from ray_elastic.plan import ErrorKind
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -434,7 +466,7 @@ def test_a_raylet_port_nothing_listens_on_is_proof_of_a_lost_node_and_a_listenin
 
 _BEACON_CHILD = """
 import sys, time
-from ray_elastic.liveness import Beacon
+from ray_elastic.detect.liveness import Beacon
 b = Beacon("127.0.0.1")
 print(b.port, b.token.hex(), flush=True)
 time.sleep(600)
@@ -450,13 +482,14 @@ def test_a_process_death_closes_its_beacon_connection_and_a_stopped_process_does
     import sys
     import threading
 
-    from ray_elastic import health
+    from ray_elastic.decide import ErrorKind
+    from ray_elastic.detect import health
+    from ray_elastic.detect.liveness import DeathWatch
     from ray_elastic.errors import ProcessGone
-    from ray_elastic.liveness import DeathWatch
-    from ray_elastic.plan import ErrorKind
 
-    children = [subprocess.Popen([sys.executable, "-c", _BEACON_CHILD], stdout=subprocess.PIPE, text=True)
-                for _ in range(2)]
+    children = [
+        subprocess.Popen([sys.executable, "-c", _BEACON_CHILD], stdout=subprocess.PIPE, text=True) for _ in range(2)
+    ]
     try:
         beacons = [c.stdout.readline().split() for c in children]
         ports = [int(port) for port, _ in beacons]
@@ -466,11 +499,19 @@ def test_a_process_death_closes_its_beacon_connection_and_a_stopped_process_does
             import psutil
 
             holders = psutil.Process(children[0].pid).children()
-            assert any(c.status == "LISTEN" and c.laddr.port == ports[0] for h in holders for c in h.net_connections("tcp"))
+            assert any(
+                c.status == "LISTEN" and c.laddr.port == ports[0] for h in holders for c in h.net_connections("tcp")
+            )
         unreached = _port_nobody_listens_on()
         seen = threading.Event()
-        watch = DeathWatch([("127.0.0.1", ports[0], tokens[0]), ("127.0.0.1", ports[1], tokens[1]),
-                            ("127.0.0.1", unreached, tokens[0]), None])
+        watch = DeathWatch(
+            [
+                ("127.0.0.1", ports[0], tokens[0]),
+                ("127.0.0.1", ports[1], tokens[1]),
+                ("127.0.0.1", unreached, tokens[0]),
+                None,
+            ]
+        )
         watch.notify(seen.set)
         time.sleep(0.3)  # connected
         children[1].send_signal(signal.SIGSTOP)
@@ -505,6 +546,7 @@ def _port_nobody_listens_on() -> int:
 def test_a_process_lost_while_the_world_grows_back_is_recovered_not_the_end(tmp_path):
     """Issue 41 (1): resizing -> recovering was not an allowed transition, so a process dying while the
     in-flight save committed before a grow-back ended fit with InvalidTransition."""
+
     def grow_and_fail_the_commit(backend, world):
         backend.finish_checkpoint_failures = 1
         return add_capacity(backend, world)
@@ -537,9 +579,11 @@ def test_replacements_taken_for_a_world_that_never_forms_are_given_back():
 
 def _failing_save(step: int):
     """Every time ``step`` runs, its checkpoint save fails (a bucket that refuses writes)."""
+
     def fire(backend, world):
         backend.faults[step] = fire  # and again when the step is run again
         return RunOutcome(OutcomeKind.FAILURE, {0: StorageError(f"saving checkpoint {step + 1} failed: 403")})
+
     return fire
 
 
@@ -551,8 +595,13 @@ def test_a_save_that_keeps_failing_stops_the_run_naming_the_storage(tmp_path, sn
     from ray_elastic.errors import StorageFailingError
 
     backend = FakeBackend(faults={10: _failing_save(10)})
-    trainer = make(backend, checkpoint_dir=str(tmp_path / "ckpt"), snapshot_every=snapshot_every,
-                   allow_restart_from_scratch=snapshot_every == 0, max_save_failures_in_a_row=3)
+    trainer = make(
+        backend,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        snapshot_every=snapshot_every,
+        allow_restart_from_scratch=snapshot_every == 0,
+        max_save_failures_in_a_row=3,
+    )
     with pytest.raises(StorageFailingError, match=r"saves to .*ckpt failed 3 times in a row.*403.*writable"):
         trainer.fit(STEPS)
     assert len([e for e in trainer.events.events if e["kind"] == "failure"]) == 3
@@ -574,6 +623,7 @@ def test_save_failures_between_other_failures_or_commits_start_the_count_again(t
 def _once_failing_save(step: int):
     def fire(backend, world):
         return RunOutcome(OutcomeKind.FAILURE, {0: StorageError(f"saving checkpoint {step + 1} failed: 503")})
+
     return fire
 
 
@@ -586,8 +636,8 @@ def test_a_beacon_holds_only_the_drivers_connections_and_a_bounded_number_of_str
     import sys
     import threading
 
-    from ray_elastic import beacon_holder
-    from ray_elastic.liveness import DeathWatch
+    from ray_elastic.detect import beacon_holder
+    from ray_elastic.detect.liveness import DeathWatch
 
     child = subprocess.Popen([sys.executable, "-c", _BEACON_CHILD], stdout=subprocess.PIPE, text=True)
     try:

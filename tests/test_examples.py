@@ -14,7 +14,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_quickstart_example_trains_and_learns():
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "quickstart.py")],
-        capture_output=True, text=True, timeout=300, cwd=os.path.join(ROOT, "examples"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.join(ROOT, "examples"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = re.search(r"loss ([\d.]+) -> ([\d.]+) in 100 steps", proc.stdout)
@@ -34,9 +37,11 @@ def test_the_digits_task_reads_scikit_learns_digits_without_importing_it(tmp_pat
     import numpy as np
     from sklearn.datasets import load_digits
 
-    code = ("import sys; from ray_elastic.examples.digits_mlp import load_digits; x, y = load_digits(); "
-            "assert 'sklearn' not in sys.modules, 'sklearn imported'; "
-            "import numpy as np; np.save(sys.argv[1], np.concatenate([x, y[:, None]], axis=1))")
+    code = (
+        "import sys; from ray_elastic.examples.digits_mlp import load_digits; x, y = load_digits(); "
+        "assert 'sklearn' not in sys.modules, 'sklearn imported'; "
+        "import numpy as np; np.save(sys.argv[1], np.concatenate([x, y[:, None]], axis=1))"
+    )
     out = tmp_path / "digits.npy"
     proc = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -9,15 +9,19 @@ parameters once steps were done. The real-cluster counterparts are in ``test_rec
 """
 
 import pytest
+from fake_backend import FakeBackend, ProcessDied, add_capacity, lose_slice
 
 from ray_elastic import ElasticConfig, ElasticTrainer, SliceSpec
-from ray_elastic.errors import (CapacityTimeoutError, RetriesExhaustedError, StateLostError, StorageFailingError,
-                                TrainingCodeError)
+from ray_elastic.control.states import ControllerState as S
+from ray_elastic.control.states import OutcomeKind, RunOutcome
+from ray_elastic.errors import (
+    CapacityTimeoutError,
+    RetriesExhaustedError,
+    StateLostError,
+    StorageFailingError,
+    TrainingCodeError,
+)
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
-from ray_elastic.states import ControllerState as S
-from ray_elastic.states import OutcomeKind, RunOutcome
-
-from fake_backend import FakeBackend, ProcessDied, add_capacity, lose_slice
 
 STEPS = 20
 STATES = [S.SCHEDULING, S.FORMING_WORLD, S.RUNNING, S.RECOVERING, S.WAITING_FOR_CAPACITY, S.RESIZING]
@@ -40,9 +44,18 @@ def journey(tmp_path, on_state=None, **cfg):
             backend.add_slice()
             backend.add_slice()
 
-    config = ElasticConfig(**{"num_slices": 3, "min_slices": 2, "global_batch_size": 48,
-                              "slice": SliceSpec("v4", "2x2x1"), "replacement_timeout_s": 5.0,
-                              "checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_every": 5, **cfg})
+    config = ElasticConfig(
+        **{
+            "num_slices": 3,
+            "min_slices": 2,
+            "global_batch_size": 48,
+            "slice": SliceSpec("v4", "2x2x1"),
+            "replacement_timeout_s": 5.0,
+            "checkpoint_dir": str(tmp_path / "ckpt"),
+            "checkpoint_every": 5,
+            **cfg,
+        }
+    )
     trainer = ElasticTrainer(DigitsMLPTask(), config, progress=False, on_event=on_event)
     trainer.backend_cls = backend
     entered = []
@@ -51,6 +64,7 @@ def journey(tmp_path, on_state=None, **cfg):
         entered.append(new)
         if on_state is not None:
             on_state(trainer, backend, new, entered.count(new))
+
     trainer.callbacks.on_state = seen  # the controller calls its listeners at every transition
     return trainer, backend, entered
 
@@ -90,6 +104,7 @@ def test_ctrl_c_in_every_state_releases_everything(tmp_path, state):
 
 def _fault_at(state, fired: list):
     """At the first entry of ``state``: what can go wrong there."""
+
     def inject(trainer, backend, new, nth):
         if state == "final_checkpoint":  # the last world's final save: a process dies while it commits
             if new is S.RUNNING and trainer.worlds[-1].start_step >= 12 and not fired:
@@ -108,11 +123,13 @@ def _fault_at(state, fired: list):
         else:  # forming, recovering, waiting: the host of a slice held for the next world dies
             live = [r for r in trainer.gens.members if r.host in backend.alive]
             backend.kill(live[-1].host)
+
     return inject
 
 
-@pytest.mark.parametrize("state", STATES + ["final_checkpoint"], ids=[getattr(s, "value", s) for s in STATES] +
-                         ["final_checkpoint"])
+@pytest.mark.parametrize(
+    "state", STATES + ["final_checkpoint"], ids=[getattr(s, "value", s) for s in STATES] + ["final_checkpoint"]
+)
 def test_a_fault_in_every_state_is_recovered_or_ends_with_a_documented_error(tmp_path, state):
     fired = []
     trainer, backend, entered = journey(tmp_path, _fault_at(state, fired))

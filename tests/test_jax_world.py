@@ -9,17 +9,16 @@ import sys
 
 import psutil
 
-
 NUM_PROCESSES, DEVICES, BATCH, STEPS = 2, 2, 48, 3
 
 
 def _process(process_id: int, coordinator: str, cache_dir: str) -> None:
     """One process: trace ahead (before jax.distributed exists), join, then train the same steps
     from the same fresh state with the step traced ahead and with the world's own trace."""
-    from ray_elastic import jax_world
-    from ray_elastic.data import StepBatches
+    from ray_elastic.decide import plan_world
     from ray_elastic.examples.digits_mlp import DigitsMLPTask
-    from ray_elastic.plan import plan_world
+    from ray_elastic.slice import jax_world
+    from ray_elastic.slice.data import StepBatches
 
     task = DigitsMLPTask()
     plan = plan_world(0, [f"s{i}" for i in range(NUM_PROCESSES)], 1, DEVICES, BATCH)
@@ -32,11 +31,19 @@ def _process(process_id: int, coordinator: str, cache_dir: str) -> None:
     for name, ahead in (("ahead", traced), ("own", None)):
         loop = jax_world.TrainLoop(task, plan, process_id, 0, mesh, 2**20, batches)
         times = loop.compile(0, ahead)
-        out[name] = {"losses": [m["loss"] for m in loop.run(0, STEPS)], "traced_ahead": times["traced_ahead"],
-                     "trace_s": times["trace_s"]}
+        out[name] = {
+            "losses": [m["loss"] for m in loop.run(0, STEPS)],
+            "traced_ahead": times["traced_ahead"],
+            "trace_s": times["trace_s"],
+        }
     port = int(coordinator.rsplit(":", 1)[1])
-    out["listening_on"] = sorted({c.laddr.ip.removeprefix("::ffff:") for c in psutil.net_connections("tcp")
-                                  if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN})
+    out["listening_on"] = sorted(
+        {
+            c.laddr.ip.removeprefix("::ffff:")
+            for c in psutil.net_connections("tcp")
+            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
+        }
+    )
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -60,10 +67,10 @@ def _snapshot_process(process_id: int, coordinator: str) -> None:
     import numpy as np
     from jax.sharding import Mesh
 
-    from ray_elastic import jax_world
-    from ray_elastic.data import StepBatches
+    from ray_elastic.decide import FSDP_AXIS, REPLICA_AXIS, plan_world
     from ray_elastic.examples.digits_mlp import DigitsMLPTask
-    from ray_elastic.plan import FSDP_AXIS, REPLICA_AXIS, plan_world
+    from ray_elastic.slice import jax_world
+    from ray_elastic.slice.data import StepBatches
 
     task = DigitsMLPTask()
     plan = plan_world(0, ["s0"], NUM_PROCESSES, DEVICES, BATCH)
@@ -73,8 +80,10 @@ def _snapshot_process(process_id: int, coordinator: str) -> None:
     loop = jax_world.TrainLoop(task, plan, process_id, 0, mesh, 1024, batches)
     snap = loop.snapshot()
     same = jax_world.TrainLoop(task, plan, process_id, 0, mesh, 1024, batches, restore=snap)
-    out = {"sharded": loop.sharded_params, "same_ok": all(
-        np.array_equal(a, b) for a, b in zip(snap["leaves"], same.snapshot()["leaves"]))}
+    out = {
+        "sharded": loop.sharded_params,
+        "same_ok": all(np.array_equal(a, b) for a, b in zip(snap["leaves"], same.snapshot()["leaves"])),
+    }
     swapped = Mesh(np.roll(mesh.devices, DEVICES, axis=1), (REPLICA_AXIS, FSDP_AXIS))
     try:
         jax_world.TrainLoop(task, plan, process_id, 0, swapped, 1024, batches, restore=snap)
@@ -94,8 +103,11 @@ def _snapshot_process(process_id: int, coordinator: str) -> None:
     after_0.run(0, 1, in_flight=0)
     want, got = after_0.snapshot(), jax_world.host_blocks(copy)
     out["copy_ok"] = got["ranges"] == want["ranges"] and all(
-        np.array_equal(a, b) for a, b in zip(got["leaves"], want["leaves"]))
-    out["copy_differs_from_live"] = not all(np.array_equal(a, b) for a, b in zip(got["leaves"], live.snapshot()["leaves"]))
+        np.array_equal(a, b) for a, b in zip(got["leaves"], want["leaves"])
+    )
+    out["copy_differs_from_live"] = not all(
+        np.array_equal(a, b) for a, b in zip(got["leaves"], live.snapshot()["leaves"])
+    )
     # One step in flight computes what the blocking loop computes, bit for bit.
     out["pipelined"] = [m["loss"] for m in fresh().run(0, 4, in_flight=1)]
     out["blocking"] = [m["loss"] for m in fresh().run(0, 4, in_flight=0)]
@@ -112,22 +124,33 @@ def _save_process(process_id: int, coordinator: str, directory: str) -> None:
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
-    from ray_elastic import jax_world
-    from ray_elastic.checkpoints import Checkpointer
-    from ray_elastic.data import StepBatches
+    from ray_elastic.decide import plan_world
     from ray_elastic.examples.digits_mlp import DigitsMLPTask
-    from ray_elastic.plan import plan_world
+    from ray_elastic.slice import jax_world
+    from ray_elastic.slice.data import StepBatches
+    from ray_elastic.state.checkpoints import Checkpointer
 
     task = DigitsMLPTask()
     plan = plan_world(0, ["s0"], NUM_PROCESSES, 1, BATCH)  # one device each: see the test
     batches = StepBatches(task.dataset(), BATCH, 0)
     jax_world.initialize(coordinator, plan, process_id, 60)
-    loop = jax_world.TrainLoop(task, plan, process_id, 0, jax_world.build_mesh(plan), 1024, batches,
-                               checkpointer=Checkpointer(directory, max_to_keep=None))
+    loop = jax_world.TrainLoop(
+        task,
+        plan,
+        process_id,
+        0,
+        jax_world.build_mesh(plan),
+        1024,
+        batches,
+        checkpointer=Checkpointer(directory, max_to_keep=None),
+    )
     loop.run(0, 1)
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, _s, **_kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+        lambda event, _s, **_kw: (
+            compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+        )
+    )
     loop.save_checkpoint(1, {"step": 1})
     compiled_by_save = len(compiles)
     loop.run(1, 1)
@@ -138,14 +161,17 @@ def _save_process(process_id: int, coordinator: str, directory: str) -> None:
     jax.block_until_ready([slow(x) for x in xs])  # compiled
     busy = [slow(x) for x in xs]  # every device of the process busy
     ocp.multihost.sync_global_processes("while_busy")
-    out = {"synced_while_busy": not any(b.is_ready() for b in busy), "compiled_by_save": compiled_by_save,
-           "replicated_leaves": sum(x.sharding.is_fully_replicated for x in jax.tree.leaves(loop.state))}
+    out = {
+        "synced_while_busy": not any(b.is_ready() for b in busy),
+        "compiled_by_save": compiled_by_save,
+        "replicated_leaves": sum(x.sharding.is_fully_replicated for x in jax.tree.leaves(loop.state)),
+    }
     jax.block_until_ready(busy)
     print("RESULT " + json.dumps(out), flush=True)
 
 
 def test_a_checkpoint_save_compiles_nothing_and_its_syncs_do_not_queue_behind_device_work(tmp_path):
-    from ray_elastic.checkpoints import latest_checkpoint
+    from ray_elastic.state.checkpoints import latest_checkpoint
 
     # One device per process: with several CPU devices the all-gather does not reliably queue
     # behind work on them, so the old behaviour would only sometimes show.
@@ -158,14 +184,21 @@ def test_a_checkpoint_save_compiles_nothing_and_its_syncs_do_not_queue_behind_de
 def _run_world(args: list, timeout_s: float = 240, devices: int = DEVICES) -> list[dict]:
     """Run this file as NUM_PROCESSES processes of one JAX world on 127.0.0.1, each with ``devices``
     CPU devices; their RESULT lines."""
-    from ray_elastic.jax_world import hold_port
+    from ray_elastic.slice.jax_world import hold_port
 
     holder = hold_port("127.0.0.1")
     port = holder.getsockname()[1]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    procs = [subprocess.Popen([sys.executable, __file__, args[0], str(p), f"127.0.0.1:{port}", *args[1:]],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-             for p in range(NUM_PROCESSES)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, args[0], str(p), f"127.0.0.1:{port}", *args[1:]],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for p in range(NUM_PROCESSES)
+    ]
     results = []
     try:
         for p in procs:

@@ -18,7 +18,8 @@ import psutil
 import pytest
 
 from ray_elastic.config import SliceSpec
-from ray_elastic.sim import FAST_HEALTH_CHECKS, free_port, tpu_host, wait_for_job_server
+from ray_elastic.sim.cluster import FAST_HEALTH_CHECKS
+from ray_elastic.sim.hosts import free_port, tpu_host, wait_for_job_server
 
 BIN_DIR = os.path.dirname(sys.executable)
 RAY = os.path.join(BIN_DIR, "ray")
@@ -47,23 +48,48 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 class RayStartCluster:
     """A head and slice hosts, each a ``ray start --block`` child process."""
 
-    NODE_PORTS = ("node-manager-port", "object-manager-port", "metrics-export-port", "dashboard-agent-listen-port",
-                  "dashboard-agent-grpc-port", "runtime-env-agent-port")
+    NODE_PORTS = (
+        "node-manager-port",
+        "object-manager-port",
+        "metrics-export-port",
+        "dashboard-agent-listen-port",
+        "dashboard-agent-grpc-port",
+        "runtime-env-agent-port",
+    )
 
     def __init__(self):
         self.temp_dir = tempfile.mkdtemp(prefix="rel-job-", dir="/tmp")
         # RAY_AUTH_MODE=disabled: the cluster listens on 127.0.0.1 only, and without it a token file
         # another Ray run left in ~/.ray/auth_token switches `ray start` to token auth, which the
         # test's job client does not carry (seen: "Missing authentication token").
-        self.env = {**os.environ, "PATH": BIN_DIR + os.pathsep + os.environ.get("PATH", ""), "RAY_TMPDIR": self.temp_dir,
-                    "RAY_AUTH_MODE": "disabled"}
+        self.env = {
+            **os.environ,
+            "PATH": BIN_DIR + os.pathsep + os.environ.get("PATH", ""),
+            "RAY_TMPDIR": self.temp_dir,
+            "RAY_AUTH_MODE": "disabled",
+        }
         self.env.pop("RAY_ADDRESS", None)
         self.gcs_port, self.dashboard_port = free_port(), free_port()
         self.logs = open(os.path.join(self.temp_dir, "ray-start.log"), "ab")
-        self.head = self._start(["--head", "--port", str(self.gcs_port), "--dashboard-port", str(self.dashboard_port),
-                                 "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--num-cpus", "1",
-                                 "--system-config", json.dumps(FAST_HEALTH_CHECKS),
-                                 *_ports("ray-client-server-port")], self.env)
+        self.head = self._start(
+            [
+                "--head",
+                "--port",
+                str(self.gcs_port),
+                "--dashboard-port",
+                str(self.dashboard_port),
+                "--include-dashboard",
+                "true",
+                "--dashboard-host",
+                "127.0.0.1",
+                "--num-cpus",
+                "1",
+                "--system-config",
+                json.dumps(FAST_HEALTH_CHECKS),
+                *_ports("ray-client-server-port"),
+            ],
+            self.env,
+        )
         self.slices: dict[str, subprocess.Popen] = {}
         self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
         try:
@@ -73,8 +99,15 @@ class RayStartCluster:
             raise
 
     def _start(self, args, env) -> subprocess.Popen:
-        cmd = [RAY, "start", "--block", "--temp-dir", os.path.join(self.temp_dir, "ray"),
-               *_ports(*self.NODE_PORTS), *args]
+        cmd = [
+            RAY,
+            "start",
+            "--block",
+            "--temp-dir",
+            os.path.join(self.temp_dir, "ray"),
+            *_ports(*self.NODE_PORTS),
+            *args,
+        ]
         return subprocess.Popen(cmd, env=env, stdout=self.logs, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def add_slice(self, name: str, spec: SliceSpec, devices_per_host: int = 2) -> None:
@@ -83,8 +116,10 @@ class RayStartCluster:
         host = tpu_host(spec, name, 0, devices_per_host)
         want = self.alive_tpu_nodes() + 1
         for _ in range(3):
-            self.slices[name] = self._start(["--address", f"127.0.0.1:{self.gcs_port}", "--num-cpus", "2",
-                                             *host.ray_start_args()], {**self.env, **host.env})
+            self.slices[name] = self._start(
+                ["--address", f"127.0.0.1:{self.gcs_port}", "--num-cpus", "2", *host.ray_start_args()],
+                {**self.env, **host.env},
+            )
             deadline = time.monotonic() + 90
             while self.slices[name].poll() is None and time.monotonic() < deadline:
                 if self.alive_tpu_nodes() >= want:
@@ -149,11 +184,40 @@ def test_ray_job_submit_recovers_from_a_killed_slice(cluster, tmp_path):
     run_dir = str(tmp_path / "job-run")
     job_id = f"ray-elastic-{int(time.time())}"
     submit = subprocess.run(
-        [RAY, "job", "submit", "--address", cluster.dashboard, "--submission-id", job_id, "--no-wait", "--",
-         "ray-elastic", "train", "--example", "mlp", "--num-slices", "3", "--topology", "2x2x1",
-         "--devices-per-host", "2", "--steps", str(STEPS), "--global-batch", "48", "--steps-per-chunk", "5",
-         "--run-dir", run_dir, "--json"],
-        env=cluster.env, capture_output=True, text=True, timeout=120,
+        [
+            RAY,
+            "job",
+            "submit",
+            "--address",
+            cluster.dashboard,
+            "--submission-id",
+            job_id,
+            "--no-wait",
+            "--",
+            "ray-elastic",
+            "train",
+            "--example",
+            "mlp",
+            "--num-slices",
+            "3",
+            "--topology",
+            "2x2x1",
+            "--devices-per-host",
+            "2",
+            "--steps",
+            str(STEPS),
+            "--global-batch",
+            "48",
+            "--steps-per-chunk",
+            "5",
+            "--run-dir",
+            run_dir,
+            "--json",
+        ],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert submit.returncode == 0, submit.stdout[-2000:] + submit.stderr[-2000:]
     client = JobSubmissionClient(cluster.dashboard)

@@ -13,9 +13,9 @@ import pytest
 from flax import nnx
 
 from ray_elastic import ElasticConfig, ElasticTrainer, SliceSpec, TrainingCodeError
+from ray_elastic.decide.layout import partition
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
 from ray_elastic.examples.llm import LOGICAL_AXIS_RULES, DecoderLMTask
-from ray_elastic.layout import partition
 
 MESH = {"replica": 2, "fsdp": 2, "tensor": 2}
 RULES = (("embed", ("fsdp",)), ("mlp", ("tensor",)))
@@ -26,8 +26,10 @@ def test_rules_map_logical_names_to_mesh_axes_and_unknown_names_fall_back_to_fsd
     assert partition("w", (64, 128), ("fsdp", None), (), MESH, 1) == ("fsdp", None)  # a mesh axis as a name
     assert partition("w", (64, 128), ("vocab", "heads"), RULES, MESH, 1) == (None, "fsdp")  # no rule: auto FSDP
     assert partition("w", (64, 128), None, RULES, MESH, 1) == (None, "fsdp")
-    assert partition("w", (64, 128), ("embed", "mlp"), (("embed", ("fsdp", "tensor")),), MESH, 1) == \
-        (("fsdp", "tensor"), None)
+    assert partition("w", (64, 128), ("embed", "mlp"), (("embed", ("fsdp", "tensor")),), MESH, 1) == (
+        ("fsdp", "tensor"),
+        None,
+    )
 
 
 def test_a_dimension_the_mesh_axis_does_not_divide_names_the_parameter():
@@ -36,8 +38,9 @@ def test_a_dimension_the_mesh_axis_does_not_divide_names_the_parameter():
 
 
 def _config(**kw) -> ElasticConfig:
-    return ElasticConfig(**{"num_slices": 2, "global_batch_size": 32, "slice": SliceSpec("v4", "2x2x1", 4),
-                            "standby_workers": 0, **kw})
+    return ElasticConfig(
+        **{"num_slices": 2, "global_batch_size": 32, "slice": SliceSpec("v4", "2x2x1", 4), "standby_workers": 0, **kw}
+    )
 
 
 def test_a_rule_naming_a_mesh_axis_that_does_not_exist_is_refused():
@@ -51,8 +54,12 @@ def test_a_slice_mesh_that_does_not_fit_the_slice_is_refused():
     with pytest.raises(ValueError, match="needs a multiple of 8 devices per slice; a slice has 4"):
         _config(slice_mesh={"fsdp": 2, "tensor": 4})
     with pytest.raises(ValueError, match="more than fit evenly in one host"):
-        ElasticConfig(num_slices=1, global_batch_size=8, slice=SliceSpec.for_hosts("v4", 2, 2),
-                      slice_mesh={"fsdp": -1, "tensor": 4})
+        ElasticConfig(
+            num_slices=1,
+            global_batch_size=8,
+            slice=SliceSpec.for_hosts("v4", 2, 2),
+            slice_mesh={"fsdp": -1, "tensor": 4},
+        )
 
 
 def test_a_microbatch_size_that_does_not_divide_every_worlds_per_device_batch_is_refused():
@@ -84,14 +91,25 @@ def _fails_before_reserving(task, config, error, match):
 
 
 def test_bad_input_is_reported_on_the_driver_before_any_slice_is_reserved():
-    _fails_before_reserving(ShortEval(), _config(eval_every=5, eval_steps=2), ValueError,
-                            r"eval_dataset\(\) has 20 examples, fewer than eval_steps=2 x eval_batch_size=32")
-    _fails_before_reserving(TupleOfThree(), _config(), TrainingCodeError,
-                            r"loss returned a tuple of 3 \(array\(\), float, float\); expected a scalar loss or "
-                            r"\(loss, metrics\)")
-    _fails_before_reserving(TooWide(d_ff=30, num_kv_heads=4, max_chars=20_000), _config(
-        slice_mesh={"fsdp": 1, "tensor": 4}, logical_axis_rules=LOGICAL_AXIS_RULES), ValueError,
-        r"parameter \[0\]\['blocks'\]\[0\]\['mlp'\]\['down'\]\['kernel'\] of shape \(30, 64\)")
+    _fails_before_reserving(
+        ShortEval(),
+        _config(eval_every=5, eval_steps=2),
+        ValueError,
+        r"eval_dataset\(\) has 20 examples, fewer than eval_steps=2 x eval_batch_size=32",
+    )
+    _fails_before_reserving(
+        TupleOfThree(),
+        _config(),
+        TrainingCodeError,
+        r"loss returned a tuple of 3 \(array\(\), float, float\); expected a scalar loss or "
+        r"\(loss, metrics\)",
+    )
+    _fails_before_reserving(
+        TooWide(d_ff=30, num_kv_heads=4, max_chars=20_000),
+        _config(slice_mesh={"fsdp": 1, "tensor": 4}, logical_axis_rules=LOGICAL_AXIS_RULES),
+        ValueError,
+        r"parameter \[0\]\['blocks'\]\[0\]\['mlp'\]\['down'\]\['kernel'\] of shape \(30, 64\)",
+    )
 
 
 def _subprocess(fn: str, *args) -> dict:
@@ -127,17 +145,20 @@ def jax_tree_scale(tree, s):
 
 def _train(task_name: str, microbatch: str) -> None:
     """4 devices as one slice of (fsdp 2, tensor 2): 6 steps, metrics per step."""
-    from ray_elastic import jax_world
-    from ray_elastic.data import StepBatches
-    from ray_elastic.plan import plan_world
+    from ray_elastic.decide import plan_world
+    from ray_elastic.slice import jax_world
+    from ray_elastic.slice.data import StepBatches
 
-    task = {"digits": DigitsMLPTask(), "custom": ClippedEMA(),
-            # float32 compute: in bfloat16 the sums of microbatches differ from the whole batch's by bf16 rounding
-            "llm": DecoderLMTask(seq_len=16, d_model=32, d_ff=64, num_layers=1, max_chars=30_000,
-                                 compute_dtype="float32")}[task_name]
+    task = {
+        "digits": DigitsMLPTask(),
+        "custom": ClippedEMA(),
+        # float32 compute: in bfloat16 the sums of microbatches differ from the whole batch's by bf16 rounding
+        "llm": DecoderLMTask(seq_len=16, d_model=32, d_ff=64, num_layers=1, max_chars=30_000, compute_dtype="float32"),
+    }[task_name]
     plan = plan_world(0, ["s0"], 1, 4, 16, slice_mesh={"fsdp": 2, "tensor": 2}, microbatch_size=int(microbatch))
-    loop = jax_world.TrainLoop(task, plan, 0, 0, jax_world.build_mesh(plan), 1, StepBatches(task.dataset(), 16, 0),
-                               rules=LOGICAL_AXIS_RULES)
+    loop = jax_world.TrainLoop(
+        task, plan, 0, 0, jax_world.build_mesh(plan), 1, StepBatches(task.dataset(), 16, 0), rules=LOGICAL_AXIS_RULES
+    )
     print(json.dumps({"microbatches": plan.num_microbatches, "steps": loop.run(0, 6)}))
 
 
@@ -158,15 +179,16 @@ def test_a_custom_train_step_reports_its_metrics_and_carries_its_state():
 
 def _checkpoint_of(task, directory: str, steps_done: int = 2) -> None:
     """A committed checkpoint of ``task`` written as a one-process world writes it."""
-    from ray_elastic import jax_world
-    from ray_elastic.checkpoints import Checkpointer
-    from ray_elastic.data import StepBatches
-    from ray_elastic.plan import plan_world
+    from ray_elastic.decide import plan_world
+    from ray_elastic.slice import jax_world
+    from ray_elastic.slice.data import StepBatches
+    from ray_elastic.state.checkpoints import Checkpointer
 
     plan = plan_world(0, ["s0"], 1, 1, 16)
     ckpt = Checkpointer(directory, 3)
-    loop = jax_world.TrainLoop(task, plan, 0, 0, jax_world.build_mesh(plan), 1, StepBatches(task.dataset(), 16, 0),
-                               checkpointer=ckpt)
+    loop = jax_world.TrainLoop(
+        task, plan, 0, 0, jax_world.build_mesh(plan), 1, StepBatches(task.dataset(), 16, 0), checkpointer=ckpt
+    )
     loop.run(0, steps_done)
     loop.save_checkpoint(steps_done, {"step": steps_done, "task": task.name(), "seed": 0, "data_stride": 16})
     ckpt.wait()
@@ -178,12 +200,21 @@ def test_a_rerun_with_a_changed_model_is_refused_before_any_slice_is_reserved(tm
     a storage fault, and the run trained from step 0 while it said it resumed."""
     directory = str(tmp_path / "ckpt")
     _checkpoint_of(DigitsMLPTask(hidden=32), directory)
-    config = ElasticConfig(num_slices=1, global_batch_size=16, slice=SliceSpec("v4", "2x2x1", 1),
-                           standby_workers=0, checkpoint_dir=directory)
-    _fails_before_reserving(DigitsMLPTask(hidden=48), config, ValueError,
-                            r"checkpoint 2 in .* was written by a model of another shape: it has .*\[64, 32\]")
+    config = ElasticConfig(
+        num_slices=1,
+        global_batch_size=16,
+        slice=SliceSpec("v4", "2x2x1", 1),
+        standby_workers=0,
+        checkpoint_dir=directory,
+    )
+    _fails_before_reserving(
+        DigitsMLPTask(hidden=48),
+        config,
+        ValueError,
+        r"checkpoint 2 in .* was written by a model of another shape: it has .*\[64, 32\]",
+    )
     # The model that wrote it passes the same check.
-    from ray_elastic.checkpoints import latest_checkpoint
-    from ray_elastic.ray_backend import RayBackend
+    from ray_elastic.control.ray_backend import RayBackend
+    from ray_elastic.state.checkpoints import latest_checkpoint
 
     RayBackend.check_task(DigitsMLPTask(hidden=32), config, latest_checkpoint(directory))

@@ -1,12 +1,11 @@
 """Multi-host slices: one actor per slice host, hosts ordered by TPU worker id."""
 
 import numpy as np
+from conftest import reference_losses
+from faults import FaultPlan, ensure_slices, in_thread, kill_process_of_slice, max_rel_err, slice_name
 
 from ray_elastic import ElasticConfig, ElasticTrainer
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
-
-from conftest import reference_losses
-from faults import FaultPlan, ensure_slices, in_thread, kill_process_of_slice, max_rel_err, slice_name
 
 SIM_CLUSTER = {"num_slices": 2, "hosts_per_slice": 2}
 
@@ -16,8 +15,15 @@ def test_two_slices_of_two_hosts(sim_cluster):
     assert (spec.topology, spec.pod_type, spec.num_hosts) == ("2x2x2", "v4-16", 2)
     # fsdp_min_size=1024: the MLP's 64x64 weights are sharded over the 4 devices of a slice.
     # No standbys: nothing fails here, and each would be one more process starting on the two cores.
-    cfg = ElasticConfig(num_slices=2, global_batch_size=32, slice=spec, steps_per_chunk=10, seed=1, fsdp_min_size=1024,
-                        standby_workers=0)
+    cfg = ElasticConfig(
+        num_slices=2,
+        global_batch_size=32,
+        slice=spec,
+        steps_per_chunk=10,
+        seed=1,
+        fsdp_min_size=1024,
+        standby_workers=0,
+    )
     trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False)
     result = trainer.fit(30)
 
@@ -42,9 +48,18 @@ def _two_host_run(sim_cluster, faults: dict, max_rewound: int = 0, cfg_kw=None, 
     ensure_slices(sim_cluster, 2)
     # No warm standbys: a recovery here starts its four processes cold, and each fit starts four fewer
     # (the warm 2-host paths are the autoscaler test's and the recovery bench's).
-    cfg = ElasticConfig(num_slices=2, global_batch_size=32, slice=sim_cluster.slice_spec, steps_per_chunk=10, seed=1,
-                        standby_workers=0, hang_timeout_min_s=3.0, replacement_timeout_s=60.0, snapshot_every=1,
-                        **(cfg_kw or {}))
+    cfg = ElasticConfig(
+        num_slices=2,
+        global_batch_size=32,
+        slice=sim_cluster.slice_spec,
+        steps_per_chunk=10,
+        seed=1,
+        standby_workers=0,
+        hang_timeout_min_s=3.0,
+        replacement_timeout_s=60.0,
+        snapshot_every=1,
+        **(cfg_kw or {}),
+    )
     plan = FaultPlan(faults)
     trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=plan.on_step, **trainer_kw)
     plan.trainer = trainer
@@ -74,7 +89,11 @@ def test_a_slice_that_lost_one_host_while_training_is_lost(sim_cluster):
     assert kinds in ({victim["name"]: "node_died"}, {victim["name"]: "process_died"}), failure
     assert "refuses connections" in failure["error"] or "liveness connection" in failure["error"], failure
     assert victim["name"] not in failure["vouched_slices"], failure
-    assert trainer.worlds[-1].slices == [slice_name(trainer, 0)] and result.summary["mesh"] == {"replica": 1, "fsdp": 4, "tensor": 1}
+    assert trainer.worlds[-1].slices == [slice_name(trainer, 0)] and result.summary["mesh"] == {
+        "replica": 1,
+        "fsdp": 4,
+        "tensor": 1,
+    }
 
 
 def test_a_slice_that_lost_one_host_is_replaced_by_a_new_slice(sim_cluster):
@@ -126,7 +145,7 @@ def test_a_reservation_claims_only_a_whole_idle_slice(sim_cluster):
 
     import ray
 
-    from ray_elastic.placement import SliceReservation
+    from ray_elastic.control.placement import SliceReservation
 
     ensure_slices(sim_cluster, 2)
     spec = sim_cluster.slice_spec

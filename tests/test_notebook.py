@@ -9,7 +9,6 @@ import queue
 import time
 
 import nbformat
-import pytest
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
@@ -82,7 +81,7 @@ SETUP = """
 import os, time, ray
 from ray_elastic import ElasticConfig, ElasticTrainer
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
-from ray_elastic.sim import SimulatedTPUCluster
+from ray_elastic.sim.cluster import SimulatedTPUCluster
 cluster = SimulatedTPUCluster(num_slices=2, log_to_driver=False, autoscaler=True, max_slices=2)
 config = ElasticConfig(num_slices=2, global_batch_size=32, slice=cluster.slice_spec, steps_per_chunk=10,
                        standby_workers=1)
@@ -117,8 +116,10 @@ def test_interrupting_fit_in_a_kernel_releases_everything_and_fit_works_again(tm
         assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", (reply, printed[-2000:])
         printed, reply = kernel.run(LEFT_BEHIND)
         assert "left behind: [] []" in printed, printed
-        printed, reply = kernel.run("r = ElasticTrainer(DigitsMLPTask(), config, progress=False).fit(20)\n"
-                                    "print('second fit', len(r.steps), r.summary['slices'])")
+        printed, reply = kernel.run(
+            "r = ElasticTrainer(DigitsMLPTask(), config, progress=False).fit(20)\n"
+            "print('second fit', len(r.steps), r.summary['slices'])"
+        )
         assert reply["status"] == "ok" and "second fit 20 2" in printed, printed
     finally:
         try:

@@ -2,7 +2,6 @@
 
 import contextlib
 import io
-import json
 import os
 import subprocess
 import sys
@@ -15,8 +14,8 @@ import ray
 
 from ray_elastic import ElasticConfig, ElasticTrainer
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
-from ray_elastic.goodput import BADPUT, account
-from ray_elastic.report import load_events, render, timeline
+from ray_elastic.observe.goodput import BADPUT, account
+from ray_elastic.observe.report import load_events, render, timeline
 
 SIM_CLUSTER = {"num_slices": 3}
 SHARE_CLUSTER = True  # conftest.py: one cluster for the modules of plain 1-host slices
@@ -39,15 +38,28 @@ def run(sim_cluster, tmp_path_factory):
             threading.Thread(target=sim_cluster.kill_slice, args=(victim,), daemon=True).start()
 
     # One warm standby per host (the default is 2): the recovery is still warm, three fewer processes start.
-    cfg = ElasticConfig(num_slices=3, global_batch_size=48, slice=sim_cluster.slice_spec, steps_per_chunk=5, seed=1,
-                        snapshot_every=1, standby_workers=1)
+    cfg = ElasticConfig(
+        num_slices=3,
+        global_batch_size=48,
+        slice=sim_cluster.slice_spec,
+        steps_per_chunk=5,
+        seed=1,
+        snapshot_every=1,
+        standby_workers=1,
+    )
     trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=True, on_step=on_step, run_dir=run_dir, name=RUN_NAME)
     box["t"] = trainer
     err, out = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
         result = trainer.fit(STEPS)
-    return {"result": result, "run_dir": run_dir, "killed": killed, "stderr": err.getvalue(),
-            "stdout": out.getvalue(), "trainer": trainer}
+    return {
+        "result": result,
+        "run_dir": run_dir,
+        "killed": killed,
+        "stderr": err.getvalue(),
+        "stdout": out.getvalue(),
+        "trainer": trainer,
+    }
 
 
 def test_event_log_records_chunks_failure_phases_and_resize(run):
@@ -61,8 +73,15 @@ def test_event_log_records_chunks_failure_phases_and_resize(run):
     assert failure["lost_slices"] == [run["killed"]["name"]]
     assert failure["error"] and 0 < failure["detection_latency_s"] < 30
     (rec,) = [e for e in events if e["kind"] == "recovered"]
-    for phase in ("classify_s", "teardown_s", "wait_for_capacity_s", "world_formation_s", "state_load_s",
-                  "compile_s", "recovery_s"):
+    for phase in (
+        "classify_s",
+        "teardown_s",
+        "wait_for_capacity_s",
+        "world_formation_s",
+        "state_load_s",
+        "compile_s",
+        "recovery_s",
+    ):
         assert rec[phase] >= 0, phase
     assert rec["steps_rewound"] == 0 and rec["restore_source"] == "snapshot"
     (resize,) = [e for e in events if e["kind"] == "resize"]
@@ -88,10 +107,15 @@ def test_goodput_counts_rewound_steps_and_reads_the_last_run():
     def steps(ts, s, t):
         return {"ts": ts, "kind": "steps", "steps": s, "losses": [1.0] * len(s), "step_time_s": [t] * len(s)}
 
-    events = [{"ts": 0.0, "kind": "run_started"}, steps(1, [0, 1, 2], 0.1),
-              {"ts": 100.0, "kind": "run_started"}, {"ts": 101.0, "kind": "world_formed", "compile_s": 0.5,
-                                                      "total_s": 1.0, "slices": ["a"]},
-              steps(102.0, [0, 1, 2], 0.2), steps(103.0, [1, 2, 3], 0.2), {"ts": 110.0, "kind": "run_finished"}]
+    events = [
+        {"ts": 0.0, "kind": "run_started"},
+        steps(1, [0, 1, 2], 0.1),
+        {"ts": 100.0, "kind": "run_started"},
+        {"ts": 101.0, "kind": "world_formed", "compile_s": 0.5, "total_s": 1.0, "slices": ["a"]},
+        steps(102.0, [0, 1, 2], 0.2),
+        steps(103.0, [1, 2, 3], 0.2),
+        {"ts": 110.0, "kind": "run_finished"},
+    ]
     gp = account(events)
     assert gp.total_s == pytest.approx(10.0)
     assert gp.productive_s == pytest.approx(0.8) and gp.badput_s["rewound_work"] == pytest.approx(0.4)
@@ -102,20 +126,22 @@ def test_goodput_counts_each_second_once_when_reports_overlap():
     """The first report of a step is kept, from whichever process sent it: intervals of two processes
     overlap, and steps drained after a failure overlap its detection window. Every second is still
     counted once (the parts add up to the run exactly)."""
-    def steps(ts, s, t, ends):
-        return {"ts": ts, "kind": "steps", "steps": s, "losses": [1.0] * len(s), "step_time_s": t,
-                "finished_at": ends}
 
-    events = [{"ts": 0.0, "kind": "run_started"},
-              {"ts": 10.0, "kind": "world_formed", "compile_s": 1.0, "total_s": 10.0, "slices": ["a", "b"]},
-              # step 1 reported by a process that finished step 0 later than the one that reported it
-              steps(12.0, [0, 1, 2], [1.0, 1.5, 0.5], [11.0, 11.6, 12.0]),
-              steps(14.0, [3], [1.0], [13.0]),  # drained after the failure: inside the detection window
-              {"ts": 14.0, "kind": "failure", "since_last_progress_s": 2.0, "classify_s": 0.0},
-              {"ts": 15.0, "kind": "world_formed", "compile_s": 0.5, "total_s": 0.8, "slices": ["a"]},
-              {"ts": 15.0, "kind": "recovered", "teardown_s": 0.2, "wait_for_capacity_s": 0.0},
-              steps(16.0, [3, 4], [0.5, 0.5], [15.5, 16.0]),
-              {"ts": 16.0, "kind": "run_finished"}]
+    def steps(ts, s, t, ends):
+        return {"ts": ts, "kind": "steps", "steps": s, "losses": [1.0] * len(s), "step_time_s": t, "finished_at": ends}
+
+    events = [
+        {"ts": 0.0, "kind": "run_started"},
+        {"ts": 10.0, "kind": "world_formed", "compile_s": 1.0, "total_s": 10.0, "slices": ["a", "b"]},
+        # step 1 reported by a process that finished step 0 later than the one that reported it
+        steps(12.0, [0, 1, 2], [1.0, 1.5, 0.5], [11.0, 11.6, 12.0]),
+        steps(14.0, [3], [1.0], [13.0]),  # drained after the failure: inside the detection window
+        {"ts": 14.0, "kind": "failure", "since_last_progress_s": 2.0, "classify_s": 0.0},
+        {"ts": 15.0, "kind": "world_formed", "compile_s": 0.5, "total_s": 0.8, "slices": ["a"]},
+        {"ts": 15.0, "kind": "recovered", "teardown_s": 0.2, "wait_for_capacity_s": 0.0},
+        steps(16.0, [3, 4], [0.5, 0.5], [15.5, 16.0]),
+        {"ts": 16.0, "kind": "run_finished"},
+    ]
     gp = account(events)
     assert gp.total_s == 16.0
     assert gp.productive_s + sum(gp.badput_s.values()) == pytest.approx(16.0)
@@ -130,17 +156,27 @@ def test_goodput_counts_the_skew_between_reporting_processes_as_training():
     """Processes in lockstep finish a step milliseconds apart, and the reporter changes between
     stream items: the gap between one process's step s and another's step s+1 is training time
     of that world, not ``other``. A new world's first step still starts at its own interval."""
-    def steps(s, ends, gen):
-        return {"ts": ends[-1], "kind": "steps", "generation": gen, "steps": s, "losses": [1.0] * len(s),
-                "step_time_s": [1.0] * len(s), "finished_at": ends}
 
-    events = [{"ts": 0.0, "kind": "run_started"},
-              {"ts": 10.0, "kind": "world_formed", "compile_s": 0.0, "total_s": 10.0, "slices": ["a", "b"]},
-              steps([0, 1], [11.0, 12.0], 0),  # process A
-              steps([2, 3], [13.1, 14.1], 0),  # process B: it finished step 1 at 12.1
-              {"ts": 15.0, "kind": "world_formed", "compile_s": 0.0, "total_s": 0.5, "slices": ["a"]},
-              steps([4], [16.5], 1),  # a new world: 15.5-16.5, not from 14.1
-              {"ts": 16.5, "kind": "run_finished"}]
+    def steps(s, ends, gen):
+        return {
+            "ts": ends[-1],
+            "kind": "steps",
+            "generation": gen,
+            "steps": s,
+            "losses": [1.0] * len(s),
+            "step_time_s": [1.0] * len(s),
+            "finished_at": ends,
+        }
+
+    events = [
+        {"ts": 0.0, "kind": "run_started"},
+        {"ts": 10.0, "kind": "world_formed", "compile_s": 0.0, "total_s": 10.0, "slices": ["a", "b"]},
+        steps([0, 1], [11.0, 12.0], 0),  # process A
+        steps([2, 3], [13.1, 14.1], 0),  # process B: it finished step 1 at 12.1
+        {"ts": 15.0, "kind": "world_formed", "compile_s": 0.0, "total_s": 0.5, "slices": ["a"]},
+        steps([4], [16.5], 1),  # a new world: 15.5-16.5, not from 14.1
+        {"ts": 16.5, "kind": "run_finished"},
+    ]
     gp = account(events)
     assert gp.productive_s == pytest.approx(4.1 + 1.0)  # 10.0-14.1 without a gap at 12.0-12.1, and 15.5-16.5
     assert gp.badput_s["world_reformation"] == pytest.approx(0.5)
@@ -151,9 +187,9 @@ def test_goodput_counts_the_skew_between_reporting_processes_as_training():
 def test_report_timeline_reflects_the_events(run):
     tl = timeline(load_events(run["run_dir"]))
     assert [n for _, n in tl.slices_alive] == [0, 3, 2, 0]
-    (t_fail, lost), = tl.failures
+    ((t_fail, lost),) = tl.failures
     assert lost == [run["killed"]["name"]]
-    (r0, r1), = tl.recoveries
+    ((r0, r1),) = tl.recoveries
     assert r0 <= t_fail + 1e-6 and r1 > t_fail
     assert tl.slices_alive[2][0] == pytest.approx(t_fail)
     assert [s for s, _ in tl.losses] == list(range(STEPS))
@@ -162,11 +198,13 @@ def test_report_timeline_reflects_the_events(run):
 
 
 def test_report_timeline_marks_grow_back_pauses():
-    events = [{"ts": 10.0, "kind": "run_started", "num_slices": 3},
-              {"ts": 12.0, "kind": "world_formed", "slices": ["a", "b"], "compile_s": 0.5, "total_s": 1.0},
-              {"ts": 20.0, "kind": "scale_up", "pause_s": 1.5, "ready_at": 20.0, "from_slices": 2, "to_slices": 3},
-              {"ts": 20.0, "kind": "world_formed", "slices": ["a", "b", "c"], "compile_s": 0.5, "total_s": 1.0},
-              {"ts": 30.0, "kind": "run_finished"}]
+    events = [
+        {"ts": 10.0, "kind": "run_started", "num_slices": 3},
+        {"ts": 12.0, "kind": "world_formed", "slices": ["a", "b"], "compile_s": 0.5, "total_s": 1.0},
+        {"ts": 20.0, "kind": "scale_up", "pause_s": 1.5, "ready_at": 20.0, "from_slices": 2, "to_slices": 3},
+        {"ts": 20.0, "kind": "world_formed", "slices": ["a", "b", "c"], "compile_s": 0.5, "total_s": 1.0},
+        {"ts": 30.0, "kind": "run_finished"},
+    ]
     tl = timeline(events)
     assert tl.grow_pauses == [(8.5, 10.0)]
     assert [n for _, n in tl.slices_alive] == [0, 2, 3, 0]
@@ -212,8 +250,15 @@ def test_ray_metrics_reach_the_prometheus_endpoint(run):
     deadline = time.monotonic() + 60  # Ray exports metrics every few seconds
     while True:
         text = _prometheus_text()
-        got = {m: _sample(text, m, name) for m in ("ray_elastic_step", "ray_elastic_slices_alive",
-                                                   "ray_elastic_recoveries_total", "ray_elastic_goodput")}
+        got = {
+            m: _sample(text, m, name)
+            for m in (
+                "ray_elastic_step",
+                "ray_elastic_slices_alive",
+                "ray_elastic_recoveries_total",
+                "ray_elastic_goodput",
+            )
+        }
         if got["ray_elastic_step"] == STEPS - 1 or time.monotonic() > deadline:
             break
         time.sleep(1)

@@ -4,8 +4,26 @@ import math
 
 import pytest
 
-from ray_elastic.layout import fsdp_partition as param_partition
-from ray_elastic.plan import plan_world
+from ray_elastic.decide import (
+    Action,
+    FailureVerdict,
+    RestoreSource,
+    batch_for_world,
+    choose_restore,
+    classify_failure,
+    decide_next_world,
+    drop_repeat_offender,
+    failures_exceeded,
+    is_checkpoint_step,
+    is_snapshot_step,
+    lr_scale,
+    plan_world,
+    should_grow,
+    watchdog_timeout,
+)
+from ray_elastic.decide import ErrorKind as K
+from ray_elastic.decide.layout import fsdp_partition as param_partition
+from ray_elastic.state.snapshots import SnapshotStore
 
 
 def test_mesh_has_replica_axis_across_slices_and_fsdp_inside():
@@ -40,13 +58,6 @@ def test_param_partition_shards_largest_divisible_dim_over_fsdp():
 
 
 # ----------------------------------------------------------------------------- recovery decisions
-from ray_elastic.plan import Action, ErrorKind as K, RestoreSource  # noqa: E402
-from ray_elastic.plan import (FailureVerdict, batch_for_world, choose_restore, classify_failure,  # noqa: E402
-                              decide_next_world, drop_repeat_offender, failures_exceeded, is_checkpoint_step, is_snapshot_step, lr_scale,
-                              should_grow, watchdog_timeout)
-from ray_elastic.snapshots import SnapshotStore  # noqa: E402
-
-
 def test_classify_dead_node_is_lost_slice_and_collateral_is_not():
     v = classify_failure(errors={"a": K.ACTOR_DIED, "b": K.ACTOR_DIED}, dead_slices={"a"}, world_slices=["a", "b", "c"])
     assert v == FailureVerdict(("a",), ("b",), True, "lost slice(s) a")
@@ -58,8 +69,9 @@ def test_classify_dead_node_is_lost_slice_and_collateral_is_not():
 
 
 def test_classify_user_error_is_not_recoverable():
-    v = classify_failure(errors={"a": K.TASK_ERROR}, dead_slices=set(), world_slices=["a", "b"],
-                         error_text="ValueError: nan")
+    v = classify_failure(
+        errors={"a": K.TASK_ERROR}, dead_slices=set(), world_slices=["a", "b"], error_text="ValueError: nan"
+    )
     assert not v.recoverable and v.training_code and "ValueError: nan" in v.reason
     # A slice-down JaxRuntimeError is a slice failure, not user code.
     v = classify_failure(errors={"a": K.SLICE_DOWN}, dead_slices=set(), world_slices=["a", "b"])
@@ -86,8 +98,9 @@ def test_drop_repeat_offender():
 
 
 def nw(mode, survivors, ready, num_slices, min_slices, **kw):
-    return decide_next_world(mode=mode, survivors=survivors, ready_replacements=ready, num_slices=num_slices,
-                             min_slices=min_slices, **kw)
+    return decide_next_world(
+        mode=mode, survivors=survivors, ready_replacements=ready, num_slices=num_slices, min_slices=min_slices, **kw
+    )
 
 
 def test_decide_next_world_replica_resize():
@@ -169,7 +182,8 @@ def test_snapshot_store_completes_per_slice_and_prunes():
 
 def test_snapshot_store_never_completes_a_step_from_two_worlds():
     st = SnapshotStore(hosts_per_slice=2)
-    st.add("a", 0, 5, "old-a0-5"); st.add("a", 1, 5, "old-a1-5")  # noqa: E702
+    st.add("a", 0, 5, "old-a0-5")
+    st.add("a", 1, 5, "old-a1-5")  # noqa: E702
     st.add("a", 0, 6, "old-a0-6")  # the old world died after host 0 delivered step 6
     st.drop_after(5)  # the next world restores step 5 and runs step 6 again
     st.add("a", 1, 6, "new-a1-6")
@@ -189,7 +203,7 @@ def test_misc_policies():
 
 
 def test_newest_snapshot_step_follows_the_snapshot_rule():
-    from ray_elastic.plan import is_snapshot_step, newest_snapshot_step
+    from ray_elastic.decide import is_snapshot_step, newest_snapshot_step
 
     for every in (1, 3, 5):
         for step in range(-1, 20):
@@ -200,7 +214,7 @@ def test_newest_snapshot_step_follows_the_snapshot_rule():
 
 def test_the_newest_due_snapshot_follows_each_interval_where_it_held():
     """``snapshot_every="auto"`` changes the interval as a world runs; each holds from its first step."""
-    from ray_elastic.plan import is_snapshot_step, newest_due_snapshot
+    from ray_elastic.decide import is_snapshot_step, newest_due_snapshot
 
     # The interval changes of a 2-host demo run (10 -> 8 at step 60): its drain waited the whole 3 s
     # bound for step 55, which no process had snapshotted (the newest was 54).
@@ -216,7 +230,7 @@ def test_the_newest_due_snapshot_follows_each_interval_where_it_held():
 
 
 def test_snapshot_interval_keeps_the_cost_under_the_budget():
-    from ray_elastic.plan import snapshot_interval
+    from ray_elastic.decide import snapshot_interval
 
     # 4 ms per snapshot on 100 ms steps: every step costs 4%; every 2nd step 2%, within a 2% budget.
     assert snapshot_interval([0.004] * 5, [0.1] * 5, 0.02) == 2
@@ -234,7 +248,7 @@ def test_a_snapshot_costs_what_it_adds_to_the_steps_near_it():
     snapshot steps show all of it, and a stray slow step elsewhere is not charged to them."""
     import random
 
-    from ray_elastic.plan import snapshot_cost_in_steps, snapshot_interval
+    from ray_elastic.decide import snapshot_cost_in_steps, snapshot_interval
 
     rng = random.Random(0)
     every, base = 17, 0.28
@@ -263,7 +277,7 @@ def test_a_snapshot_costs_what_it_adds_to_the_steps_near_it():
 def test_the_snapshot_store_follows_what_the_keepers_hold():
     """The hosts of a slice report their kept steps at their own pace; a keeper keeps only its
     newest few. Before a restore the store is made to say what the keepers really hold."""
-    from ray_elastic.snapshots import SnapshotStore
+    from ray_elastic.state.snapshots import SnapshotStore
 
     store = SnapshotStore(hosts_per_slice=2, keep_steps=5)
     store.add("a", 0, 13, "a0-13")
@@ -283,7 +297,7 @@ def test_a_keeper_keeps_every_snapshot_its_driver_may_know_of():
     """A process streams every ~0.2 s; its keeper may hold more steps than the driver has heard of
     from it. The driver restores only steps it has metrics for, taken from whichever holder streams
     first: the newest step the driver acknowledged, and every step after it, must still be held."""
-    from ray_elastic.snapshot_keeper import evictable
+    from ray_elastic.state.snapshot_keeper import evictable
 
     held = [(7, s) for s in range(850, 860)]
     # Acknowledged up to 856: 856 is pinned, 857-859 are newer than the driver's word, the rest goes.
@@ -301,7 +315,7 @@ def test_a_keeper_keeps_every_snapshot_its_driver_may_know_of():
 
 
 def test_chunks_grow_with_the_world_but_last_at_most_ten_seconds():
-    from ray_elastic.plan import chunk_steps
+    from ray_elastic.decide import chunk_steps
 
     assert chunk_steps(10, 6) == 10  # small worlds: as configured
     assert chunk_steps(10, 1024) == 103  # one submission per process per chunk: flat per step
@@ -311,7 +325,7 @@ def test_chunks_grow_with_the_world_but_last_at_most_ten_seconds():
 
 
 def test_relay_channels_group_quiet_processes_only_in_large_worlds():
-    from ray_elastic.relay import PROCESSES_PER_RELAY, RELAY_MIN_QUIET, channels
+    from ray_elastic.control.relay import PROCESSES_PER_RELAY, RELAY_MIN_QUIET, channels
 
     small = channels(range(6), [2, 3, 4, 5])
     assert small == [([0], False), ([1], False), ([2], False), ([3], False), ([4], False), ([5], False)]
@@ -328,7 +342,7 @@ def test_a_silent_process_in_a_world_that_moved_on_is_starved_not_hung():
     needed every process's collectives: the silent one is starved (seen in the chaos bench, a world
     beside three starting processes on 2 cores, taken for hung). Without such a step, a silent
     process is a hang; a save in progress counts only when every process answered."""
-    from ray_elastic.health import busy, newest_step
+    from ray_elastic.detect.health import busy, newest_step
 
     moved = [None, {"last_step": 1479, "saving": False}, {"last_step": 1478, "saving": False}]
     assert busy(moved, 1477)
@@ -341,15 +355,17 @@ def test_a_silent_process_in_a_world_that_moved_on_is_starved_not_hung():
 
 def test_a_rewind_is_explained_only_when_every_holder_was_lost_or_its_step_failed_on_the_survivor():
     """``results.unexplained_rewinds``: the rule the chaos bench and the recovery tests hold a run to."""
-    from ray_elastic.results import unexplained_rewinds
+    from ray_elastic.observe.results import unexplained_rewinds
 
     def run(lost: list[str], not_kept: list[dict] = ()) -> list[dict]:
         events = [{"kind": "world_formed", "slices": ["a", "b", "c"]}]
         if not_kept:
             events.append({"kind": "snapshot_not_kept", "first": list(not_kept)})
-        events += [{"kind": "failure", "lost_slices": lost, "crashed_slices": []},
-                   {"kind": "world_formed", "slices": ["a", "c"]},
-                   {"kind": "recovered", "restored_from_step": 40, "steps_rewound": 3}]
+        events += [
+            {"kind": "failure", "lost_slices": lost, "crashed_slices": []},
+            {"kind": "world_formed", "slices": ["a", "c"]},
+            {"kind": "recovered", "restored_from_step": 40, "steps_rewound": 3},
+        ]
         return events
 
     assert unexplained_rewinds(run(["b"]), replicas=2) == 3  # holder "a" survived: 3 steps for nothing
@@ -363,6 +379,9 @@ def test_a_rewind_is_explained_only_when_every_holder_was_lost_or_its_step_faile
     assert unexplained_rewinds(run(["b"], [{"step": s, "why": "MemoryError"} for s in (41, 42, 43)]), replicas=2) == 3
     assert unexplained_rewinds(run(["b"], failed[:2]), replicas=2) == 3
     # A planned grow-back never rewinds.
-    grow = [{"kind": "world_formed", "slices": ["a", "b"]}, {"kind": "world_formed", "slices": ["a", "b", "c"]},
-            {"kind": "scale_up", "restored_from_step": 10, "steps_rewound": 1}]
+    grow = [
+        {"kind": "world_formed", "slices": ["a", "b"]},
+        {"kind": "world_formed", "slices": ["a", "b", "c"]},
+        {"kind": "scale_up", "restored_from_step": 10, "steps_rewound": 1},
+    ]
     assert unexplained_rewinds(grow, replicas=2) == 1

@@ -14,15 +14,23 @@ import warnings
 
 import pytest
 import ray
+from conftest import reference_losses
+from faults import (
+    FaultPlan,
+    cluster_state,
+    ensure_slices,
+    in_thread,
+    kill_process_of_slice,
+    left_behind,
+    max_rel_err,
+    slice_name,
+    stop_process_of_slice,
+)
 
 from ray_elastic import ElasticConfig, ElasticTrainer
 from ray_elastic.errors import CapacityTimeoutError, RetriesExhaustedError, StateLostError, TrainingCodeError
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
-from ray_elastic.results import unexplained_rewinds
-
-from conftest import reference_losses
-from faults import (FaultPlan, cluster_state, ensure_slices, in_thread, kill_process_of_slice, left_behind, max_rel_err,
-                    slice_name, stop_process_of_slice)
+from ray_elastic.observe.results import unexplained_rewinds
 
 SIM_CLUSTER = {"num_slices": 3}
 SHARE_CLUSTER = True  # conftest.py: one cluster for the modules of plain 1-host slices
@@ -35,11 +43,20 @@ WARM = {"standby_workers": 1}  # the path users meet with the default standbys: 
 def config(cluster, **kw) -> ElasticConfig:
     """No warm standbys unless a test says so (``WARM``): a recovery here then starts its processes
     cold, and the fit starts three fewer processes on the machine's two cores (the suite's time is
-    its number of process starts, README *Test suite time*). The tests of the death signals, the
+    its number of process starts, CONTRIBUTING.md). The tests of the death signals, the
     grow-back and the standbys' own paths keep one warm standby per host (the default is 2)."""
-    base = dict(num_slices=3, global_batch_size=48, slice=cluster.slice_spec, steps_per_chunk=10, seed=0,
-                hang_timeout_min_s=3.0, slice_timeout_s=60.0, replacement_timeout_s=90.0, standby_workers=0,
-                snapshot_every=1)  # a snapshot after every step: zero rewind is what these tests check
+    base = dict(
+        num_slices=3,
+        global_batch_size=48,
+        slice=cluster.slice_spec,
+        steps_per_chunk=10,
+        seed=0,
+        hang_timeout_min_s=3.0,
+        slice_timeout_s=60.0,
+        replacement_timeout_s=90.0,
+        standby_workers=0,
+        snapshot_every=1,
+    )  # a snapshot after every step: zero rewind is what these tests check
     return ElasticConfig(**{**base, **kw})
 
 
@@ -74,10 +91,12 @@ def head_keeper():
     fresh-clone run on loaded cores; where it had been placed was not recorded)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from ray_elastic.snapshot_keeper import SnapshotKeeper
+    from ray_elastic.state.snapshot_keeper import SnapshotKeeper
 
     node = ray.get_runtime_context().get_node_id()
-    return SnapshotKeeper.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+    return SnapshotKeeper.options(
+        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+    ).remote()
 
 
 SLOW_FIT_S = 60.0  # far above any of these fits (12-35 s on this machine's 2 busy cores)
@@ -87,8 +106,11 @@ def timeline(events: list) -> str:
     """The run's events but its steps, seconds from its start: what a slow fit waited for."""
     t0 = events[0]["ts"] if events else 0.0
     keys = ("cause", "reason", "lost_slices", "error", "slices")
-    return "\n".join(f"{e['ts'] - t0:8.2f} {e['kind']} {str({k: e[k] for k in keys if k in e})[:300]}"
-                     for e in events if e["kind"] not in ("step", "steps", "chunk_run"))
+    return "\n".join(
+        f"{e['ts'] - t0:8.2f} {e['kind']} {str({k: e[k] for k in keys if k in e})[:300]}"
+        for e in events
+        if e["kind"] not in ("step", "steps", "chunk_run")
+    )
 
 
 SLOW_ERROR_S = 20.0  # a fit that ends in an error takes 4-11 s here; twice one took 34 and 43 s in a full suite
@@ -123,7 +145,9 @@ def _seen_by_its_signal(failure: dict, kind: str) -> None:
     cores the dead process's exit can come late, and then a lost host's raylet refusing (once the
     steps stall) or, for a process alone, Ray's actor death may come first. Never Ray's health checks."""
     assert failure["cause"] == "failure", failure
-    assert failure["since_last_progress_s"] < 3.0 and failure["detection_latency_s"] < 3.0, json.dumps(failure, default=str)
+    assert failure["since_last_progress_s"] < 3.0 and failure["detection_latency_s"] < 3.0, json.dumps(
+        failure, default=str
+    )
     seen_by = ("liveness connection", "refuses connections") if kind == "node" else ("liveness connection", "died")
     assert any(s in failure["error"] for s in seen_by), failure["error"]
 
@@ -138,6 +162,7 @@ def test_every_process_death_is_seen_by_its_signal(cluster, baseline):
         def fault(t):
             victims.append(slice_name(t, position))
             kill_process_of_slice(t, position)
+
         return fault
 
     trainer, result = run(cluster, {10: kill(0), 20: kill(1), 30: kill(2)}, **WARM)
@@ -147,8 +172,9 @@ def test_every_process_death_is_seen_by_its_signal(cluster, baseline):
         _seen_by_its_signal(failure, "process")
         # The host is healthy (its raylet answers): no grace period, the same three slices go on.
         assert failure["lost_slices"] == [] and victim in failure["crashed_slices"], failure
-        assert victim in failure["vouched_slices"] and failure["classify_s"] < 1.0, \
-            {k: failure[k] for k in ("kinds", "vouched_slices", "crashed_slices", "classify_s", "error")}
+        assert victim in failure["vouched_slices"] and failure["classify_s"] < 1.0, {
+            k: failure[k] for k in ("kinds", "vouched_slices", "crashed_slices", "classify_s", "error")
+        }
     assert [(r.slices, r.added_slices) for r in result.recoveries] == [(3, 0)] * 3
     assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
 
@@ -178,7 +204,7 @@ def test_a_death_behind_a_relay_is_seen_by_its_signal(cluster, baseline, monkeyp
     """Large worlds reach their quiet processes through relays (one call per group of them per
     chunk): forced here on 3 slices with one snapshot holder, a quiet process killed mid-chunk is
     still seen by its death signal, through its relay, and the run goes on with the same losses."""
-    from ray_elastic import relay
+    from ray_elastic.control import relay
 
     monkeypatch.setattr(relay, "RELAY_MIN_QUIET", 1)
     monkeypatch.setattr(relay, "PROCESSES_PER_RELAY", 2)
@@ -201,7 +227,7 @@ def test_a_dead_relay_is_replaced_when_the_next_world_forms(cluster, baseline, m
     """Issue 41 (5): relays are kept for the next worlds; one that died made every later world fail
     to form (reused without a check, outside the try that tears a half-formed world down). Killed
     here mid-chunk: its group's chunk fails, and the next world starts a new relay in its place."""
-    from ray_elastic import relay
+    from ray_elastic.control import relay
 
     monkeypatch.setattr(relay, "RELAY_MIN_QUIET", 1)
     monkeypatch.setattr(relay, "PROCESSES_PER_RELAY", 2)
@@ -224,7 +250,7 @@ def test_ctrl_c_in_each_state_leaves_nothing_behind(cluster, where):
     ``running`` from a step's callback) ends ``fit`` with it, and no placement group (the pending
     replacement's included), actor or process of the run is left. (``scheduling``: in
     ``test_user_contract.py``; every state with the fake backend: ``test_fault_matrix.py``.)"""
-    from ray_elastic.states import ControllerState as S
+    from ray_elastic.control.states import ControllerState as S
 
     before = cluster_state()
 
@@ -302,16 +328,17 @@ def _drain_after_process_1_died(late_keep_s=None, node_lost: bool = False, inter
 
     import numpy as np
 
-    from ray_elastic.snapshots import SnapshotRef, SnapshotStore
-    from ray_elastic.stepping import StepStreams
+    from ray_elastic.control.stepping import StepStreams
+    from ray_elastic.state.snapshots import SnapshotRef, SnapshotStore
 
     keepers = [head_keeper() for _ in range(3)]
     snap = {"leaves": [np.zeros(4, np.float32)], "ranges": [[(0, 4)]]}
     ray.get([k.keep.remote(0, s, snap) for k in keepers for s in (8, 9)])
     ray.get([keepers[p].keep.remote(0, 10, snap) for p in ((1,) if node_lost else (0, 1))])
     plan = types.SimpleNamespace(takes_snapshots=lambda p: True, hosts_per_slice=1, generation=0)
-    world = types.SimpleNamespace(channels=[[0], [1], [2]], plan=plan, keepers=keepers, workers=[],
-                                  slice_of=lambda p: f"slice-{p}")
+    world = types.SimpleNamespace(
+        channels=[[0], [1], [2]], plan=plan, keepers=keepers, workers=[], slice_of=lambda p: f"slice-{p}"
+    )
     cfg = ElasticConfig(num_slices=3, global_batch_size=48, snapshot_every=1)
     streams = StepStreams(world, cfg, SnapshotStore(hosts_per_slice=1), lambda m: None, [])
     streams._reported, streams._intervals = 10, list(intervals)  # step 10 streamed by process 1, which then died
@@ -320,7 +347,11 @@ def _drain_after_process_1_died(late_keep_s=None, node_lost: bool = False, inter
         streams.store.hold_only("slice-1", 0, {s: SnapshotRef(keepers[1], 0, s) for s in (8, 9, 10)})
         stopped = ray.get(keepers[1].__ray_call__.remote(lambda self: os.getpid()))
         os.kill(stopped, signal.SIGSTOP)
-    late = None if late_keep_s is None else threading.Timer(late_keep_s, lambda: ray.get(keepers[2].keep.remote(0, 10, snap)))
+    late = (
+        None
+        if late_keep_s is None
+        else threading.Timer(late_keep_s, lambda: ray.get(keepers[2].keep.remote(0, 10, snap)))
+    )
     if late is not None:
         late.start()
     try:
@@ -351,7 +382,7 @@ def test_a_surviving_holder_that_never_keeps_the_newest_step_costs_the_recovery_
     behind step 11, stuck in a collective with the dead peer): once another slice holds step 10,
     the drain gives the others ``OTHER_HOLDERS_S``, not the whole 3 s bound (in
     ``bench/recovery.py`` a process kill's recovery started 3.1 s after it, the length of that bound)."""
-    from ray_elastic.stepping import OTHER_HOLDERS_S
+    from ray_elastic.control.stepping import OTHER_HOLDERS_S
 
     store, waited = _drain_after_process_1_died(late_keep_s=None)
     assert store.latest_complete(["slice-0", "slice-2"]) == {"slice-0": 10, "slice-2": 9}
@@ -373,7 +404,7 @@ def test_a_lost_nodes_keeper_does_not_shorten_the_wait_for_the_surviving_holders
     dead process's slice, whose node is gone (its keeper never answers), and process 2's keeper
     gets it 1.5 s into the drain, past ``OTHER_HOLDERS_S``. The drain waits for it: the next world
     restores step 10, not 9."""
-    from ray_elastic.stepping import OTHER_HOLDERS_S
+    from ray_elastic.control.stepping import OTHER_HOLDERS_S
 
     store, waited = _drain_after_process_1_died(late_keep_s=OTHER_HOLDERS_S + 0.5, node_lost=True)
     assert store.complete("slice-2", 10), waited
@@ -389,7 +420,7 @@ def test_a_keeper_holds_the_newest_step_its_driver_acknowledged_however_far_the_
     steps beyond the run's record."""
     import numpy as np
 
-    from ray_elastic.snapshot_keeper import KEEP_STEPS
+    from ray_elastic.state.snapshot_keeper import KEEP_STEPS
 
     keeper = head_keeper()
     snap = {"leaves": [np.zeros(4, np.float32)], "ranges": [[(0, 4)]]}
@@ -412,7 +443,7 @@ def test_a_keeper_still_starting_is_asked_but_not_waited_for(cluster):
     """A keeper that has never answered holds nothing: every fit's first world waited the whole
     answer timeout (1 s) for its new keepers' processes to start before forming. It is asked, and
     what it says by the time the others have answered counts; it is not waited for."""
-    from ray_elastic.snapshot_keeper import ask_keepers
+    from ray_elastic.state.snapshot_keeper import ask_keepers
 
     known = head_keeper()
     assert ray.get(known.held.remote(), timeout=60) == []  # up: it has answered once
@@ -432,6 +463,7 @@ def test_a_keeper_lost_while_its_host_lives_is_replaced_and_costs_no_step(cluste
     the next recovery restores from the other holders, starts a new keeper there and keeps the
     slice (it failed to form on the dead keeper, and was then dropped as a repeat offender). The
     ``world_formed`` event says what the restore was chosen from (a rewind must be explainable)."""
+
     def kill_keeper(t):
         ray.kill(t.world.keepers[0])
 
@@ -463,8 +495,7 @@ def test_second_failure_during_recovery(cluster, baseline):
             in_thread(cluster.kill_slice, names["second"], delay=0.3)
 
     plan = FaultPlan({20: first})
-    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster), progress=False, on_step=plan.on_step,
-                             on_event=on_event)
+    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster), progress=False, on_step=plan.on_step, on_event=on_event)
     plan.trainer = trainer
     result = trainer.fit(STEPS)
     assert result.steps == list(range(STEPS))
@@ -472,8 +503,11 @@ def test_second_failure_during_recovery(cluster, baseline):
     # its collective when slice 1 died (slice 1 had the reduced loss and reported it; no living
     # process ever held that state: its snapshot is reported not kept, with the runtime error).
     # The chaos bench's rule, on this run's events.
-    evidence = [(e["kind"], e.get("restored_from_step"), e.get("restore_evidence") or e.get("first"))
-                for e in result.events if e["kind"] in ("world_formed", "snapshot_not_kept")]
+    evidence = [
+        (e["kind"], e.get("restored_from_step"), e.get("restore_evidence") or e.get("first"))
+        for e in result.events
+        if e["kind"] in ("world_formed", "snapshot_not_kept")
+    ]
     assert unexplained_rewinds(result.events, trainer.config.snapshot_replicas) == 0, evidence
     assert result.summary["steps_rewound"] <= 1, evidence
     assert result.summary["slices"] == 1
@@ -484,8 +518,9 @@ def test_second_failure_during_recovery(cluster, baseline):
 def test_pause_and_resume_with_provisioning_delay(cluster, baseline):
     prov = cluster.provisioner(delay_s=2.0)
     try:
-        trainer, result = run(cluster, {20: lambda t: in_thread(cluster.kill_slice, slice_name(t, 1))},
-                              mode="pause-and-resume")
+        trainer, result = run(
+            cluster, {20: lambda t: in_thread(cluster.kill_slice, slice_name(t, 1))}, mode="pause-and-resume"
+        )
     finally:
         prov.stop()
     (rec,) = result.recoveries
@@ -550,9 +585,11 @@ def test_replacement_dying_on_arrival(cluster, baseline):
             time.sleep(0.05)
 
     try:
-        trainer, result = run(cluster, {20: lambda t: (in_thread(cluster.kill_slice, slice_name(t, 1)),
-                                                       in_thread(kill_first_arrival))},
-                              mode="pause-and-resume")
+        trainer, result = run(
+            cluster,
+            {20: lambda t: (in_thread(cluster.kill_slice, slice_name(t, 1)), in_thread(kill_first_arrival))},
+            mode="pause-and-resume",
+        )
     finally:
         prov.stop()
     assert killed and len(prov.added) >= 2
@@ -566,8 +603,14 @@ def test_replica_resize_to_min_then_grow_back(cluster, baseline_long):
     step between two snapshots and must still rewind nothing."""
     prov = cluster.provisioner(delay_s=1.0)
     try:
-        trainer, result = run(cluster, {5: lambda t: in_thread(cluster.kill_slice, slice_name(t, 2))},
-                              steps=LONG_STEPS, min_slices=2, snapshot_every="auto", **WARM)
+        trainer, result = run(
+            cluster,
+            {5: lambda t: in_thread(cluster.kill_slice, slice_name(t, 2))},
+            steps=LONG_STEPS,
+            min_slices=2,
+            snapshot_every="auto",
+            **WARM,
+        )
     finally:
         prov.stop()
     (rec,) = result.recoveries
@@ -603,6 +646,7 @@ def test_the_first_recovery_to_a_smaller_world_loads_its_step_compiled_ahead(clu
                 time.sleep(0.1)
             seen["ahead"] = sorted(steps_compiled() - seen["first"])
             cluster.kill_slice(slice_name(t, 2))
+
         in_thread(go)
 
     faults = {0: lambda t: seen.setdefault("first", steps_compiled()), 12: kill_once_compiled_ahead}
@@ -627,14 +671,25 @@ def fails_clearly(cluster, faults: dict, error: type, match: str, **cfg_kw) -> N
 
 
 def test_pause_and_resume_timeout_fails_clearly(cluster):
-    fails_clearly(cluster, {10: lambda t: in_thread(cluster.kill_slice, slice_name(t, 0))}, CapacityTimeoutError,
-                  "no replacement slice arrived in time.*fallback_to_resize",
-                  mode="pause-and-resume", replacement_timeout_s=2.0)
+    fails_clearly(
+        cluster,
+        {10: lambda t: in_thread(cluster.kill_slice, slice_name(t, 0))},
+        CapacityTimeoutError,
+        "no replacement slice arrived in time.*fallback_to_resize",
+        mode="pause-and-resume",
+        replacement_timeout_s=2.0,
+    )
 
 
 def test_replica_resize_below_min_slices_fails_after_the_replacement_timeout(cluster):
-    fails_clearly(cluster, {10: lambda t: in_thread(cluster.kill_slice, slice_name(t, 2))}, CapacityTimeoutError,
-                  "only 2 slice.s. available, fewer than min_slices=3", min_slices=3, replacement_timeout_s=2.0)
+    fails_clearly(
+        cluster,
+        {10: lambda t: in_thread(cluster.kill_slice, slice_name(t, 2))},
+        CapacityTimeoutError,
+        "only 2 slice.s. available, fewer than min_slices=3",
+        min_slices=3,
+        replacement_timeout_s=2.0,
+    )
 
 
 def test_losing_every_snapshot_holder_without_a_checkpoint_fails_clearly(cluster):
@@ -642,13 +697,19 @@ def test_losing_every_snapshot_holder_without_a_checkpoint_fails_clearly(cluster
         names = [slice_name(t, 0), slice_name(t, 1)]  # snapshot_replicas=2: both holders
         in_thread(lambda: [cluster.kill_slice(n) for n in names])
 
-    fails_clearly(cluster, {20: kill_holders}, StateLostError, "would restart training from step 0",
-                  snapshot_replicas=2)
+    fails_clearly(
+        cluster, {20: kill_holders}, StateLostError, "would restart training from step 0", snapshot_replicas=2
+    )
 
 
 def test_pause_and_resume_timeout_falls_back_to_resize(cluster, baseline):
-    trainer, result = run(cluster, {20: lambda t: in_thread(cluster.kill_slice, slice_name(t, 0))},
-                          mode="pause-and-resume", replacement_timeout_s=2.0, fallback_to_resize=True)
+    trainer, result = run(
+        cluster,
+        {20: lambda t: in_thread(cluster.kill_slice, slice_name(t, 0))},
+        mode="pause-and-resume",
+        replacement_timeout_s=2.0,
+        fallback_to_resize=True,
+    )
     (rec,) = result.recoveries
     assert rec.slices == 2 and rec.wait_for_capacity_s >= 2.0
     assert max_rel_err(result.losses, baseline) <= RESIZED
@@ -674,7 +735,9 @@ def test_a_host_that_fails_in_every_generation_is_dropped(cluster, baseline, tmp
         kill_process_of_slice(t, 1)
 
     plan = FaultPlan({20: break_host})
-    trainer = ElasticTrainer(DiesOnOneHost(marker=str(marker)), config(cluster, **WARM), progress=False, on_step=plan.on_step)
+    trainer = ElasticTrainer(
+        DiesOnOneHost(marker=str(marker)), config(cluster, **WARM), progress=False, on_step=plan.on_step
+    )
     plan.trainer = trainer
     result = trainer.fit(STEPS)
     assert result.steps == list(range(STEPS)) and result.summary["steps_rewound"] == 0
@@ -702,19 +765,25 @@ def test_a_process_hanging_in_jax_distributed_initialize_is_a_fault_not_a_bug(cl
     plan = FaultPlan({20: lambda t: kill_process_of_slice(t, 1)})
     # 10 s: the hang is found by this timeout; with 5 s, worlds formed on a loaded 2-core machine
     # (standbys starting beside them) timed out too, six times in a row once in a full-suite run.
-    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster, jax_init_timeout_s=10.0, **WARM), progress=False,
-                             on_step=plan.on_step, on_event=on_event)
+    trainer = ElasticTrainer(
+        DigitsMLPTask(),
+        config(cluster, jax_init_timeout_s=10.0, **WARM),
+        progress=False,
+        on_step=plan.on_step,
+        on_event=on_event,
+    )
     plan.trainer = trainer
     result = trainer.fit(STEPS)
     assert stopped and result.steps == list(range(STEPS)) and result.summary["steps_rewound"] == 0
     causes = [e["cause"] for e in result.events if e["kind"] == "failure"]
     # (The first world may also time out while its processes start: retried too.)
     kill = causes.index("failure")
-    assert causes[kill + 1:kill + 2] == ["forming_failed"], causes
+    assert causes[kill + 1 : kill + 2] == ["forming_failed"], causes
     # The world after the timeout may form without the stopped host's slice and grow back later.
     same_shape = all(len(w.slices) == 3 for w in trainer.worlds)
-    assert max_rel_err(result.losses, baseline) <= (SAME_SHAPE if same_shape else RESIZED), \
-        [len(w.slices) for w in trainer.worlds]
+    assert max_rel_err(result.losses, baseline) <= (SAME_SHAPE if same_shape else RESIZED), [
+        len(w.slices) for w in trainer.worlds
+    ]
 
 
 @ray.remote(num_cpus=0)
@@ -726,9 +795,9 @@ def test_a_wait_while_forming_ends_when_a_members_host_is_lost(cluster):
     """A wait while forming (joins, compiles) ends as soon as a member's host loses its node, even
     when that member's own call had already returned: seen in the chaos bench, a newcomer fetching
     its snapshot from a donor lost just then waited out jax.distributed's timeout (119 s)."""
+    from ray_elastic.control.placement import SliceReservation
+    from ray_elastic.control.world import _gather, _placed
     from ray_elastic.errors import FormingError
-    from ray_elastic.placement import SliceReservation
-    from ray_elastic.world import _gather, _placed
 
     res = SliceReservation(cluster.slice_spec)
     assert res.wait(30)
@@ -758,8 +827,8 @@ def test_standbys_start_one_at_a_time_per_host(cluster):
     the trace ahead): a world that had to take a process still starting shared the CPUs with the
     spare started next to it (the bench's cold chain of process kills). A grow-back's newcomers
     start theirs together."""
-    from ray_elastic.placement import SliceReservation
-    from ray_elastic.world import WorkerPool
+    from ray_elastic.control.placement import SliceReservation
+    from ray_elastic.control.world import WorkerPool
 
     res = SliceReservation(cluster.slice_spec)
     assert res.wait(30)
@@ -812,9 +881,15 @@ def test_retry_policy_and_callbacks(cluster):
         return False
 
     plan = FaultPlan({10: lambda t: kill_process_of_slice(t, 0)})
-    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster), progress=False, on_step=plan.on_step,
-                             retry_policy=policy, pre_callback=lambda: calls.__setitem__("pre", calls["pre"] + 1),
-                             on_event=calls["events"].append)
+    trainer = ElasticTrainer(
+        DigitsMLPTask(),
+        config(cluster),
+        progress=False,
+        on_step=plan.on_step,
+        retry_policy=policy,
+        pre_callback=lambda: calls.__setitem__("pre", calls["pre"] + 1),
+        on_event=calls["events"].append,
+    )
     plan.trainer = trainer
     with pytest.raises(RetriesExhaustedError, match="retry_policy declined attempt 1"):
         trainer.fit(STEPS)
@@ -845,12 +920,14 @@ def test_random_faults(cluster, baseline_long, num_faults):
                 cluster.kill_slice(slice_name(t, i))  # synchronous: the next fault cannot fire first
             else:
                 cluster.hang_slice(slice_name(t, i))
+
         return fire
 
     prov = cluster.provisioner(delay_s=0.5)
     try:
-        trainer, result = run(cluster, {s: fault(k) for s, k in zip(steps, chosen)}, steps=LONG_STEPS,
-                              hang_timeout_min_s=2.0)
+        trainer, result = run(
+            cluster, {s: fault(k) for s, k in zip(steps, chosen)}, steps=LONG_STEPS, hang_timeout_min_s=2.0
+        )
     finally:
         prov.stop()
     # A fault that fires on the very step where the world was being replaced anyway (a
@@ -863,8 +940,9 @@ def test_random_faults(cluster, baseline_long, num_faults):
 
 
 def test_scale_batch_policy_with_linear_lr_rule(cluster, baseline):
-    trainer, result = run(cluster, {20: lambda t: in_thread(cluster.kill_slice, slice_name(t, 1))},
-                          batch_policy="scale", lr_rule="linear")
+    trainer, result = run(
+        cluster, {20: lambda t: in_thread(cluster.kill_slice, slice_name(t, 1))}, batch_policy="scale", lr_rule="linear"
+    )
     assert [w.global_batch_size for w in trainer.worlds] == [48, 32]
     # Before the loss, the run is the full-size run (the lr scale is 1 at full size).
     assert max_rel_err(result.losses[:21], baseline[:21]) <= SAME_SHAPE
@@ -877,8 +955,12 @@ def test_auto_snapshot_interval_bounds_the_rewind(cluster, baseline):
     """snapshot_every="auto" with a budget no snapshot can meet: the interval grows past one step,
     is reported (event and summary), and a lost slice rewinds at most interval - 1 steps."""
     plan = FaultPlan({30: lambda t: in_thread(cluster.kill_slice, slice_name(t, 2))})
-    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster, snapshot_every="auto", snapshot_budget=1e-4),
-                             progress=False, on_step=plan.on_step)
+    trainer = ElasticTrainer(
+        DigitsMLPTask(),
+        config(cluster, snapshot_every="auto", snapshot_budget=1e-4),
+        progress=False,
+        on_step=plan.on_step,
+    )
     plan.trainer = trainer
     result = trainer.fit(STEPS)
     assert not plan.faults and result.steps == list(range(STEPS))

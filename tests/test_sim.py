@@ -8,7 +8,7 @@ import psutil
 import pytest
 import ray
 
-from ray_elastic.placement import SliceReservation
+from ray_elastic.control.placement import SliceReservation
 
 SIM_CLUSTER = {"num_slices": 2}
 
@@ -88,7 +88,7 @@ def test_only_a_raylet_that_answers_vouches_for_its_host(sim_cluster):
     connections all the same, which proves nothing."""
     import socket
 
-    from ray_elastic import health
+    from ray_elastic.detect import health
 
     sl = sim_cluster.alive_slices()[0]
     address = health.raylet_addresses(sl.node_ids)[sl.node_ids[0]]
@@ -199,8 +199,9 @@ def test_a_local_run_stays_on_loopback(sim_cluster):
                 except psutil.NoSuchProcess:
                     pass
 
-    cfg = ElasticConfig(num_slices=2, global_batch_size=32, slice=sim_cluster.slice_spec, steps_per_chunk=5,
-                        standby_workers=1)  # a standby's sockets are checked too
+    cfg = ElasticConfig(
+        num_slices=2, global_batch_size=32, slice=sim_cluster.slice_spec, steps_per_chunk=5, standby_workers=1
+    )  # a standby's sockets are checked too
     ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=on_step).fit(4)
     assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
     listening = [(pid, c.laddr) for pid, c in sockets if c.status == psutil.CONN_LISTEN]

@@ -4,7 +4,7 @@ TensorBoard's own reader."""
 import os
 import uuid
 
-from ray_elastic.tensorboard import TensorBoardWriter
+from ray_elastic.observe.tensorboard import TensorBoardWriter
 
 
 def test_tensorboard_scalars_go_to_a_gcs_bucket(local_gcs, tmp_path):
@@ -37,8 +37,8 @@ def test_a_read_only_bucket_can_be_resumed_from_but_not_checkpointed_to(local_gc
     import pytest
     from google.cloud import storage
 
-    from ray_elastic.checkpoints import check_location
-    from ray_elastic.local_gcs import FlakyEndpoint
+    from ray_elastic.sim.local_gcs import FlakyEndpoint
+    from ray_elastic.state.checkpoints import check_location
 
     bucket = f"ro-{uuid.uuid4().hex[:8]}"
     storage.Client().create_bucket(bucket)

@@ -3,12 +3,11 @@
 import numpy as np
 import pytest
 import ray
+from conftest import reference_losses
 
 from ray_elastic import ElasticConfig, ElasticTrainer
 from ray_elastic.examples.char_transformer import CharTransformerTask
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
-
-from conftest import reference_losses
 
 SIM_CLUSTER = {"num_slices": 3}
 SHARE_CLUSTER = True  # conftest.py: one cluster for the modules of plain 1-host slices
@@ -16,8 +15,9 @@ SHARE_CLUSTER = True  # conftest.py: one cluster for the modules of plain 1-host
 
 @pytest.fixture(scope="module")
 def mlp_run(sim_cluster):
-    cfg = ElasticConfig(num_slices=3, global_batch_size=48, slice=sim_cluster.slice_spec, steps_per_chunk=16, seed=3,
-                        standby_workers=0)  # no failure here: no processes started ahead of need
+    cfg = ElasticConfig(
+        num_slices=3, global_batch_size=48, slice=sim_cluster.slice_spec, steps_per_chunk=16, seed=3, standby_workers=0
+    )  # no failure here: no processes started ahead of need
     trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False)
     return trainer, trainer.fit(60)
 
@@ -58,8 +58,9 @@ def test_resources_released_after_fit(mlp_run):
 
 def test_transformer_trains_on_three_slices(sim_cluster):
     task = CharTransformerTask(seq_len=32, d_model=32, num_layers=1, max_chars=100_000)
-    cfg = ElasticConfig(num_slices=3, global_batch_size=12, slice=sim_cluster.slice_spec, steps_per_chunk=10,
-                        standby_workers=0)
+    cfg = ElasticConfig(
+        num_slices=3, global_batch_size=12, slice=sim_cluster.slice_spec, steps_per_chunk=10, standby_workers=0
+    )
     result = ElasticTrainer(task, cfg, progress=False).fit(20)
     ref = reference_losses(task, global_batch_size=12, seed=0, num_steps=20)
     rel = np.abs(np.array(result.losses) - ref) / np.abs(ref)

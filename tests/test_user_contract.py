@@ -7,29 +7,53 @@ import time
 
 import numpy as np
 import pytest
+from faults import FaultPlan, ensure_slices, in_thread, kill_process_of_slice, max_rel_err
 
 from ray_elastic import ElasticConfig, ElasticTrainer, TrainingCodeError
-from ray_elastic.checkpoints import latest_checkpoint
-from ray_elastic.data import StepBatches
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
 from ray_elastic.examples.llm import LOGICAL_AXIS_RULES, DecoderLMTask
-
-from faults import FaultPlan, ensure_slices, in_thread, kill_process_of_slice, max_rel_err
+from ray_elastic.slice.data import StepBatches
+from ray_elastic.state.checkpoints import latest_checkpoint
 
 SIM_CLUSTER = {"num_slices": 4, "devices_per_host": 4}
 STEPS, KILL_AT = 24, 13
 
 
 def llm_task(**kw) -> DecoderLMTask:
-    return DecoderLMTask(**{"seq_len": 16, "d_model": 32, "num_heads": 4, "num_kv_heads": 2, "d_ff": 64,
-                            "num_layers": 1, "max_chars": 60_000, "dropout": 0.1, **kw})
+    return DecoderLMTask(
+        **{
+            "seq_len": 16,
+            "d_model": 32,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "d_ff": 64,
+            "num_layers": 1,
+            "max_chars": 60_000,
+            "dropout": 0.1,
+            **kw,
+        }
+    )
 
 
 def llm_config(cluster, num_slices=3, **kw) -> ElasticConfig:
-    base = dict(num_slices=num_slices, global_batch_size=48, slice=cluster.slice_spec, steps_per_chunk=6, seed=1,
-                slice_mesh={"fsdp": -1, "tensor": 2}, logical_axis_rules=LOGICAL_AXIS_RULES,
-                eval_every=8, eval_steps=2, eval_batch_size=24, snapshot_every=1, microbatch_size=4, standby_workers=0,
-                hang_timeout_min_s=5.0, slice_timeout_s=120.0, progress_metrics=("accuracy", "eval/loss"))
+    base = dict(
+        num_slices=num_slices,
+        global_batch_size=48,
+        slice=cluster.slice_spec,
+        steps_per_chunk=6,
+        seed=1,
+        slice_mesh={"fsdp": -1, "tensor": 2},
+        logical_axis_rules=LOGICAL_AXIS_RULES,
+        eval_every=8,
+        eval_steps=2,
+        eval_batch_size=24,
+        snapshot_every=1,
+        microbatch_size=4,
+        standby_workers=0,
+        hang_timeout_min_s=5.0,
+        slice_timeout_s=120.0,
+        progress_metrics=("accuracy", "eval/loss"),
+    )
     return ElasticConfig(**{**base, **kw})
 
 
@@ -43,8 +67,13 @@ def llm_runs(sim_cluster, tmp_path_factory):
         run_dir = str(tmp_path_factory.mktemp(name))
         seen: list[dict] = []
         plan = FaultPlan(faults)
-        trainer = ElasticTrainer(llm_task(), llm_config(sim_cluster), progress=False, run_dir=run_dir,
-                                 on_step=lambda m, plan=plan, seen=seen: (seen.append(m), plan.on_step(m)))
+        trainer = ElasticTrainer(
+            llm_task(),
+            llm_config(sim_cluster),
+            progress=False,
+            run_dir=run_dir,
+            on_step=lambda m, plan=plan, seen=seen: (seen.append(m), plan.on_step(m)),
+        )
         plan.trainer = trainer
         result = trainer.fit(STEPS)
         assert not plan.faults
@@ -94,7 +123,7 @@ def test_evals_run_every_eval_every_steps_and_after_the_last(llm_runs):
 
 
 def test_the_report_draws_the_eval_loss_beside_the_train_loss(llm_runs):
-    from ray_elastic import report
+    from ray_elastic.observe import report
 
     _, result, _, run_dir = llm_runs["killed"]
     tl = report.timeline(report.load_events(run_dir))
@@ -110,8 +139,17 @@ def test_tensorboard_holds_train_eval_and_elastic_scalars(llm_runs):
     acc = EventAccumulator(os.path.join(run_dir, "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"train/loss", "train/accuracy", "train/perplexity", "eval/loss", "eval/accuracy",
-            "elastic/step_time_s", "elastic/slices_alive", "elastic/recoveries", "elastic/goodput"} <= tags
+    assert {
+        "train/loss",
+        "train/accuracy",
+        "train/perplexity",
+        "eval/loss",
+        "eval/accuracy",
+        "elastic/step_time_s",
+        "elastic/slices_alive",
+        "elastic/recoveries",
+        "elastic/goodput",
+    } <= tags
     loss = {e.step: e.value for e in acc.Scalars("train/loss")}
     assert sorted(loss) == list(range(STEPS))
     assert loss[STEPS - 1] == pytest.approx(result.losses[-1], rel=1e-6)
@@ -128,8 +166,9 @@ def test_an_annotated_model_resizes_onto_fewer_slices_from_their_snapshots(sim_c
         ensure_slices(sim_cluster, 3)
         plan = FaultPlan(faults)
         cfg = llm_config(sim_cluster, eval_every=0, microbatch_size=None, standby_workers=1)
-        trainer = ElasticTrainer(llm_task(dropout=0.0, compute_dtype="float32"), cfg, progress=False,
-                                 on_step=plan.on_step)
+        trainer = ElasticTrainer(
+            llm_task(dropout=0.0, compute_dtype="float32"), cfg, progress=False, on_step=plan.on_step
+        )
         plan.trainer = trainer
         runs[name] = trainer.fit(20)
         assert not plan.faults
@@ -144,12 +183,20 @@ def test_eval_numbers_equal_on_two_and_four_slices(sim_cluster, tmp_path):
     it (an eval due at the checkpoint's step that this run has not seen is redone first)."""
     ensure_slices(sim_cluster, 4)
     directory = str(tmp_path / "ckpt")
-    kw = dict(eval_every=10, eval_batch_size=16, global_batch_size=32, checkpoint_dir=directory,
-              checkpoint_every=10, snapshot_every=0)
-    four = ElasticTrainer(llm_task(dropout=0.0), llm_config(sim_cluster, num_slices=4, min_slices=4, **kw),
-                          progress=False).fit(10)
-    two = ElasticTrainer(llm_task(dropout=0.0), llm_config(sim_cluster, num_slices=2, min_slices=2, **kw),
-                         progress=False).fit(11)
+    kw = dict(
+        eval_every=10,
+        eval_batch_size=16,
+        global_batch_size=32,
+        checkpoint_dir=directory,
+        checkpoint_every=10,
+        snapshot_every=0,
+    )
+    four = ElasticTrainer(
+        llm_task(dropout=0.0), llm_config(sim_cluster, num_slices=4, min_slices=4, **kw), progress=False
+    ).fit(10)
+    two = ElasticTrainer(
+        llm_task(dropout=0.0), llm_config(sim_cluster, num_slices=2, min_slices=2, **kw), progress=False
+    ).fit(11)
     assert four.summary["mesh"]["replica"] == 4 and two.summary["mesh"]["replica"] == 2
     assert two.summary["resumed_from_checkpoint"] == 10
     assert two.evals[9] == pytest.approx(four.evals[9], rel=1e-5)
@@ -170,9 +217,17 @@ def nan_at_row(row: int) -> DigitsMLPTask:
 
 def test_a_nan_loss_stops_the_run_naming_the_step_before_it_is_checkpointed(sim_cluster, tmp_path):
     ensure_slices(sim_cluster, 4)
-    cfg = ElasticConfig(num_slices=2, global_batch_size=32, slice=sim_cluster.slice_spec, seed=0,
-                        checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=1, standby_workers=0,
-                        snapshot_every=1, slice_timeout_s=120.0)
+    cfg = ElasticConfig(
+        num_slices=2,
+        global_batch_size=32,
+        slice=sim_cluster.slice_spec,
+        seed=0,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every=1,
+        standby_workers=0,
+        snapshot_every=1,
+        slice_timeout_s=120.0,
+    )
     task = nan_at_row(123)
     batches = StepBatches(task.dataset(), 32, 0)
     bad = next(s for s in range(100) if np.isnan(batches.global_batch(s)["x"]).any())
@@ -207,8 +262,18 @@ def slow_eval(delay_s: float) -> DigitsMLPTask:
 
 def test_a_process_lost_during_an_eval_is_recovered_and_the_eval_redone_with_no_step_rewound(sim_cluster):
     ensure_slices(sim_cluster, 4)
-    cfg = ElasticConfig(num_slices=2, global_batch_size=32, slice=sim_cluster.slice_spec, seed=0, standby_workers=0,
-                        snapshot_every=1, slice_timeout_s=120.0, eval_every=10, eval_steps=2, eval_batch_size=32)
+    cfg = ElasticConfig(
+        num_slices=2,
+        global_batch_size=32,
+        slice=sim_cluster.slice_spec,
+        seed=0,
+        standby_workers=0,
+        snapshot_every=1,
+        slice_timeout_s=120.0,
+        eval_every=10,
+        eval_steps=2,
+        eval_batch_size=32,
+    )
     plan = FaultPlan({9: lambda t: kill_process_of_slice(t, 1)})  # step 9 is streamed, then its eval starts
     trainer = ElasticTrainer(slow_eval(0.05), cfg, progress=False, on_step=plan.on_step)
     plan.trainer = trainer
@@ -232,8 +297,14 @@ def test_ctrl_c_while_slices_are_reserved_leaves_no_placement_group(sim_cluster)
         if event["kind"] == "waiting":  # reserving: 4 of 6 ready
             raise KeyboardInterrupt
 
-    cfg = ElasticConfig(num_slices=6, min_slices=6, global_batch_size=48, slice=sim_cluster.slice_spec,
-                        standby_workers=0, slice_timeout_s=120.0)
+    cfg = ElasticConfig(
+        num_slices=6,
+        min_slices=6,
+        global_batch_size=48,
+        slice=sim_cluster.slice_spec,
+        standby_workers=0,
+        slice_timeout_s=120.0,
+    )
     with pytest.raises(KeyboardInterrupt):
         ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_event=interrupt).fit(5)
     live = {pg_id: t["state"] for pg_id, t in ray.util.placement_group_table().items() if t["state"] != "REMOVED"}

@@ -15,6 +15,11 @@ EXAMPLES = {
 
 # ``ElasticConfig`` settings an example runs with from the command line unless a flag says otherwise.
 EXAMPLE_SETTINGS = {
-    "llm": {"slice_mesh": {"fsdp": -1, "tensor": 2}, "logical_axis_rules": "ray_elastic.examples.llm:LOGICAL_AXIS_RULES",
-            "eval_every": 50, "eval_steps": 4, "progress_metrics": ("accuracy", "eval/loss")},
+    "llm": {
+        "slice_mesh": {"fsdp": -1, "tensor": 2},
+        "logical_axis_rules": "ray_elastic.examples.llm:LOGICAL_AXIS_RULES",
+        "eval_every": 50,
+        "eval_steps": 4,
+        "progress_metrics": ("accuracy", "eval/loss"),
+    },
 }

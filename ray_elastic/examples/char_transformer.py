@@ -60,9 +60,7 @@ class CharWindows:
 class Block(nnx.Module):
     def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs):
         self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(
-            num_heads=num_heads, in_features=d_model, decode=False, rngs=rngs
-        )
+        self.attn = nnx.MultiHeadAttention(num_heads=num_heads, in_features=d_model, decode=False, rngs=rngs)
         self.ln2 = nnx.LayerNorm(d_model, rngs=rngs)
         self.up = nnx.Linear(d_model, 4 * d_model, rngs=rngs)
         self.down = nnx.Linear(4 * d_model, d_model, rngs=rngs)
@@ -102,7 +100,9 @@ class CharTransformerTask(TrainTask):
         return sorted(set(stdlib_corpus(self.max_chars)))
 
     def create_model(self, rngs):
-        return CharTransformer(len(self._vocab()), self.seq_len, self.d_model, self.num_heads, self.num_layers, rngs=rngs)
+        return CharTransformer(
+            len(self._vocab()), self.seq_len, self.d_model, self.num_heads, self.num_layers, rngs=rngs
+        )
 
     def create_optimizer(self):
         return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(self.learning_rate, weight_decay=0.01))

@@ -53,7 +53,9 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
     import costs ~1 s of CPU in every slice process, and the world a recovery forms from new
     processes waits for it."""
     spec = importlib.util.find_spec("sklearn")  # finds the package without running it
-    path = os.path.join(os.path.dirname(spec.origin), "datasets", "data", "digits.csv.gz") if spec and spec.origin else ""
+    path = (
+        os.path.join(os.path.dirname(spec.origin), "datasets", "data", "digits.csv.gz") if spec and spec.origin else ""
+    )
     if os.path.exists(path):
         data = np.loadtxt(path, delimiter=",")
         return data[:, :-1], data[:, -1].astype(int)

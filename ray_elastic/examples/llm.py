@@ -72,18 +72,24 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = d_model // num_heads
         kw = dict(use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-        self.q = nnx.LinearGeneral(d_model, (num_heads, self.head_dim),
-                                   kernel_init=_init(("embed", "heads", "head_dim")), **kw)
-        self.k = nnx.LinearGeneral(d_model, (num_kv_heads, self.head_dim),
-                                   kernel_init=_init(("embed", "kv_heads", "head_dim")), **kw)
-        self.v = nnx.LinearGeneral(d_model, (num_kv_heads, self.head_dim),
-                                   kernel_init=_init(("embed", "kv_heads", "head_dim")), **kw)
-        self.o = nnx.LinearGeneral((num_heads, self.head_dim), d_model, axis=(-2, -1),
-                                   kernel_init=_init(("heads", "head_dim", "embed")), **kw)
+        self.q = nnx.LinearGeneral(
+            d_model, (num_heads, self.head_dim), kernel_init=_init(("embed", "heads", "head_dim")), **kw
+        )
+        self.k = nnx.LinearGeneral(
+            d_model, (num_kv_heads, self.head_dim), kernel_init=_init(("embed", "kv_heads", "head_dim")), **kw
+        )
+        self.v = nnx.LinearGeneral(
+            d_model, (num_kv_heads, self.head_dim), kernel_init=_init(("embed", "kv_heads", "head_dim")), **kw
+        )
+        self.o = nnx.LinearGeneral(
+            (num_heads, self.head_dim), d_model, axis=(-2, -1), kernel_init=_init(("heads", "head_dim", "embed")), **kw
+        )
 
     def __call__(self, x, positions):
-        q, k, v = (jax.lax.with_sharding_constraint(a, HEADS_ACTIVATION)
-                   for a in (rotary(self.q(x), positions), rotary(self.k(x), positions), self.v(x)))
+        q, k, v = (
+            jax.lax.with_sharding_constraint(a, HEADS_ACTIVATION)
+            for a in (rotary(self.q(x), positions), rotary(self.k(x), positions), self.v(x))
+        )
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # repeats kv heads for the groups
         return self.o(jax.lax.with_sharding_constraint(out, HEADS_ACTIVATION))
 
@@ -114,17 +120,40 @@ class Block(nnx.Module):
 
 
 class DecoderLM(nnx.Module):
-    def __init__(self, *, d_model: int, num_layers: int, num_heads: int, num_kv_heads: int, d_ff: int,
-                 dropout: float, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: int,
+        d_ff: int,
+        dropout: float,
+        dtype=jnp.bfloat16,
+        rngs: nnx.Rngs,
+    ):
         self.dtype = dtype
-        self.embed = nnx.Embed(VOCAB, d_model, param_dtype=jnp.float32, dtype=dtype,
-                               embedding_init=nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed")),
-                               rngs=rngs)
-        self.blocks = nnx.List([Block(d_model, num_heads, num_kv_heads, d_ff, dropout, dtype=dtype, rngs=rngs)
-                                for _ in range(num_layers)])
+        self.embed = nnx.Embed(
+            VOCAB,
+            d_model,
+            param_dtype=jnp.float32,
+            dtype=dtype,
+            embedding_init=nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed")),
+            rngs=rngs,
+        )
+        self.blocks = nnx.List(
+            [Block(d_model, num_heads, num_kv_heads, d_ff, dropout, dtype=dtype, rngs=rngs) for _ in range(num_layers)]
+        )
         self.norm = RMSNorm(d_model)
-        self.head = nnx.Linear(d_model, VOCAB, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
-                               kernel_init=_init(("embed", "vocab")), rngs=rngs)
+        self.head = nnx.Linear(
+            d_model,
+            VOCAB,
+            use_bias=False,
+            dtype=dtype,
+            param_dtype=jnp.float32,
+            kernel_init=_init(("embed", "vocab")),
+            rngs=rngs,
+        )
 
     def __call__(self, tokens):
         positions = jnp.arange(tokens.shape[-1])
@@ -151,9 +180,16 @@ class DecoderLMTask(TrainTask):
     eval_fraction: float = 0.1
 
     def create_model(self, rngs):
-        return DecoderLM(d_model=self.d_model, num_layers=self.num_layers, num_heads=self.num_heads,
-                         num_kv_heads=self.num_kv_heads, d_ff=self.d_ff, dropout=self.dropout,
-                         dtype=jnp.dtype(self.compute_dtype), rngs=rngs)
+        return DecoderLM(
+            d_model=self.d_model,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            d_ff=self.d_ff,
+            dropout=self.dropout,
+            dtype=jnp.dtype(self.compute_dtype),
+            rngs=rngs,
+        )
 
     def create_optimizer(self):
         return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(self.learning_rate, weight_decay=0.01))
@@ -174,4 +210,4 @@ class DecoderLMTask(TrainTask):
         return CharWindows(self._tokens()[: self._split()], self.seq_len)
 
     def eval_dataset(self):
-        return CharWindows(self._tokens()[self._split():], self.seq_len)
+        return CharWindows(self._tokens()[self._split() :], self.seq_len)

@@ -1,0 +1,629 @@
+"""The single controller: a Ray driver that reserves slices, forms worlds, drives steps, recovers.
+
+``ElasticTrainer(task, config).fit(num_steps)`` is the whole API. ``fit`` is one loop
+over typed :class:`~ray_elastic.control.states.RunOutcome` s: a world runs until it is done,
+fails, hangs, or stops to grow; every other outcome is taken in (evidence, verdict,
+teardown) and handed to the one path to the next world, which may itself fail while
+forming: that is another turn of the loop, never a recursive call. Decisions are the
+pure functions of ``plan.py``; membership and forming live in ``generations.py``;
+every Ray effect goes through the backend (``ray_backend.py``); observers (progress,
+metrics, user callbacks) listen to the event log (``observers.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Callable, Optional
+
+from ray_elastic.config import ElasticConfig
+from ray_elastic.control.generations import Generations
+from ray_elastic.control.ray_backend import RayBackend
+from ray_elastic.control.states import ControllerState, OutcomeKind, RunOutcome, check_transition
+from ray_elastic.decide import (
+    Action,
+    RestoreSource,
+    classify_failure,
+    drop_repeat_offender,
+    failures_exceeded,
+    save_timeout,
+)
+from ray_elastic.errors import (
+    CapacityTimeoutError,
+    ElasticRuntimeError,
+    ProcessFailed,
+    RetriesExhaustedError,
+    StateLostError,
+    StorageFailingError,
+    TrainingCodeError,
+    failed_save,
+)
+from ray_elastic.observe import goodput, results
+from ray_elastic.observe.events import EventLog
+from ray_elastic.observe.observers import ProgressBar, RayMetricsObserver, StandbyReplenisher, UserCallbacks
+from ray_elastic.observe.results import FitResult, RecoveryRecord, ScaleUpRecord, WorldChange
+from ray_elastic.observe.tensorboard import TensorBoardWriter
+from ray_elastic.state import checkpoints
+from ray_elastic.task import TrainTask
+
+logger = logging.getLogger(__name__)
+
+S = ControllerState
+DRAIN_S = 0.3
+TEARDOWN_CONFIRM_S = 3.0
+
+__all__ = ["ElasticTrainer"]
+
+
+class ElasticTrainer:
+    """Train ``task`` on ``config.num_slices`` TPU slices of a Ray cluster, surviving lost slices.
+
+    A trainer can ``fit`` more than once; each call is a new run (fresh worlds, events
+    and records; with ``checkpoint_dir`` it resumes from the newest checkpoint).
+
+    Args:
+        task: model, optimizer, loss and data (runs inside the slice actors).
+        config: slices, batch and elastic settings; validated here, before Ray is touched.
+        address: Ray cluster to connect to when this process is not connected yet
+            (``None``: ``RAY_ADDRESS`` or the job's cluster, as ``ray.init`` decides).
+        progress: show a tqdm progress bar (terminal or notebook).
+        on_step: called with each finished step's metrics dict (``step``, ``loss``, ``step_time_s``).
+        retry_policy: ``(attempt, error) -> bool``, asked before every recovery (as in
+            ``pathwaysutils.elastic.Manager.elastic_retry``); ``None`` retries within
+            ``config.max_failures`` per ``config.failure_window_s``.
+        pre_callback: called before every world is formed, the first one included (as
+            pathwaysutils calls it before every attempt).
+        on_event: called with each elastic event (failure, recovered, resize, scale_up,
+            waiting_for_capacity, waiting: slices still being reserved) and each eval, as a dict.
+        run_dir: where ``events.jsonl`` is written (``None``: events kept in memory only);
+            ``ray-elastic report RUN_DIR`` draws it.
+        name: the run's name in Ray metrics (default: the run directory's name, else ``ray-elastic``).
+        tensorboard_dir: where TensorBoard scalars go (a local path or ``gs://``); default
+            ``RUN_DIR/tensorboard`` with a ``run_dir``, else none. ``False``: none.
+        on_chunk, on_elastic_event_callback: deprecated names of ``on_step`` (called with
+            ``[metrics]``) and ``on_event``.
+    """
+
+    backend_cls = RayBackend  # the seam tests replace (as Ray Train's ``worker_group_cls``)
+
+    def __init__(
+        self,
+        task: TrainTask,
+        config: ElasticConfig,
+        *,
+        address: Optional[str] = None,
+        progress: bool = True,
+        on_step: Optional[Callable[[dict], None]] = None,
+        retry_policy: Optional[Callable[[int, Exception], bool]] = None,
+        pre_callback: Optional[Callable[[], None]] = None,
+        on_event: Optional[Callable[[dict], None]] = None,
+        run_dir: Optional[str] = None,
+        name: Optional[str] = None,
+        tensorboard_dir=None,
+        on_chunk: Optional[Callable[[list[dict]], None]] = None,
+        on_elastic_event_callback: Optional[Callable[[dict], None]] = None,
+    ):
+        if not isinstance(task, TrainTask):
+            raise ValueError(f"task must be a ray_elastic.TrainTask, got {type(task).__name__}")
+        if not isinstance(config, ElasticConfig):
+            raise ValueError(f"config must be a ray_elastic.ElasticConfig, got {type(config).__name__}")
+        for arg, cb in (("retry_policy", retry_policy), ("pre_callback", pre_callback)):
+            if cb is not None and not callable(cb):
+                raise ValueError(f"{arg} must be callable, got {type(cb).__name__}")
+        self.callbacks = UserCallbacks(
+            on_step, on_event, on_chunk=on_chunk, on_elastic_event_callback=on_elastic_event_callback
+        )
+        self.task, self.config, self.address, self.progress = task, config, address, progress
+        self.retry_policy, self.pre_callback, self.run_dir = retry_policy, pre_callback, run_dir
+        self.name = name or (os.path.basename(os.path.normpath(run_dir)) if run_dir else "ray-elastic")
+        if tensorboard_dir is None and run_dir:
+            tensorboard_dir = os.path.join(run_dir, "tensorboard")
+        if (
+            tensorboard_dir is not False
+            and tensorboard_dir is not None
+            and (not isinstance(tensorboard_dir, str) or not tensorboard_dir.strip())
+        ):
+            raise ValueError(
+                f"tensorboard_dir must be a local path, gs://bucket/prefix or False, got {tensorboard_dir!r}"
+            )
+        self.tensorboard_dir = tensorboard_dir or None
+        self.state = S.INITIALIZING
+        self.gens: Optional[Generations] = None
+
+    @property
+    def world(self):
+        """The current generation's :class:`~ray_elastic.control.world.World` (None before the first)."""
+        return self.gens.world if self.gens else None
+
+    @property
+    def worlds(self) -> list[results.WorldRecord]:
+        return self.gens.worlds if self.gens else []
+
+    def _enter(self, new: ControllerState) -> None:
+        check_transition(self.state, new)
+        logger.info("controller: %s -> %s", self.state.value, new.value)
+        old, self.state = self.state, new
+        self.events.state(old, new)
+
+    def _waiting_for_slices(self, ready: int, asked: int) -> None:
+        waited = time.perf_counter() - self._scheduling_since
+        self._report_waiting(
+            f"reserving slices: {ready}/{asked} ready after {waited:.0f}s of slice_timeout_s="
+            f"{self.config.slice_timeout_s:.0f}",
+            ready=ready,
+            asked=asked,
+            waited_s=waited,
+        )
+
+    def _report_waiting(self, what: str, *, ready: int, asked: int, waited_s: float) -> None:
+        """Say what the run waits for and what is missing: a job waiting minutes for TPU capacity must
+        not look hung. A ``waiting`` event (the progress line shows it) and a log line."""
+        demand = self.backend.pending_demand()
+        self.events.emit(
+            "waiting", state=self.state.value, ready=ready, asked=asked, waited_s=round(waited_s, 1), demand=demand
+        )
+        logger.warning("%s; pending slice demand (what the autoscaler sees): %s", what, demand)
+
+    # --------------------------------------------------------------------- fit
+    def fit(self, num_steps: int, *, resume_from: Optional[str] = None) -> FitResult:
+        """Train steps ``0 .. num_steps-1``; returns per-step losses, recoveries and a summary.
+
+        With ``checkpoint_dir`` the run resumes from its newest committed checkpoint, if that was
+        written by the same task (another task's checkpoints are refused). ``resume_from``: start
+        from the newest committed checkpoint of this directory instead, whoever wrote it (another
+        run's, or ``checkpoint_dir`` itself to accept another task's); new checkpoints go to
+        ``checkpoint_dir``, which must then hold none yet (or be ``resume_from`` itself).
+        """
+        if not isinstance(num_steps, int) or num_steps < 1:
+            raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
+        t_start, cfg = time.perf_counter(), self.config
+        if isinstance(resume_from, str) and resume_from.strip():
+            resume_from = checkpoints.resolve(resume_from.strip())  # ~ and relative paths, as the workers read them
+        resume = self._resume_point(resume_from)
+        self.backend_cls.check_task(self.task, cfg, resume)  # before any cluster resource is taken
+        self._new_run(num_steps, resume, resume_from or cfg.checkpoint_dir)
+        if resume is not None and resume.step >= num_steps:
+            logger.warning(
+                "checkpoint %d in %s already covers num_steps=%d: nothing to train",
+                resume.step,
+                cfg.checkpoint_dir,
+                num_steps,
+            )
+            self.events.close()
+            return results.already_done(
+                checkpoint_step=resume.step,
+                num_steps=num_steps,
+                wall_s=time.perf_counter() - t_start,
+                events=self.events.events,
+            )
+        try:
+            self.backend.connect()
+            self._add_observers(num_steps)
+            self._enter(S.SCHEDULING)
+            self._scheduling_since = time.perf_counter()
+            first = self.gens.reserve(on_wait=self._waiting_for_slices)
+            change = WorldChange(OutcomeKind.DONE, first, "first world", time.time(), time.time())
+            outcome = self._next_world(change, resume) or self._run(num_steps)
+            startup_s = time.perf_counter() - t_start
+            while outcome.kind is not OutcomeKind.DONE:
+                change = self._intake(outcome, change)
+                outcome = self._next_world(change) or self._run(num_steps)
+            self._enter(S.FINISHED)
+            self.events.emit("run_finished", steps=len(self.ledger.metrics), wall_s=time.perf_counter() - t_start)
+        except BaseException as e:
+            failed_in = self.state.value
+            if not self.state.is_terminal:
+                self._enter(S.ERRORED)
+            self.events.emit("errored", state=failed_in, error=repr(e))
+            if isinstance(e, ElasticRuntimeError) or not isinstance(e, Exception):
+                raise  # ours, or KeyboardInterrupt/SystemExit: as they are
+            raise ElasticRuntimeError(f"training stopped in state {failed_in}: {e!r}") from e
+        finally:
+            self.gens.release()
+            self.events.close()
+        gp = goodput.account(self.events.events)
+        if self.progress:
+            print(gp.table())
+        return results.summarize(
+            ledger=self.ledger,
+            worlds=self.worlds,
+            recoveries=self.recoveries,
+            events=self.events.events,
+            num_steps=num_steps,
+            first_step=self._first_step,
+            startup_s=startup_s,
+            wall_s=time.perf_counter() - t_start,
+            hosts_per_slice=cfg.slice.num_hosts,
+            gp=gp,
+        )
+
+    def _resume_point(self, resume_from: Optional[str]) -> Optional[checkpoints.CheckpointInfo]:
+        """The checkpoint the run starts from, after checking the locations (a bad one fails now,
+        not at the first save) and that the run's own directory holds no other task's checkpoints."""
+        cfg, ours = self.config, self.task.name()
+        if resume_from is not None:
+            if not isinstance(resume_from, str) or not resume_from.strip():
+                raise ValueError(f"resume_from must be a local path or gs://bucket/prefix, got {resume_from!r}")
+            if checkpoints.is_gcs(resume_from):
+                checkpoints.check_location(resume_from, writable=False)  # read access is all a resume needs
+        own = None
+        if cfg.checkpoint_dir:
+            checkpoints.check_location(cfg.checkpoint_dir)
+            own = checkpoints.latest_checkpoint(cfg.checkpoint_dir)
+            theirs = checkpoints.foreign_task(own, ours)
+            if own is not None and resume_from not in (None, cfg.checkpoint_dir):
+                # Its saves would land among those checkpoints, and a recovery without a snapshot
+                # would restore the newest of them: possibly another run's later step.
+                raise ValueError(
+                    f"checkpoint_dir {cfg.checkpoint_dir!r} already holds checkpoints (newest: step {own.step}, "
+                    f"task {own.metadata.get('task')!r}), so a run resumed from {resume_from!r} would save among "
+                    "them and could restore one of theirs: give it an empty checkpoint_dir, or drop resume_from "
+                    "to train on from checkpoint_dir's own newest checkpoint"
+                )
+            if theirs and resume_from != cfg.checkpoint_dir:
+                raise ValueError(
+                    f"checkpoint_dir {cfg.checkpoint_dir!r} holds checkpoints of task {theirs!r} (newest: step "
+                    f"{own.step}), not of {ours!r}: use another checkpoint_dir, or fit(..., resume_from="
+                    f"{cfg.checkpoint_dir!r}) to train on from them anyway"
+                )
+        if resume_from is None:
+            return own
+        info = checkpoints.latest_checkpoint(resume_from)
+        if info is None:
+            raise ValueError(f"resume_from {resume_from!r} holds no committed checkpoint: check the path")
+        return info
+
+    def _new_run(self, num_steps: int, resume: Optional[checkpoints.CheckpointInfo], resume_dir: Optional[str]) -> None:
+        """Everything one run owns starts fresh, so a trainer can ``fit`` again."""
+        cfg = self.config
+        self.state = S.INITIALIZING
+        self.backend = self.backend_cls(self.task, cfg, self.address)
+        self.gens = Generations(cfg, self.backend)
+        self.gens.resume_dir = resume_dir
+        self.recoveries: list[RecoveryRecord] = []
+        self._failure_times: list[float] = []
+        self._failures_in_a_row, self._steps_at_failure, self._last_origin = 0, 0, None
+        self._save_failures, self._committed_at_save_failure = 0, -1  # checkpoint saves failed in a row
+        self._first_step = resume.step if resume else 0
+        self.events = EventLog(self.run_dir, [self.callbacks])
+        self.ledger = results.StepLedger(self.events, cfg.steps_per_chunk)
+        self.events.emit(
+            "run_started",
+            num_steps=num_steps,
+            num_slices=cfg.num_slices,
+            mode=cfg.mode,
+            checkpoint_dir=cfg.checkpoint_dir,
+            resume_from_checkpoint=resume.step if resume else None,
+        )
+        if resume is not None:
+            self.events.emit(
+                "resume",
+                checkpoint_step=resume.step,
+                directory=resume_dir,
+                task=resume.metadata.get("task"),
+                saved_world=resume.metadata.get("world"),
+            )
+            changed = results.resume_changes(resume.metadata, seed=cfg.seed, global_batch_size=cfg.global_batch_size)
+            if changed:
+                self.events.emit("resume_config_changed", changed=changed)
+
+    def _add_observers(self, num_steps: int) -> None:
+        listeners = self.events.listeners
+        listeners.append(StandbyReplenisher(self.gens.replenish))
+        metrics = self.backend.run_metrics(self.name)
+        if metrics is not None:
+            listeners.append(RayMetricsObserver(metrics, self.events.events))
+        if self.progress:
+            listeners.append(
+                ProgressBar(num_steps, self._first_step, self.config.num_slices, self.config.progress_metrics)
+            )
+        if self.tensorboard_dir:
+            listeners.append(TensorBoardWriter(self.tensorboard_dir, self.events.events))
+
+    # ----------------------------------------------------------------- running
+    def _run(self, num_steps: int) -> RunOutcome:
+        self._enter(S.RUNNING)
+        world, start = self.world, self.worlds[-1].start_step
+        streams = self.backend.drive(
+            world,
+            self.gens.store,
+            self.ledger.add,
+            self.ledger.step_times,
+            self._snapshot_interval,
+            self.ledger.saves_committed,
+            self.ledger.add_eval,
+            self.ledger.save_seconds,
+        )
+        self.ledger.start_world(world.plan.generation, streams.take_snapshot_steps)
+        t0 = time.perf_counter()
+        outcome = streams.run(start, num_steps, self.gens.capacity_returned)
+        if outcome.kind in (OutcomeKind.FAILURE, OutcomeKind.HANG):  # what survivors streamed, and their keepers hold
+            t_drain = time.perf_counter()
+            streams.drain(DRAIN_S, outcome.errors)
+            outcome = dataclasses.replace(outcome, drain_s=time.perf_counter() - t_drain)
+        if streams.not_kept:  # a holder's snapshots are not there: a later recovery may rewind (say why now)
+            self.events.emit(
+                "snapshot_not_kept",
+                generation=world.plan.generation,
+                count=streams.not_kept_count,
+                first=streams.not_kept,
+            )
+        self.ledger.flush()
+        self.events.emit(
+            "chunk_run",
+            generation=world.plan.generation,
+            first_step=start,
+            last_step=self.ledger.last_step,
+            seconds=time.perf_counter() - t0,
+            outcome=outcome.kind,
+        )
+        if outcome.kind is OutcomeKind.DONE:  # the last checkpoint commits before the run is finished
+            outcome = self._final_checkpoint(num_steps)
+        return outcome
+
+    def _snapshot_interval(self, step: int, every: int) -> None:
+        """The snapshot interval from ``step`` on (``snapshot_every="auto"`` picks it as the run goes)."""
+        self.events.emit("snapshot_interval", step=step, every=every, max_rewind_steps=max(0, every - 1))
+
+    # ------------------------------------------------------------- the loop's two halves
+    def _intake(self, outcome: RunOutcome, previous: WorldChange) -> WorldChange:
+        """A world ended early: gather the evidence, decide what is lost, tear down, keep the survivors."""
+        now = time.time()
+        if outcome.kind is OutcomeKind.GROW:
+            self._enter(S.RESIZING)
+            t0 = time.perf_counter()
+            try:
+                self._finish_checkpoints()  # a planned stop: let the in-flight save commit first
+            except ProcessFailed as e:  # a process died while its save committed: a failure, not a grow
+                outcome = RunOutcome(OutcomeKind.FAILURE, {e.process: e.cause}, outcome.last_progress_at)
+            else:
+                self.world.teardown()
+                return WorldChange(
+                    OutcomeKind.GROW,
+                    list(self.gens.members),
+                    "capacity returned",
+                    now,
+                    outcome.last_progress_at or now,
+                    teardown_s=time.perf_counter() - t0,
+                )
+        self._enter(S.RECOVERING)
+        chained = outcome.kind is OutcomeKind.FORMING_FAILED and previous.cause is not OutcomeKind.DONE
+        detected_at = previous.detected_at if chained else now
+        last_progress_at = previous.last_progress_at if chained else outcome.last_progress_at
+        ev = self.gens.evidence(outcome, now)
+        first = next(iter(outcome.errors.values()), None) or RuntimeError(outcome.kind.value)
+        dead = self.backend.dead_slices(ev.slice_nodes, ev.suspects)  # node health first: then blame code
+        verdict = classify_failure(
+            errors=ev.kinds, dead_slices=dead, world_slices=ev.slices, error_text=self.backend.error_text(first)
+        )
+        if outcome.kind is OutcomeKind.FORMING_FAILED and verdict.training_code:
+            raise TrainingCodeError(f"forming a world failed in training code: {first}") from first
+        steps_run = len(self.ledger.step_times)  # every step run, rewound ones too: progress of any kind
+        progressed, self._steps_at_failure = steps_run > self._steps_at_failure, steps_run
+        self._failures_in_a_row = 1 if progressed else self._failures_in_a_row + 1
+        verdict = drop_repeat_offender(
+            verdict,
+            origin=ev.origin,
+            previous_origin=self._last_origin,
+            progressed=progressed,
+            origin_kind=ev.kinds.get(ev.origin),
+        )
+        self._last_origin = ev.origin
+        classified_at = time.time()
+        self.events.emit(
+            "failure",
+            generation=ev.generation,
+            cause=outcome.kind,
+            kinds=ev.kinds,
+            world_slices=len(ev.slices),
+            vouched_slices=sorted(ev.vouched),
+            lost_slices=list(verdict.lost_slices),
+            crashed_slices=list(verdict.crashed_slices),
+            quarantined_slices=list(verdict.quarantined),
+            error=str(first)[:2000],
+            last_step=self.ledger.last_step,
+            origin=ev.origin,
+            failures_in_a_row=self._failures_in_a_row,
+            since_last_progress_s=now - last_progress_at,
+            drain_s=outcome.drain_s,
+            classify_s=classified_at - now,
+            detection_latency_s=classified_at - last_progress_at,
+        )
+        self._count_save_failures(outcome)
+        self._may_retry(verdict, first)
+        t0 = time.perf_counter()
+        if self.world is not None:
+            # With checkpoints, wait until the old processes are really gone: nothing of theirs may
+            # land in the checkpoint directory once the next world reads and cleans it.
+            self.world.teardown(confirm_s=TEARDOWN_CONFIRM_S if self.config.checkpoint_dir else 0.0)
+        for step in sorted(ev.unreadable_checkpoints - self.gens.unreadable_checkpoints):  # its readers are gone
+            self.events.emit(
+                "checkpoint_unreadable",
+                step=step,
+                error=str(first)[:2000],
+                set_aside_to=self.gens.checkpoint_unreadable(step),
+            )
+        survivors = self.gens.split(set(verdict.lost_slices), set(verdict.quarantined))
+        reason = verdict.reason if not chained else f"failure while forming a world: {first!r}"[:300]
+        return WorldChange(
+            outcome.kind,
+            survivors,
+            reason,
+            detected_at,
+            last_progress_at,
+            classify_s=classified_at - now,
+            teardown_s=time.perf_counter() - t0,
+        )
+
+    def _may_retry(self, verdict, error: BaseException) -> None:
+        """Raise the error that ends the run when this failure must not be recovered from."""
+        if not verdict.recoverable:
+            error_cls = TrainingCodeError if verdict.training_code else ElasticRuntimeError
+            raise error_cls(f"not recoverable: {verdict.reason}") from error
+        now, cfg = time.monotonic(), self.config
+        self._failure_times.append(now)
+        if failures_exceeded(self._failure_times, now, cfg.max_failures, cfg.failure_window_s):
+            raise RetriesExhaustedError(
+                f"gave up after {len(self._failure_times)} failures within {cfg.failure_window_s:.0f}s "
+                f"(max_failures={cfg.max_failures}); last: {verdict.reason}"
+            ) from error
+        if self._failures_in_a_row > cfg.max_failures_in_a_row:
+            raise RetriesExhaustedError(
+                f"gave up after {self._failures_in_a_row} failures in a row without a step finished "
+                f"(max_failures_in_a_row={cfg.max_failures_in_a_row}); last: {verdict.reason}"
+            ) from error
+        attempt = len(self._failure_times)
+        if self.retry_policy is not None and not self.retry_policy(attempt, error):
+            raise RetriesExhaustedError(f"retry_policy declined attempt {attempt} after {verdict.reason}") from error
+
+    def _count_save_failures(self, outcome: RunOutcome) -> None:
+        """Stop once checkpoint saves failed ``max_save_failures_in_a_row`` times in a row with none
+        committed in between: each retry replays a few steps (progress for the other limits) and
+        fails the same save again."""
+        saves = [e for e in outcome.errors.values() if failed_save(e)]
+        committed = self.ledger.committed_step
+        if not saves:
+            self._save_failures = 0
+            return
+        self._save_failures = 1 if committed > self._committed_at_save_failure else self._save_failures + 1
+        self._committed_at_save_failure = committed
+        limit = self.config.max_save_failures_in_a_row
+        if self._save_failures >= limit:
+            raise StorageFailingError(
+                f"checkpoint saves to {self.config.checkpoint_dir} failed {self._save_failures} times in a row "
+                f"with none committed in between (max_save_failures_in_a_row={limit}); last: "
+                f"{self.backend.error_text(saves[0])}. Check that the location is writable (permissions, quota, "
+                "free space) and reachable, or raise save_timeout_s if saves are only slow"
+            ) from saves[0]
+
+    def _next_world(
+        self, change: WorldChange, resume: Optional[checkpoints.CheckpointInfo] = None
+    ) -> Optional[RunOutcome]:
+        """The one path to the next world: wait for the capacity the mode needs, take the survivors and
+        ready replacements, form. Returns None when formed, else the forming failure as an outcome."""
+        cfg = self.config
+
+        def on_wait(reason: str, waited_s: float) -> None:
+            if not waited_s:
+                self._enter(S.WAITING_FOR_CAPACITY)
+                self.events.emit("waiting_for_capacity", reason=reason)
+                return
+            self._report_waiting(
+                f"{reason}; waited {waited_s:.0f}s of replacement_timeout_s={cfg.replacement_timeout_s:.0f}",
+                ready=len(change.survivors),
+                asked=cfg.num_slices,
+                waited_s=waited_s,
+            )
+
+        def on_lost(names: list[str]) -> None:  # a survivor's host died while replacements were awaited
+            self.events.emit(
+                "failure",
+                generation=len(self.worlds),
+                cause="lost_while_waiting",
+                lost_slices=names,
+                kinds={n: "node_died" for n in names},
+                last_step=self.ledger.last_step,
+                classify_s=0.0,
+                since_last_progress_s=0.0,
+            )
+
+        decision, wait_s, survivors = self.gens.await_capacity(
+            change.survivors, grow=change.cause is OutcomeKind.GROW, on_wait=on_wait, on_lost=on_lost
+        )
+        change = dataclasses.replace(change, survivors=survivors)
+        if decision.action is Action.FAIL:
+            raise CapacityTimeoutError(
+                f"{change.reason}; {decision.reason} (replacement_timeout_s={cfg.replacement_timeout_s:.0f}, "
+                f"mode={cfg.mode}, min_slices={cfg.min_slices}). Add capacity, raise replacement_timeout_s, "
+                + ("or set fallback_to_resize=True" if cfg.mode == "pause-and-resume" else "or lower min_slices")
+            )
+        capacity_ready_at = time.time()
+        members, added = self.gens.take(change.survivors, decision)
+        if self.pre_callback is not None:
+            self.pre_callback()
+        restore = self.gens.restore_plan(change.survivors, resume, last_step=self.ledger.last_step)
+        done = max(self.ledger.last_step + 1, self._first_step)  # steps trained here, or resumed from
+        if restore.source is RestoreSource.FRESH and done > 0 and not cfg.allow_restart_from_scratch:
+            raise StateLostError(
+                f"{change.reason}: every slice holding a snapshot is gone and no checkpoint could be loaded, so "
+                f"going on would restart training from step 0 ({done} steps done or resumed from). "
+                "Set checkpoint_dir, raise snapshot_replicas, or allow_restart_from_scratch=True"
+            )
+        before = self.worlds[-1] if self.worlds else None
+        self._enter(S.FORMING_WORLD)
+        try:
+            record = self.gens.form(members, restore)
+        except Exception as e:  # noqa: BLE001 - a failure while forming is another failure
+            return RunOutcome(OutcomeKind.FORMING_FAILED, {0: e}, change.last_progress_at)
+        self.events.emit("world_formed", **record.event_fields())
+        if restore.source is RestoreSource.CHECKPOINT:
+            self.events.emit(
+                "checkpoint_restore",
+                step=record.start_step,
+                generation=record.generation,
+                seconds=record.times["state_load_s"],
+                saved_by=self.world.join_infos[0].get("checkpoint_metadata"),
+            )
+        rewound = self.ledger.rewind_to(restore.step)
+        if change.cause is OutcomeKind.DONE:  # the first world
+            return None
+        if change.cause is OutcomeKind.GROW:
+            ready_at = time.time()
+            self.events.emit(
+                "scale_up",
+                **dataclasses.asdict(
+                    ScaleUpRecord(
+                        record.generation,
+                        len(change.survivors),
+                        len(members),
+                        restore.step,
+                        rewound,
+                        resize_s=ready_at - change.detected_at,
+                        pause_s=ready_at - change.last_progress_at,
+                        ready_at=ready_at,
+                    )
+                ),
+            )
+            return None
+        rec = RecoveryRecord.of(
+            change,
+            record,
+            mode=cfg.mode,
+            added=len(added),
+            rewound=rewound,
+            wait_s=wait_s,
+            capacity_ready_at=capacity_ready_at,
+        )
+        self.recoveries.append(rec)
+        self.events.emit("recovered", **dataclasses.asdict(rec))
+        if before is not None and len(before.slices) != len(members):
+            self.events.emit(
+                "resize", generation=rec.generation, from_slices=len(before.slices), to_slices=len(members)
+            )
+        return None
+
+    def _finish_checkpoints(self, save_step: Optional[int] = None) -> None:
+        """Wait for the in-flight save of the current world to commit (first saving ``save_step``)."""
+        if self.config.checkpoint_dir and self.world is not None:
+            limit = save_timeout(self.config.save_timeout_s, self.ledger.save_seconds)
+            self.ledger.saves_committed(self.world.finish_checkpoints(limit, save_step))
+
+    def _final_checkpoint(self, num_steps: int) -> RunOutcome:
+        """The run's last checkpoint is committed before ``fit`` returns: its in-flight save finishes,
+        or, when the world that was writing it failed (the state came back from a snapshot), this
+        world saves it again. A process dying meanwhile is one more failure (FAILURE), not the end."""
+        if not self.config.checkpoint_dir or self.world is None:
+            return RunOutcome(OutcomeKind.DONE)
+        try:
+            self._finish_checkpoints()
+            if self.ledger.committed_step < num_steps:
+                info = checkpoints.latest_checkpoint(self.config.checkpoint_dir)  # reported or not, what is there
+                if info is None or info.step < num_steps:
+                    self._finish_checkpoints(save_step=num_steps)
+                else:  # the failed world's save committed before its process died: it is the run's last
+                    self.ledger.saves_committed([(info.step, None)])
+        except ProcessFailed as e:
+            return RunOutcome(OutcomeKind.FAILURE, {e.process: e.cause}, time.time())
+        return RunOutcome(OutcomeKind.DONE)

@@ -1,0 +1,398 @@
+"""The bookkeeping of generations: which slices are members, which are asked for, which
+snapshots exist, and the one path from survivors + replacements to the next world.
+
+The controller decides *when* (states, failures, capacity); this module knows *what*
+the next world is made of and forms it through the backend, returning typed records
+instead of emitting events. Forming the first world, re-forming after a failure and
+growing back at a step boundary are all :meth:`Generations.form`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable, Optional
+
+from ray_elastic.config import ElasticConfig
+from ray_elastic.control.placement import REPORT_EVERY_S
+from ray_elastic.control.states import OutcomeKind, RunOutcome
+from ray_elastic.decide import (
+    Action,
+    ErrorKind,
+    NextWorld,
+    RestorePlan,
+    RestoreSource,
+    choose_restore,
+    decide_next_world,
+    should_grow,
+)
+from ray_elastic.errors import unreadable_checkpoint
+from ray_elastic.observe.results import WorldRecord
+from ray_elastic.state import checkpoints
+from ray_elastic.state.snapshots import SnapshotStore
+
+logger = logging.getLogger(__name__)
+WAIT_POLL_S = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class Evidence:
+    """What a failed world says: per slice the kind of its worst error, its hosts' nodes."""
+
+    kinds: dict[str, ErrorKind]
+    slice_nodes: dict[str, list[str]]
+    slices: list[str]  # the world's slices, replica order
+    generation: int
+    vouched: set[str]  # slices whose hosts answered after their process died
+    origin: Optional[str] = None  # the slice whose error came first (None: unknown, or the whole world)
+    unreadable_checkpoints: frozenset = frozenset()  # checkpoint steps a process failed to restore
+
+    @property
+    def suspects(self) -> set[str]:
+        """Slices that may have lost a host: worth waiting a grace period for Ray to say so."""
+        return set(self.kinds) - self.vouched
+
+
+class Generations:
+    """Members of the current (or next) world, pending replacements, snapshots and worlds so far."""
+
+    def __init__(self, config: ElasticConfig, backend):
+        self.config = config
+        self.backend = backend
+        self.members: list = []  # slice reservations of the current/next world, replica order
+        self.replacements: list = []  # pending replacement requests (the autoscaler's demand)
+        self.quarantined: list = []  # reservations of slices that kept failing: held until the run ends
+        self.unreadable_checkpoints: set[int] = set()  # steps a world failed to restore: never tried again
+        self.resume_dir: Optional[str] = config.checkpoint_dir  # where the run's first checkpoint comes from
+        self.last_restore: Optional[RestorePlan] = None  # what the newest world loaded (or tried to)
+        self.store = SnapshotStore(config.slice.num_hosts)
+        self.worlds: list[WorldRecord] = []
+        self.world = None  # the current World
+
+    # ------------------------------------------------------------ capacity
+    def reserve(self, on_wait: Optional[Callable[[int, int], None]] = None) -> list:
+        """The first world's slices, with a process started on each host while the world is
+        asked for (the pool starts one per host at a time: the one the world takes, which prepares
+        for that world only; the others after its first step). ``on_wait(ready, asked)`` every few
+        seconds while slices are missing."""
+        self.members = self.backend.reserve(self.config.num_slices, on_wait=on_wait)
+        self.backend.replenish(self.members, for_world=len(self.members))
+        return list(self.members)
+
+    def ready_replacements(self) -> list:
+        return [r for r in self.replacements if r.poll() is not None]
+
+    def capacity_returned(self) -> bool:
+        """A replacement is ready and the world is smaller than asked: grow at the next step boundary,
+        once the bigger world's processes have started.
+
+        The newcomers' processes start here, while the smaller world keeps training, and the
+        world stops only when every host of the bigger world has a warm standby: the training
+        pause of a grow-back is then teardown, joining and loading, not Python and JAX starting.
+        """
+        ready = self.ready_replacements()
+        if not should_grow(self.config.mode, len(self.members), len(ready), self.config.num_slices):
+            return False
+        newcomers = [req.poll() for req in ready[: self.config.num_slices - len(self.members)]]
+        self.backend.replenish(newcomers, at_once=True)  # together: none is still starting beside the grow
+        return self.backend.warm(self.members + newcomers)
+
+    def decide(self, survivors: list, *, timed_out: bool) -> NextWorld:
+        cfg = self.config
+        return decide_next_world(
+            mode=cfg.mode,
+            survivors=[_name(r, i) for i, r in enumerate(survivors)],
+            ready_replacements=len(self.ready_replacements()),
+            num_slices=cfg.num_slices,
+            min_slices=cfg.min_slices,
+            timed_out=timed_out,
+            fallback_to_resize=cfg.fallback_to_resize,
+        )
+
+    def await_capacity(
+        self,
+        survivors: list,
+        *,
+        grow: bool,
+        on_wait: Callable[[str, float], None],
+        on_lost: Optional[Callable[[list[str]], None]] = None,
+    ) -> tuple[NextWorld, float, list]:
+        """Poll until the next world may form or the mode gives up; returns the decision, seconds
+        waited and the survivors still alive.
+
+        While it waits, a survivor whose host dies is dropped (its replacement asked for) at once
+        rather than found by the next world failing to form, and a replacement that arrives starts
+        its process while the others are awaited (``on_lost(names)`` reports the dropped slices).
+        ``on_wait(reason, waited_s)`` is called when waiting starts (``waited_s`` 0) and every
+        ``REPORT_EVERY_S`` after. Growing never waits: the running world's size was already allowed.
+        """
+        t0, reported, survivors = time.perf_counter(), None, list(survivors)
+        while True:
+            waited = time.perf_counter() - t0
+            timed_out = grow or waited > self.config.replacement_timeout_s
+            decision = self.decide(survivors, timed_out=timed_out)
+            if decision.action is not Action.WAIT:
+                return decision, (waited if reported is not None else 0.0), survivors
+            if reported is None or waited - reported >= REPORT_EVERY_S:
+                on_wait(decision.reason, 0.0 if reported is None else waited)
+                reported = waited
+            time.sleep(WAIT_POLL_S)
+            lost = self.backend.lost_hosts(survivors)
+            if lost:
+                names = [_name(r, survivors.index(r)) for r in lost]
+                for res in lost:
+                    survivors.remove(res)
+                    self.drop(res)
+                if on_lost is not None:
+                    on_lost(names)
+            self.backend.replenish([req.poll() for req in self.ready_replacements()], per_host=1)
+
+    def take(self, survivors: list, decision: NextWorld) -> tuple[list, list]:
+        """The members ``decision`` names: its survivors (in order) and up to ``decision.replacements``
+        ready replacement slices, which stop being pending and become members at once (whatever
+        fails before the world forms, :meth:`release` still gives them back). Returns (members, added)."""
+        kept = survivors[: len(decision.survivors)]  # decisions keep a prefix: replica order is stable
+        for res in survivors[len(kept) :]:  # trimmed: the world is full size without it
+            self.drop(res, replace=False)
+        taken = self.ready_replacements()[: decision.replacements]
+        added = [req.poll() for req in taken]
+        self.members = kept + added
+        for req in taken:
+            self.replacements.remove(req)
+        return list(self.members), added
+
+    def drop(self, res, *, replace: bool = True, quarantine: bool = False) -> None:
+        """A slice left for good: free it (or, ``quarantine``, keep holding it until the run ends, so
+        nothing of this run is placed there again), forget its snapshots, and (by default) ask for a
+        replacement."""
+        if res.slice_name:
+            self.store.forget(res.slice_name)
+        if quarantine:
+            self.quarantined.append(res)
+        else:
+            res.release()
+        self.backend.discard(res)
+        if replace:
+            # A pending slice placement group is what makes the autoscaler provision a new slice.
+            self.replacements.append(self.backend.request_replacement())
+
+    def split(self, lost: set[str], quarantined: set[str] = frozenset()) -> list:
+        """After a failure of the current world: drop the ``lost`` slices (holding the ``quarantined``
+        ones), return the others (replica order)."""
+        survivors = []
+        for i, res in enumerate(self.members):
+            if _name(res, i) in lost:
+                self.drop(res, quarantine=_name(res, i) in quarantined)
+            else:
+                survivors.append(res)
+        return survivors
+
+    def member_nodes(self) -> dict[str, list[str]]:
+        """Per member slice, the nodes of its hosts (an unplaced bundle counts as a dead host)."""
+        return {_name(res, i): res.node_ids() for i, res in enumerate(self.members)}
+
+    def evidence(self, outcome: RunOutcome, now: float) -> Evidence:
+        """What the failed world (or the one that failed to form) says about each of its slices."""
+        world = self.world
+        if world is None:  # forming failed: the slices it names, else any member may be the cause
+            nodes = self.member_nodes()
+            error = outcome.errors[0]
+            kind = self.backend.error_kind(error)
+            named = [n for n in getattr(error, "slices", ()) if n in nodes]
+            if not named and kind in (ErrorKind.NODE_DIED, ErrorKind.PROCESS_DIED):
+                kind = ErrorKind.ACTOR_DIED  # whose process it was is unknown: the node table decides
+            kinds = {name: kind for name in named or nodes}
+            return Evidence(
+                kinds,
+                nodes,
+                list(nodes),
+                len(self.worlds),
+                self._vouched(kinds, self.members),
+                origin=named[0] if named else None,
+                unreadable_checkpoints=self._unreadable(outcome),
+            )
+        first = next(iter(outcome.errors), None)
+        origin = world.slice_of(first) if first is not None else None
+        if outcome.kind is OutcomeKind.HANG:
+            hung = set(outcome.errors) or self.backend.unresponsive(world)  # the watchdog's probe, if it named any
+            origin = world.slice_of(min(hung)) if hung else None
+            # Nobody silent: the whole world is stuck (for example a collective that never completes).
+            for p in hung or range(len(world.workers)):
+                outcome.errors[p] = TimeoutError(f"no step finished for {now - outcome.last_progress_at:.1f}s")
+        kinds: dict[str, ErrorKind] = {}
+        for p, e in outcome.errors.items():
+            kinds.setdefault(world.slice_of(p), self.backend.error_kind(e))  # a TimeoutError is a hang
+        names = list(world.plan.slice_names)
+        # One host's death kills processes elsewhere (the JAX coordinator's host died: every process
+        # aborts), and a survivor's death can reach us first. Every host of the world is looked at,
+        # not only those that reported: one that stops answering is a suspect too.
+        for name, res in zip(names, world.reservations):
+            if name not in kinds and not self.backend.hosts_answer(res):
+                kinds[name] = ErrorKind.ACTOR_DIED
+        return Evidence(
+            kinds,
+            world.slice_node_ids(),
+            names,
+            world.plan.generation,
+            self._vouched(kinds, world.reservations),
+            origin=origin,
+            unreadable_checkpoints=self._unreadable(outcome),
+        )
+
+    def _unreadable(self, outcome: RunOutcome) -> frozenset:
+        steps = {unreadable_checkpoint(e) for e in outcome.errors.values()}
+        return frozenset(s for s in steps if s is not None)
+
+    def _vouched(self, kinds: dict, reservations: list) -> set[str]:
+        """Slices whose process died while each of its hosts still answers: the hosts live, so the
+        slice only crashed and no grace period for a node death needs to be spent."""
+        crashed = [(i, r) for i, r in enumerate(reservations) if kinds.get(_name(r, i)) is ErrorKind.PROCESS_DIED]
+        return {_name(r, i) for i, r in crashed if self.backend.hosts_answer(r)}
+
+    # --------------------------------------------------------------- state
+    def restore_plan(
+        self, members: list, resume: Optional[checkpoints.CheckpointInfo] = None, last_step: Optional[int] = None
+    ) -> RestorePlan:
+        """The newest state among ``members``' snapshots and the committed checkpoints (``resume``: the
+        checkpoint the run starts from, the first world only; ``last_step``: the newest step the run
+        has the metrics of, see :func:`~ray_elastic.decide.choose_restore`)."""
+        names = [r.slice_name for r in members if r.slice_name]
+        entries = self.store.entries(names)
+        reported = self.store.latest_complete(names)
+        let_go: dict[str, list[int]] = {}
+        for i in self.backend.missing_snapshots([ref for *_, ref in entries], members):  # a keeper let go of it
+            self.store.drop(*entries[i][:3])
+            let_go.setdefault(entries[i][0], []).append(entries[i][2])
+        directory, step = (self.resume_dir, resume.restore_step) if resume is not None else self._checkpoint()
+        held = self.store.latest_complete(names)
+        plan = choose_restore(held, step, last_step)
+        superseded = []
+        if plan.source is RestoreSource.SNAPSHOT and step is not None and step > plan.step:
+            superseded = self._set_aside_newer(directory, step, plan.step)
+        # Why this source: the world_formed event carries it (a rewind must be explainable from the log).
+        plan = dataclasses.replace(
+            plan,
+            evidence={
+                "snapshot_steps": held,
+                "reported_snapshot_steps": reported,
+                "let_go": {k: sorted(v) for k, v in let_go.items()},
+                "checkpoint_step": step,
+                "superseded_checkpoints": superseded,
+            },
+        )
+        if plan.source is RestoreSource.CHECKPOINT and directory != self.config.checkpoint_dir:
+            plan = dataclasses.replace(plan, directory=directory)
+        return plan
+
+    def _set_aside_newer(self, directory: Optional[str], step: int, restore_step: int) -> list[str]:
+        """The run goes on from a snapshot of ``restore_step`` though a newer checkpoint committed (see
+        :func:`~ray_elastic.decide.choose_restore`): the steps after it run again and save that
+        checkpoint again, which orbax refuses while it exists (``StepAlreadyExistsError``, seen in
+        ``bench/chaos.py``: one more failure, and the next world took the checkpoint after all).
+        ``step`` in ``directory``: the newest committed one, already read by the caller. Every
+        committed step of the run's own directory newer than ``restore_step`` is set aside (kept),
+        newest first. Returns where they went."""
+        moved: list[str] = []
+        tried: set[int] = set()
+        while (
+            step is not None and step > restore_step and directory == self.config.checkpoint_dir and step not in tried
+        ):
+            tried.add(step)
+            try:
+                moved.append(checkpoints.set_aside(directory, step + 1, why="superseded"))
+            except OSError as e:  # the storage failing: the save of that step fails and is recovered
+                logger.warning("could not set aside checkpoint %d: %r", step + 1, e)
+                break
+            directory, step = self._checkpoint()
+        return moved
+
+    def checkpoint_unreadable(self, step: int) -> Optional[str]:
+        """A world failed to restore checkpoint ``step``: the next one restores the previous committed
+        step. In the run's own directory the step is set aside (kept), so it can be saved again;
+        elsewhere (``resume_from``) it is only skipped. Returns where it was set aside, if it was."""
+        directory = self.last_restore.directory if self.last_restore else None
+        if directory is None and self.config.checkpoint_dir:
+            try:
+                return checkpoints.set_aside(self.config.checkpoint_dir, step)
+            except OSError as e:  # gone already, or the storage still failing: skip it instead
+                logger.warning("could not set aside checkpoint %d: %r", step, e)
+        self.unreadable_checkpoints.add(step)
+        return None
+
+    def _checkpoint(self) -> tuple[Optional[str], Optional[int]]:
+        """(directory, restore step) of the newest readable committed checkpoint: the run's own, else
+        the one it was started from (``fit(resume_from=...)``) until it has saved one."""
+        for directory in (self.config.checkpoint_dir, self.resume_dir):
+            if directory:
+                info = checkpoints.latest_checkpoint(directory, frozenset(self.unreadable_checkpoints))
+                if info is not None:
+                    return directory, info.restore_step
+        return None, None
+
+    # -------------------------------------------------------------- worlds
+    def form(self, members: list, restore: RestorePlan) -> WorldRecord:
+        """Form the next generation on ``members``, loading the state ``restore`` names.
+
+        Raises whatever forming raised; ``members`` are the members either way, so the
+        controller can look at their hosts.
+        """
+        self.members = list(members)
+        self.world = None
+        self.store.drop_after(restore.step)  # steps after it are run again by this world
+        self.last_restore = restore
+        generation = len(self.worlds)
+        donors: dict[str, str] = {}
+
+        def from_snapshot(name: str) -> Optional[list]:
+            donor = restore.donor(name)
+            if donor is None:
+                return None
+            donors[name] = donor
+            return self.store.refs(donor, restore.step)
+
+        world = self.backend.form(
+            generation=generation,
+            reservations=self.members,
+            start_step=restore.step + 1,
+            restore=from_snapshot,
+            checkpoint_step=restore.step + 1 if restore.source is RestoreSource.CHECKPOINT else None,
+            checkpoint_dir=restore.directory,
+        )
+        self.world = world
+        record = WorldRecord(
+            generation=generation,
+            slices=list(world.plan.slice_names),
+            mesh=world.plan.mesh_shape,
+            global_batch_size=world.plan.global_batch_size,
+            start_step=restore.step + 1,
+            restore_source=restore.source,
+            snapshot_donors=donors,
+            times=dataclasses.asdict(world.times),
+            restore_evidence=dict(restore.evidence),
+        )
+        self.worlds.append(record)
+        return record
+
+    def replenish(self) -> bool:
+        """Start warm standby processes on member hosts that lack some; True once none lacks any."""
+        return self.backend.replenish(self.members)
+
+    def release(self) -> None:
+        """The run is over: stop every process, cancel pending requests, give every slice back."""
+        if self.world is not None:
+            self.world.teardown()
+        self.backend.shutdown()
+        for req in self.replacements:
+            req.cancel()
+        self.replacements = []
+        for r in self.members + self.quarantined:
+            try:
+                r.release()
+            except Exception as e:  # noqa: BLE001
+                logger.debug("release reservation: %s", e)
+
+
+def _name(res, index: int) -> str:
+    """A slice's name (one that never joined a world has none yet: named by its position)."""
+    return res.slice_name or f"new-slice-{index}"

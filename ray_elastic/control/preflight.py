@@ -1,0 +1,118 @@
+"""Checks of the task against the config on the driver, before any slice is reserved.
+
+The model is built abstractly (``nnx.eval_shape``: shapes, dtypes and annotations, no arrays)
+and its layout resolved for the run's slice mesh and rules; the train step is traced on an
+abstract mesh of the full-size world, so a loss of the wrong shape is reported now, not after
+minutes of waiting for TPU slices. The eval dataset must hold the eval batches asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ray_elastic.config import ElasticConfig
+from ray_elastic.errors import TrainingCodeError
+from ray_elastic.task import TrainTask
+
+logger = logging.getLogger(__name__)
+
+
+def check_task(task: TrainTask, config: ElasticConfig, resume=None) -> None:
+    """Raise ``ValueError`` (layout, data, a checkpoint of another model) or :class:`TrainingCodeError`
+    (the step) with what to change. ``resume``: the checkpoint the run starts from
+    (:class:`~ray_elastic.state.checkpoints.CheckpointInfo`), compared array by array with the model."""
+    from jax.sharding import AbstractMesh
+
+    from ray_elastic.slice import jax_world
+    from ray_elastic.slice import step_program as sp
+    from ray_elastic.slice.data import StepBatches
+
+    plan = config.world_plan(0, [f"s{i}" for i in range(config.num_slices)])
+    mesh = AbstractMesh(tuple(plan.mesh_shape.values()), tuple(plan.mesh_shape))
+    try:
+        spec = sp.state_spec(task, config.seed, None)
+    except Exception as e:  # noqa: BLE001 - the user's model code
+        raise TrainingCodeError(
+            f"building the model abstractly (nnx.eval_shape of create_model and create_optimizer) failed: {e!r}"
+        ) from e
+    sp.state_shardings(spec, mesh, config.logical_axis_rules, config.fsdp_min_size)  # ValueError names the parameter
+    if resume is not None and resume.directory:
+        _check_checkpoint_matches(spec, resume)
+    _check_eval_data(task, config)
+    try:
+        batches = StepBatches(task.dataset(), config.global_batch_size, config.seed, shuffle=False)
+    except Exception as e:  # noqa: BLE001 - data that only the slice hosts can read
+        logger.warning(
+            "could not read the task's dataset on the driver (%r): the train step is checked on the slices instead", e
+        )
+        return
+    try:
+        jax_world.trace_ahead(
+            task,
+            plan,
+            config.seed,
+            config.fsdp_min_size,
+            batches,
+            scale_updates=config.lr_rule is not None,
+            rules=config.logical_axis_rules,
+        )
+    except TrainingCodeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's loss or step
+        raise TrainingCodeError(f"tracing the train step on the driver failed in the task's code: {e!r}") from e
+
+
+def _check_checkpoint_matches(spec, resume) -> None:
+    """The checkpoint holds arrays of this model's shapes: a rerun with a changed model must not
+    train from step 0 while it says it resumed (nor call a loading error a storage fault)."""
+    import collections
+
+    import jax
+
+    from ray_elastic.state.checkpoints import state_shapes
+
+    ours = collections.Counter((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(spec.abstract))
+    try:
+        theirs = collections.Counter(state_shapes(resume.directory, resume.step))
+    except Exception as e:  # noqa: BLE001 - a damaged checkpoint: the worlds find it unreadable and fall back
+        logger.warning(
+            "the arrays of checkpoint %d in %s cannot be listed (%r): not compared with the model",
+            resume.step,
+            resume.directory,
+            e,
+        )
+        return
+    if not theirs:  # its array metadata is gone (damaged data files): a storage fault, handled as one
+        logger.warning(
+            "checkpoint %d in %s lists no arrays: not compared with the model", resume.step, resume.directory
+        )
+        return
+    if ours == theirs:
+        return
+
+    def listed(c):
+        return ", ".join(f"{n} x {dtype}{list(shape)}" for (shape, dtype), n in sorted(c.items())[:6]) or "none"
+
+    raise ValueError(
+        f"checkpoint {resume.step} in {resume.directory!r} was written by a model of another shape: it has "
+        f"{listed(theirs - ours)} that this model lacks, and this model has {listed(ours - theirs)} that it lacks. "
+        "Use another checkpoint_dir for the changed model (or the model that wrote it)"
+    )
+
+
+def _check_eval_data(task: TrainTask, config: ElasticConfig) -> None:
+    if not config.eval_every:
+        return
+    data = task.eval_dataset()
+    if data is None:
+        raise ValueError(
+            f"eval_every={config.eval_every} but {task.name()}.eval_dataset() returned None: define "
+            "eval_dataset() or set eval_every=0"
+        )
+    need = config.eval_steps * config.eval_batch
+    if len(data) < need:
+        raise ValueError(
+            f"{task.name()}.eval_dataset() has {len(data)} examples, fewer than eval_steps="
+            f"{config.eval_steps} x eval_batch_size={config.eval_batch} = {need}: lower eval_steps or "
+            "eval_batch_size, or give more held-out data"
+        )

@@ -1,0 +1,158 @@
+"""Every Ray effect the controller causes, behind one object: the seam a test replaces.
+
+The controller and :class:`~ray_elastic.control.generations.Generations` never call Ray
+themselves: they reserve slices, start processes, form and drive worlds and gather
+failure evidence through a backend. :class:`RayBackend` is the real one (placement
+groups, slice actors, streaming generators, node health); tests swap in a scripted
+fake through ``ElasticTrainer.backend_cls``, as Ray Train's controller takes a
+``worker_group_cls``, so a whole recovery sequence runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import ray
+
+from ray_elastic.config import ElasticConfig
+from ray_elastic.control.placement import ReplacementRequest, SliceReservation, pending_slice_demand, reserve_slices
+from ray_elastic.control.stepping import StepStreams
+from ray_elastic.control.world import WorkerPool, World
+from ray_elastic.decide import ErrorKind
+from ray_elastic.detect import health
+from ray_elastic.state import checkpoints
+from ray_elastic.state.snapshot_keeper import ask_keepers
+from ray_elastic.state.snapshots import SnapshotStore
+from ray_elastic.task import TrainTask
+
+logger = logging.getLogger(__name__)
+
+
+class RayBackend:
+    """Slices, processes and worlds on the Ray cluster this driver is connected to."""
+
+    def __init__(self, task: TrainTask, config: ElasticConfig, address: Optional[str] = None):
+        self.task = task
+        self.config = config
+        self.address = address
+        self.pool: Optional[WorkerPool] = None
+
+    def connect(self) -> None:
+        if not ray.is_initialized():
+            ray.init(address=self.address, namespace="ray_elastic", log_to_driver=True)
+        self.pool = WorkerPool(ray.put(self.task), self.config, env=checkpoints.gcs_env())
+
+    def run_metrics(self, name: str):
+        """Ray metrics for this run; a run goes on without them if they cannot be set up."""
+        from ray_elastic.observe.metrics import RunMetrics
+
+        try:
+            return RunMetrics(name)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("Ray metrics disabled: %s", e)
+            return None
+
+    # -------------------------------------------------------------- slices
+    def reserve(self, count: int, on_wait: Optional[Callable[[int, int], None]] = None) -> list[SliceReservation]:
+        return reserve_slices(self.config.slice, count, self.config.slice_timeout_s, on_wait=on_wait)
+
+    def pending_demand(self) -> str:
+        return pending_slice_demand()
+
+    def request_replacement(self) -> ReplacementRequest:
+        """A pending slice placement group: the demand the autoscaler provisions a slice for."""
+        return ReplacementRequest(self.config.slice, self.config.replacement_timeout_s)
+
+    def replenish(
+        self, members: list, per_host: Optional[int] = None, at_once: bool = False, for_world: Optional[int] = None
+    ) -> bool:
+        return self.pool.replenish(members, per_host, at_once, for_world)
+
+    def missing_snapshots(self, refs: list, members: list = (), timeout_s: float = 1.0) -> set[int]:
+        """Indices of ``refs`` (:class:`SnapshotRef`) whose keeper answers but no longer holds them, or
+        is dead. In the same round, the keeper of every host of ``members`` is asked too: one that
+        died while its slice stays (an OOM kill, ``ray.kill``) is replaced by a new, empty one, so
+        the next world does not fail to form on it and the slice is not blamed for it."""
+        hosts = self.pool.keepers_of(members)
+        keepers = list({k._actor_id: k for k in [r.keeper for r in refs] + [k for _, k in hosts]}.values())
+        dead: set[int] = set()
+        starting = frozenset(i for i, k in enumerate(keepers) if not self.pool.answered(k))
+        # One that does not answer: its slice's loss is decided elsewhere.
+        answers = ask_keepers(keepers, timeout_s, dead, starting)
+        self.pool.confirm_keepers([keepers[i] for i in answers if i not in dead])
+        dead_ids = {keepers[i]._actor_id for i in dead}
+        for (res, host), k in hosts:
+            if k._actor_id in dead_ids:
+                logger.warning(
+                    "the snapshot keeper of host %d of slice %s died: starting a new one", host, res.slice_name
+                )
+                self.pool.renew_keeper(res, host)
+        held = {keepers[i]._actor_id: set(h) for i, h in answers.items()}
+        return {
+            i
+            for i, r in enumerate(refs)
+            if r.keeper._actor_id in held and (r.generation, r.step) not in held[r.keeper._actor_id]
+        }
+
+    def warm(self, reservations: list, every: bool = False) -> bool:
+        return self.pool.warm(reservations, every)
+
+    def discard(self, reservation) -> None:
+        self.pool.discard(reservation)
+
+    # --------------------------------------------------------------- worlds
+    def form(self, **kwargs) -> World:
+        return World.form(pool=self.pool, config=self.config, **kwargs)
+
+    @staticmethod
+    def check_task(task, config, resume=None) -> None:
+        """The task's model, layout, step and eval data against the config, and the checkpoint the
+        run resumes from (``resume``) against the model, on the driver (:mod:`ray_elastic.control.preflight`):
+        bad input fails before any slice is reserved."""
+        from ray_elastic.control.preflight import check_task
+
+        check_task(task, config, resume)
+
+    def drive(
+        self,
+        world: World,
+        store: SnapshotStore,
+        on_metrics: Callable[[dict], None],
+        step_times: list[float],
+        on_interval: Optional[Callable[[int, int], None]] = None,
+        on_committed: Optional[Callable[[list], None]] = None,
+        on_eval: Optional[Callable[[dict], bool]] = None,
+        save_seconds: Optional[list] = None,
+    ) -> StepStreams:
+        return StepStreams(
+            world, self.config, store, on_metrics, step_times, on_interval, on_committed, on_eval, save_seconds
+        )
+
+    # ------------------------------------------------------------- evidence
+    def error_kind(self, error: BaseException) -> ErrorKind:
+        return health.error_kind(error)
+
+    def error_text(self, error: BaseException) -> str:
+        return health.error_text(error)
+
+    def hosts_answer(self, reservation) -> bool:
+        """Every host of the slice answers (its raylet accepts a connection): the hosts are alive."""
+        return health.raylets_answer(reservation.node_ids())
+
+    def lost_hosts(self, reservations: list) -> list:
+        """The reservations with a host Ray's node table has marked dead (one look, no grace)."""
+        if not reservations:
+            return []
+        dead = health.dead_slices({str(i): r.node_ids() for i, r in enumerate(reservations)}, set(), 0.0)
+        return [r for i, r in enumerate(reservations) if str(i) in dead]
+
+    def dead_slices(self, slice_nodes: dict[str, list[str]], suspects: set[str]) -> set[str]:
+        return health.dead_slices(slice_nodes, suspects, self.config.node_death_grace_s)
+
+    def unresponsive(self, world: World) -> set[int]:
+        return health.unresponsive(world.workers, self.config.probe_timeout_s)
+
+    def shutdown(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()

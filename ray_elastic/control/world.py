@@ -1,0 +1,527 @@
+"""One generation of the JAX world: actors on reserved slices, joined, restored and compiled.
+
+Forming a world is one repeatable operation (:meth:`World.form`); the controller
+replaces whole generations and never patches a running one, because a JAX world
+cannot go on after a peer died mid-collective. :class:`WorkerPool` keeps warm
+standby processes on every reserved slice host so that forming the next
+generation does not wait for Python and JAX to start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable, NamedTuple, Optional
+
+import ray
+
+from ray_elastic.config import ElasticConfig
+from ray_elastic.control.placement import SLICE_NAME_LABEL, SliceReservation
+from ray_elastic.control.relay import RelayPool
+from ray_elastic.decide import WorldPlan
+from ray_elastic.detect import health
+from ray_elastic.detect.liveness import DeathWatch
+from ray_elastic.errors import FormingError, HostLost, ProcessFailed, ProcessGone, RayletGone
+from ray_elastic.slice.worker import SliceWorker
+from ray_elastic.state.snapshot_keeper import SnapshotKeeper
+from ray_elastic.state.snapshots import SnapshotRef
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class FormationTimes:
+    """Seconds spent in each phase of forming a world (for events and goodput)."""
+
+    start_actors_s: float = 0.0
+    jax_init_s: float = 0.0
+    state_load_s: float = 0.0
+    compile_s: float = 0.0  # trace + lower + load, slowest process
+    trace_s: float = 0.0
+    lower_s: float = 0.0
+    load_s: float = 0.0  # XLA compile, or loading from the persistent cache
+    total_s: float = 0.0
+    standbys_used: int = 0
+    processes_starting: int = 0  # taken before they had started (Python, JAX, data): forming waited for them
+    compiled_from_cache: int = 0  # processes whose step came from the persistent cache (not compiled)
+
+
+class Standby(NamedTuple):
+    """A slice process started ahead of need, with the refs that say how far it got."""
+
+    actor: ray.actor.ActorHandle
+    prepared: ray.ObjectRef  # Python, JAX and the task's data loaded (its host info)
+    traced: ray.ObjectRef  # the steps of the likely worlds traced too
+
+
+class WorkerPool:
+    """Slice actors for the next generation: standbys started ahead of need.
+
+    Actors take no Ray resources of their own: the slice's placement group holds
+    the host, and any number of processes can live in its bundle. On a real TPU
+    host only the promoted process touches the TPU (JAX opens devices at
+    ``jax.distributed.initialize``), so a standby does not compete for chips.
+    """
+
+    def __init__(self, task_ref: ray.ObjectRef, config: ElasticConfig, env: Optional[dict] = None):
+        self.task_ref = task_ref
+        self.config = config
+        self.env = env or {}  # forwarded to every slice process (GCS endpoint and credentials)
+        # (id(reservation), host) -> standbys, oldest first
+        self._standby: dict[tuple[int, int], list[Standby]] = {}
+        self._keepers: dict[tuple[int, int], ray.actor.ActorHandle] = {}  # (id(reservation), host) -> keeper
+        self._answered: set = set()  # actor ids of keepers that have answered a call: their process is up
+        self.relays = RelayPool()  # fan chunks out to many quiet processes (large worlds)
+
+    def keeper(self, res: SliceReservation, host: int) -> ray.actor.ActorHandle:
+        """The host's snapshot keeper, started with the first process placed there: it lives in the
+        slice's placement group until the slice leaves, so it outlives every slice process."""
+        key = (id(res), host)
+        if key not in self._keepers:
+            self._keepers[key] = SnapshotKeeper.options(
+                num_cpus=0, scheduling_strategy=res.host_strategy(host)
+            ).remote()
+        return self._keepers[key]
+
+    def keepers_of(
+        self, reservations: list[SliceReservation]
+    ) -> list[tuple[tuple[SliceReservation, int], ray.actor.ActorHandle]]:
+        """((reservation, host), keeper) of every host of these slices that has a keeper already."""
+        return [
+            ((res, h), self._keepers[(id(res), h)])
+            for res in reservations
+            for h in range(res.spec.num_hosts)
+            if (id(res), h) in self._keepers
+        ]
+
+    def answered(self, keeper: ray.actor.ActorHandle) -> bool:
+        """The keeper has answered a call (a new one may still be starting, and holds nothing yet)."""
+        return keeper._actor_id in self._answered
+
+    def confirm_keepers(self, keepers: list) -> None:
+        self._answered.update(k._actor_id for k in keepers)
+
+    def renew_keeper(self, res: SliceReservation, host: int) -> ray.actor.ActorHandle:
+        """A new, empty keeper for a host whose keeper died (its snapshots died with it)."""
+        old = self._keepers.pop((id(res), host), None)
+        if old is not None:
+            _kill(old)
+        return self.keeper(res, host)
+
+    def _start(self, res: SliceReservation, host: int, for_world: Optional[int] = None) -> Standby:
+        """A new slice process; ``for_world``: the size (slices) of the world it is started for, the
+        only one whose step it then traces ahead (else the likely ones: see ``SliceWorker.prepare``)."""
+        options = {"num_cpus": 0, "scheduling_strategy": res.host_strategy(host)}
+        if self.env:
+            options["runtime_env"] = {"env_vars": self.env}
+        actor = SliceWorker.options(**options).remote(self.task_ref, self.config)
+        return Standby(actor, actor.prepare.remote(for_world), actor.traced_ahead.remote())
+
+    def take(self, res: SliceReservation, host: int, for_world: Optional[int] = None) -> tuple[tuple, bool]:
+        """An actor and its prepare ref for (slice, host): the warm standby if there is one, else a
+        new process, started for a world of ``for_world`` slices."""
+        queue = self._standby.get((id(res), host))
+        s, warm = (queue.pop(0), True) if queue else (self._start(res, host, for_world), False)
+        return (s.actor, s.prepared), warm
+
+    def replenish(
+        self,
+        reservations: list[SliceReservation],
+        per_host: Optional[int] = None,
+        at_once: bool = False,
+        for_world: Optional[int] = None,
+    ) -> bool:
+        """Start standbys until every host of these slices has ``config.standby_workers`` of them
+        (``per_host`` instead: a replacement that arrives while others are awaited starts only the
+        process its first world will take, so a second one does not slow it down). True when every
+        host has them all.
+
+        One at a time per host unless ``at_once``: a host whose newest standby is still starting
+        (Python, JAX, data, the trace ahead) gets the next one only when it is done (call again).
+        After faults in quick succession a world may have to take a process still starting; one
+        started beside it shared the CPUs it needed (the bench's cold chain of process kills:
+        4.1-4.5 s kill -> step, 2.0-3.2 s without). ``at_once`` is for a slice that is not yet a
+        member (the newcomers of a grow-back): nothing of the run waits on them while they start,
+        and the grow waits until one is ready on each host. ``for_world``: the processes started
+        now are for a world of that many slices (the first world's), see ``_start``.
+        """
+        want = self.config.standby_workers if per_host is None else per_host
+        queues = {}
+        for res in reservations:
+            for h in range(res.spec.num_hosts):
+                self.keeper(res, h)
+                queues[(res, h)] = self._standby.setdefault((id(res), h), [])
+        busy: set = set()  # the newest standby of hosts still short of ``want``, if still starting
+        if not at_once:
+            newest = [q[-1].traced for q in queues.values() if q and len(q) < want]
+            if newest:
+                busy = set(ray.wait(newest, num_returns=len(newest), timeout=0)[1])
+        for (res, h), queue in queues.items():
+            missing = max(0, want - len(queue))
+            if queue and queue[-1].traced in busy:
+                continue
+            queue.extend(self._start(res, h, for_world) for _ in range(missing if at_once else min(1, missing)))
+        return all(len(q) >= want for q in queues.values())
+
+    def warm(self, reservations: list[SliceReservation], every: bool = False) -> bool:
+        """Every host of these slices has a standby that finished starting (Python, JAX, data) and
+        tracing the step ahead (``every``: all its standbys have, so none of them still uses CPU)."""
+        if not self.config.standby_workers:
+            return True
+        queues = [self._standby.get((id(res), h)) for res in reservations for h in range(res.spec.num_hosts)]
+        if not all(queues):
+            return False
+        refs = [s.traced for q in queues for s in (q if every else q[:1])]  # q[0]: the one ``take`` hands out next
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(done) == len(refs)
+
+    def discard(self, res: SliceReservation) -> None:
+        """The slice left: kill its standbys."""
+        for h in range(res.spec.num_hosts):
+            for s in self._standby.pop((id(res), h), []):
+                _kill(s.actor)
+            keeper = self._keepers.pop((id(res), h), None)
+            if keeper is not None:
+                _kill(keeper)
+
+    def shutdown(self) -> None:
+        for queue in self._standby.values():
+            for s in queue:
+                _kill(s.actor)
+        self._standby.clear()
+        for keeper in self._keepers.values():
+            _kill(keeper)
+        self._keepers.clear()
+        self.relays.shutdown()
+
+
+def _host_labels(reservations: list[SliceReservation]) -> Optional[list[list[dict]]]:
+    """Per slice, per bundle: the TPU slice name and worker id of the node it is placed on.
+
+    ``None`` when a node lacks the labels (the actors' own report is used instead).
+    """
+    node_labels = {n["NodeID"]: n.get("Labels") or {} for n in ray.nodes() if n["Alive"]}
+    out = []
+    for res in reservations:
+        hosts = []
+        for node in res.node_ids():
+            lab = node_labels.get(node, {})
+            if SLICE_NAME_LABEL not in lab:
+                return None
+            hosts.append({"slice_name": lab[SLICE_NAME_LABEL], "tpu_worker_id": lab.get("ray.io/tpu-worker-id", "")})
+        if len(hosts) != res.spec.num_hosts:
+            return None
+        out.append(hosts)
+    return out
+
+
+WATCH_S = 0.25  # how often a wait while forming looks at the members' placements
+
+
+def _gather(
+    refs: list,
+    owners: list,
+    timeout_s: float,
+    error: Callable[[list, BaseException], Exception] = FormingError,
+    what: str = "while forming the world",
+    watch: Optional[Callable[[], None]] = None,
+) -> list:
+    """``ray.get(refs)``, but failing at the first error rather than after the slowest ref, and
+    naming whose it was (``error(owners, cause)``): when a peer dies, the others would wait in
+    ``jax.distributed.initialize``, a collective or a checkpoint commit until their timeout.
+    ``watch`` is called every ``WATCH_S`` while waiting; what it raises ends the wait."""
+    pending = dict(zip(refs, owners))
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        left = max(0.0, deadline - time.monotonic())
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, WATCH_S) if watch else left)
+        if not ready:
+            if watch is None or time.monotonic() >= deadline:
+                raise error(sorted(set(pending.values())), TimeoutError(f"no answer within {timeout_s:.0f}s {what}"))
+            watch()
+            continue
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - the first error ends the wait at once
+                raise error([pending[ref]], e) from e
+            del pending[ref]
+    return ray.get(refs)
+
+
+def _placed(reservations: list[SliceReservation], names: list[str]) -> Callable[[], None]:
+    """A ``watch`` that fails forming when a member's host has lost its node. No ref need fail
+    then: the member's own call may have returned already while a peer still waits on it (a
+    newcomer fetching its snapshot from it waited out ``jax_init_timeout_s``), or its process may
+    never have started (Ray places the bundle again instead of failing the actor)."""
+    hosts = [res.node_ids() for res in reservations]  # where the processes are: Ray may move a bundle
+
+    def check() -> None:
+        raylets = health.raylet_addresses(
+            {n for nodes in hosts for n in nodes}
+        )  # alive in the table; UNPLACED never is
+        gone = health.refusing(raylets)  # dead, though the table may not say so yet
+        for nodes, name in zip(hosts, names):
+            if not set(nodes) <= raylets.keys():
+                raise FormingError([name], HostLost(f"a host of slice {name} lost its node while the world formed"))
+            if gone & set(nodes):
+                raise FormingError(
+                    [name],
+                    RayletGone(
+                        f"the raylet of a host of slice {name} refuses connections "
+                        "while the world forms: its node is gone"
+                    ),
+                )
+
+    return check
+
+
+def _alive(watch: Callable[[], None], deaths: DeathWatch, owners: list[str]) -> Callable[[], None]:
+    """``watch``, and a process whose liveness connection closed ends the wait too."""
+
+    def check() -> None:
+        gone = deaths.dead()
+        if gone:
+            p = min(gone)
+            raise FormingError(
+                [owners[p]],
+                ProcessGone(
+                    f"process {p} of slice {owners[p]} is gone while the world forms: its liveness connection closed"
+                ),
+            )
+        watch()
+
+    return check
+
+
+def _kill(actor) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception as e:  # already gone
+        logger.debug("kill %s: %s", actor, e)
+
+
+class World:
+    """The actors of one generation, in process-id order, and their plan."""
+
+    def __init__(
+        self,
+        plan: WorldPlan,
+        workers: list,
+        host_infos: list[dict],
+        times: FormationTimes,
+        join_infos: list[dict],
+        reservations: list[SliceReservation],
+        keepers: list,
+        channels: Optional[list[list[int]]] = None,
+        relays: Optional[list] = None,
+        deaths: Optional[DeathWatch] = None,
+    ):
+        self.plan = plan
+        self.deaths = deaths or DeathWatch([])  # the driver's connections to its processes' beacons
+        # How the driver reaches the processes: one channel per process, or a relay per group of
+        # quiet ones (relay.channels); ``relays[c]`` serves channel c when it is a group.
+        self.channels = channels or [[p] for p in range(len(workers))]
+        self.relays = relays or [None] * len(self.channels)
+        self._chunks_sent = 0
+        self.workers = workers
+        self.keepers = keepers  # per process: its host's snapshot keeper
+        self.host_infos = host_infos
+        self.times = times
+        self.join_infos = join_infos
+        self.reservations = reservations  # plan order
+
+    @classmethod
+    def form(
+        cls,
+        *,
+        generation: int,
+        reservations: list[SliceReservation],
+        pool: WorkerPool,
+        config: ElasticConfig,
+        start_step: int,
+        restore: Optional[Callable[[str], Optional[list[SnapshotRef]]]] = None,
+        checkpoint_step: Optional[int] = None,
+        checkpoint_dir: Optional[str] = None,
+    ) -> "World":
+        """Take one actor per host of each slice, join them into one JAX world, load state, compile.
+
+        Args:
+            restore: slice name -> per-host snapshots it loads (:class:`SnapshotRef`; None: fresh parameters).
+            checkpoint_step: every process loads this committed checkpoint instead (steps completed),
+                from ``checkpoint_dir`` when given (else the run's own).
+        """
+        spec = config.slice
+        t0 = time.perf_counter()
+        taken = [[pool.take(res, h, len(reservations)) for h in range(spec.num_hosts)] for res in reservations]
+        actors = [[a for (a, _), _ in sa] for sa in taken]
+        prepared = [[p for (_, p), _ in sa] for sa in taken]
+        flat_prepared = [p for sp in prepared for p in sp]
+        started, _ = ray.wait(flat_prepared, num_returns=len(flat_prepared), timeout=0)
+        times = FormationTimes(
+            standbys_used=sum(warm for sa in taken for _, warm in sa),
+            processes_starting=len(flat_prepared) - len(started),
+        )
+        deaths: Optional[DeathWatch] = None
+        try:
+            # Slice names and host order come from the nodes' TPU labels when Ray has them, so a
+            # new process that is still starting does not hold the others back: they begin
+            # joining the JAX world at once and it catches up.
+            labels = _host_labels(reservations)
+            if labels is None:
+                known = [res.slice_name or f"new-slice-{i}" for i, res in enumerate(reservations)]
+                infos = _gather(
+                    flat_prepared,
+                    [n for n in known for _ in range(spec.num_hosts)],
+                    config.jax_init_timeout_s,
+                    watch=_placed(reservations, known),
+                )
+                labels = [
+                    [
+                        {"slice_name": i["slice_name"], "tpu_worker_id": i["tpu_worker_id"]}
+                        for i in infos[s * spec.num_hosts : (s + 1) * spec.num_hosts]
+                    ]
+                    for s in range(len(known))
+                ]
+            # Order hosts inside a slice by TPU worker id: process ids follow the hardware.
+            workers, host_prepared, keepers = [], [], []
+            for res, sa, sp, sl in zip(reservations, actors, prepared, labels):
+                order = sorted(range(len(sa)), key=lambda i: int(sl[i]["tpu_worker_id"] or i))
+                workers.append([sa[i] for i in order])
+                host_prepared.append([sp[i] for i in order])
+                keepers.append([pool.keeper(res, i) for i in order])  # each process's own host's
+            names = [sl[0]["slice_name"] or f"slice-{i}" for i, sl in enumerate(labels)]
+            for res, name in zip(reservations, names):
+                res.slice_name = name
+            plan = config.world_plan(generation, names)
+            times.start_actors_s = time.perf_counter() - t0
+
+            # Steps from start_step on are run again: what earlier worlds kept of them is dropped.
+            begun = [k.begin.remote(generation, start_step) for ks in keepers for k in ks]
+            watch = _placed(reservations, names)
+            (coordinator,) = _gather(
+                [workers[0][0].reserve_coordinator_port.remote()], names[:1], config.jax_init_timeout_s, watch=watch
+            )
+            joins = []
+            for s, sw in enumerate(workers):
+                refs = restore(names[s]) if restore is not None else None
+                for h, w in enumerate(sw):
+                    joins.append(
+                        w.join_world.remote(
+                            plan,
+                            slice_index=s,
+                            host_index=h,
+                            coordinator_address=coordinator,
+                            timeout_s=config.jax_init_timeout_s,
+                            snapshot=refs[h] if refs is not None else None,
+                            checkpoint_step=checkpoint_step,
+                            checkpoint_dir=checkpoint_dir,
+                            keeper=keepers[s][h],
+                        )
+                    )
+            owners = [n for n in names for _ in range(spec.num_hosts)]  # slice of each process, plan order
+            _gather(begun, owners, config.jax_init_timeout_s, watch=watch)
+            pool.confirm_keepers([k for ks in keepers for k in ks])
+            joins = _gather(joins, owners, config.jax_init_timeout_s * 2, watch=watch)
+            host_infos = [ray.get(sp, timeout=config.jax_init_timeout_s) for sp in host_prepared]
+            flat_infos = [i for hi in host_infos for i in hi]
+            deaths = DeathWatch(
+                [
+                    (i["ip"], i["beacon_port"], bytes.fromhex(i["beacon_token"])) if i.get("beacon_port") else None
+                    for i in flat_infos
+                ]
+            )
+            times.jax_init_s = max(j["init_s"] for j in joins)
+            times.state_load_s = max(j["snapshot_fetch_s"] + j["state_s"] for j in joins)
+            flat = [w for sw in workers for w in sw]
+            compiles = _gather(
+                [w.compile.remote(start_step) for w in flat],
+                owners,
+                config.jax_init_timeout_s * 2,
+                watch=_alive(watch, deaths, owners),
+            )
+            for phase in ("trace_s", "lower_s", "load_s", "compile_s"):
+                setattr(times, phase, max(c[phase] for c in compiles))
+            times.compiled_from_cache = sum(bool(c.get("from_cache")) for c in compiles)
+            chans, relays = pool.relays.reach(
+                generation,
+                len(flat),
+                [p for p in range(len(flat)) if not plan.takes_snapshots(p)],
+                lambda p: (flat[p], "run_chunk_quiet", ()),
+            )
+            times.total_s = time.perf_counter() - t0
+        except BaseException:
+            if deaths is not None:
+                deaths.stop()
+            for sa in actors:
+                for a in sa:
+                    _kill(a)
+            raise
+        logger.info("world %d formed in %.2fs: %s", generation, times.total_s, plan.mesh_shape)
+        return cls(
+            plan,
+            flat,
+            flat_infos,
+            times,
+            joins,
+            list(reservations),
+            [k for ks in keepers for k in ks],
+            chans,
+            relays,
+            deaths,
+        )
+
+    def slice_of(self, process_id: int) -> str:
+        return self.plan.slice_names[process_id // self.plan.hosts_per_slice]
+
+    def slice_node_ids(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for pid, info in enumerate(self.host_infos):
+            out.setdefault(self.slice_of(pid), []).append(info["node_id"])
+        return out
+
+    def run_chunk(
+        self, start_step: int, num_steps: int, final_step: int, snapshot_every: int, eval_before: bool = False
+    ) -> list:
+        """Start a chunk of steps on every process; one ref per channel: a streaming generator for
+        each snapshot holder, a plain task (one result at the chunk's end) for each other process,
+        or a relay's call (``{}``, or the errors by process) for each group of them."""
+        args = (start_step, num_steps, final_step, snapshot_every, eval_before)
+        refs = []
+        for procs, relay in zip(self.channels, self.relays):
+            if relay is not None:
+                refs.append(relay.run.remote(self.plan.generation, self._chunks_sent, *args))
+            else:
+                (p,) = procs
+                w = self.workers[p]
+                refs.append((w.run_chunk if self.plan.takes_snapshots(p) else w.run_chunk_quiet).remote(*args))
+        self._chunks_sent += 1
+        return refs
+
+    def finish_checkpoints(self, timeout_s: float, save_step: Optional[int] = None) -> list:
+        """Wait for every process's in-flight checkpoint save to commit (a planned stop, not a failure);
+        with ``save_step``, first save the current state as that checkpoint. Returns process 0's newly
+        committed (step, total seconds). Raises :class:`ProcessFailed` naming the first process that failed."""
+        refs = [w.finish_checkpoints.remote(save_step) for w in self.workers]
+        # A dead process fails its ref at once; the others would wait in the commit for it.
+        return _gather(
+            refs,
+            list(range(len(refs))),
+            timeout_s,
+            lambda procs, e: ProcessFailed(procs[0], e),
+            "while checkpoints committed",
+        )[0]
+
+    def teardown(self, confirm_s: float = 0.0) -> None:
+        """Stop every process of this generation (SIGKILL: a hung JAX worker ignores SIGTERM).
+
+        ``confirm_s`` > 0 waits up to that long until the processes are really gone, so
+        nothing they still write (a checkpoint commit) can land after this returns.
+        """
+        self.deaths.stop()
+        for w in self.workers:
+            _kill(w)
+        if confirm_s > 0:
+            pings = [w.probe.remote() for w in self.workers]
+            ray.wait(pings, num_returns=len(pings), timeout=confirm_s)

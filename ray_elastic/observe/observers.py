@@ -1,0 +1,167 @@
+"""Everything that watches a run without steering it, as :class:`~ray_elastic.observe.events.EventListener` s.
+
+The controller only emits events, steps and state changes; these turn them into a
+progress bar, Ray metrics, the user's callbacks and warm standby processes.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Callable, Optional
+
+from ray_elastic.observe import goodput
+from ray_elastic.observe.events import EventListener
+from ray_elastic.observe.results import STEP_FIELDS
+
+# Events passed to the user's ``on_event``: the elastic ones, waits for slices and evaluations, not
+# per-chunk bookkeeping.
+ELASTIC_EVENTS = ("failure", "recovered", "resize", "scale_up", "waiting_for_capacity", "waiting", "eval")
+GOODPUT_EVERY_S = 10.0
+
+
+class ProgressBar(EventListener):
+    """tqdm.auto (a widget in notebooks): step, loss, slices training and the controller's state."""
+
+    def __init__(self, total: int, initial: int, num_slices: int, shown: tuple = ()):
+        from tqdm.auto import tqdm
+
+        self.num_slices = num_slices
+        self.shown = shown  # metric names shown beside the loss (``ElasticConfig.progress_metrics``)
+        self.values: dict = {}
+        self.slices: Optional[int] = None
+        self.state = None
+        self.loss: Optional[float] = None
+        self.waiting: Optional[str] = None  # what a wait for slices still misses
+        self.bar = tqdm(total=total, initial=initial, desc="ray-elastic", unit="step", dynamic_ncols=True)
+
+    def postfix(self) -> str:
+        parts = [f"loss={self.loss:.4f}"] if self.loss is not None else []
+        parts += [f"{k}={self.values[k]:.4g}" for k in self.shown if k in self.values]
+        if self.slices is not None:
+            parts.append(f"slices={self.slices}/{self.num_slices}")
+        if self.state is not None:
+            parts.append(f"state={self.state.value}")
+        if self.waiting is not None:
+            parts.append(self.waiting)
+        return ", ".join(parts)
+
+    def on_step(self, metrics: dict) -> None:
+        self.loss = metrics["loss"]
+        self.values.update((k, v) for k, v in metrics.items() if k in self.shown)
+        self.bar.update(1)
+        self.bar.set_postfix_str(self.postfix(), refresh=False)
+
+    def on_state(self, old, new) -> None:
+        self.state = new
+        self.bar.set_postfix_str(self.postfix(), refresh=True)
+
+    def on_event(self, event: dict) -> None:
+        if event["kind"] == "world_formed":
+            self.slices, self.waiting = len(event["slices"]), None
+        elif event["kind"] == "waiting":
+            self.waiting = f"slices ready {event['ready']}/{event['asked']} ({event['waited_s']:.0f}s)"
+            self.bar.set_postfix_str(self.postfix(), refresh=True)
+        elif event["kind"] in ("recovered", "scale_up") and event["steps_rewound"]:
+            self.bar.update(-event["steps_rewound"])
+        elif event["kind"] == "eval":
+            self.values.update((k, v) for k, v in event["metrics"].items() if k in self.shown)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class RayMetricsObserver(EventListener):
+    """Feeds :class:`~ray_elastic.observe.metrics.RunMetrics`: step and loss (throttled), slices, recoveries, goodput."""
+
+    def __init__(self, metrics, events: list[dict]):
+        self.metrics = metrics
+        self.events = events  # the log's own list, for goodput so far
+        self._goodput_at = 0.0
+        self._last: Optional[dict] = None
+
+    def on_step(self, m: dict) -> None:
+        self._last = m
+        self.metrics.on_step(m["step"], m["loss"], metrics=own_metrics(m))
+
+    def on_event(self, event: dict) -> None:
+        kind = event["kind"]
+        if kind == "world_formed":
+            self.metrics.on_world(len(event["slices"]))
+        elif kind == "failure" and "world_slices" in event:
+            self.metrics.on_world(event["world_slices"] - len(event["lost_slices"]))
+        elif kind == "recovered":
+            self.metrics.on_recovery()
+        elif kind == "steps" and time.monotonic() - self._goodput_at > GOODPUT_EVERY_S:
+            self._goodput_at = time.monotonic()
+            self.metrics.on_goodput(goodput.account(self.events).goodput)
+        elif kind == "eval":
+            self.metrics.on_metrics(event["metrics"])
+        elif kind == "run_finished" and self._last is not None:
+            self.metrics.on_step(self._last["step"], self._last["loss"], force=True, metrics=own_metrics(self._last))
+
+    def close(self) -> None:
+        self.metrics.on_goodput(goodput.account(self.events).goodput)
+
+
+class UserCallbacks(EventListener):
+    """The user's ``on_step`` (every finished step's metrics) and ``on_event`` (the elastic events).
+
+    ``on_chunk`` (called with ``[metrics]``) and ``on_elastic_event_callback`` are the old names,
+    deprecated: they warn once, at construction, and still work for one release.
+    """
+
+    def __init__(self, on_step=None, on_event=None, *, on_chunk=None, on_elastic_event_callback=None):
+        for old, new, value in (
+            ("on_chunk", "on_step", on_chunk),
+            ("on_elastic_event_callback", "on_event", on_elastic_event_callback),
+        ):
+            if value is not None:
+                warnings.warn(
+                    f"ElasticTrainer({old}=...) is deprecated: use {new}= (the old name is removed in "
+                    "the next release)",
+                    DeprecationWarning,
+                    stacklevel=3,
+                )
+        self.on_step_cb, self.on_chunk_cb = on_step, on_chunk
+        self.on_event_cb = on_event or on_elastic_event_callback
+        for arg, cb in (("on_step", on_step), ("on_event", self.on_event_cb), ("on_chunk", on_chunk)):
+            if cb is not None and not callable(cb):
+                raise ValueError(f"{arg} must be callable, got {type(cb).__name__}")
+
+    def on_step(self, metrics: dict) -> None:
+        if self.on_step_cb is not None:
+            self.on_step_cb(metrics)
+        if self.on_chunk_cb is not None:
+            self.on_chunk_cb([metrics])
+
+    def on_event(self, event: dict) -> None:
+        if self.on_event_cb is not None and event["kind"] in ELASTIC_EVENTS:
+            self.on_event_cb(dict(event))
+
+
+class StandbyReplenisher(EventListener):
+    """Starts warm standby processes once a new world has finished its first step: starting
+    processes earlier competes for the CPUs that forming and the first steps need. The pool
+    starts one per host at a time, so it is asked again, every ``every_s`` of steps, until
+    every host has them all."""
+
+    def __init__(self, replenish: Callable[[], bool], every_s: float = 0.5):
+        self.replenish = replenish
+        self.every_s = every_s
+        self._pending = False
+        self._next = 0.0
+
+    def on_event(self, event: dict) -> None:
+        if event["kind"] == "world_formed":
+            self._pending, self._next = True, 0.0
+
+    def on_step(self, metrics: dict) -> None:
+        if self._pending and time.monotonic() >= self._next:
+            self._pending = not self.replenish()
+            self._next = time.monotonic() + self.every_s
+
+
+def own_metrics(step_metrics: dict) -> dict:
+    """The task's own metrics of a step (what its loss or train_step returned besides the loss)."""
+    return {k: v for k, v in step_metrics.items() if k not in STEP_FIELDS}

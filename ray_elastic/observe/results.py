@@ -1,0 +1,414 @@
+"""What a run produced, as typed records, and the pure functions that sum it up.
+
+No Ray, no JAX: the records are filled by the controller and the summary is
+computed from them, like :func:`ray_elastic.observe.goodput.account` from the event log.
+Every ``*_at`` field is wall-clock time (``time.time()``), every ``*_s`` a duration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Optional
+
+from ray_elastic.observe import goodput
+from ray_elastic.task import RESERVED_METRICS
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldChange:
+    """What the last world left for the next one: its surviving slices, and why it ended."""
+
+    cause: str  # an OutcomeKind; DONE for the first world
+    survivors: list
+    reason: str
+    detected_at: float  # the first failure's, through failures while forming
+    last_progress_at: float
+    classify_s: float = 0.0
+    teardown_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldRecord:
+    """One generation: its slices, layout, where its state came from and how long forming took."""
+
+    generation: int
+    slices: list[str]
+    mesh: dict[str, int]
+    global_batch_size: int
+    start_step: int
+    restore_source: str
+    snapshot_donors: dict[str, str]
+    times: dict[str, float]  # FormationTimes as a dict: start_actors_s, jax_init_s, state_load_s, ...
+    # What the restore was chosen from: the newest complete snapshot step per slice as the streams
+    # reported them and as the keepers still held them, the steps keepers had let go of, the
+    # newest committed checkpoint's step. A rewind is explained by it, or is a bug.
+    restore_evidence: dict = dataclasses.field(default_factory=dict)
+
+    def event_fields(self) -> dict:
+        """The ``world_formed`` event (times flattened, as ``events.jsonl`` has always had them)."""
+        return {
+            "generation": self.generation,
+            "slices": self.slices,
+            "mesh": self.mesh,
+            "global_batch_size": self.global_batch_size,
+            "restored_from_step": self.start_step - 1,
+            "restore_source": self.restore_source,
+            "snapshot_donors": self.snapshot_donors,
+            "restore_evidence": self.restore_evidence,
+            **self.times,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoveryRecord:
+    """One recovery: the new world and the seconds of every phase from detection to ready."""
+
+    generation: int
+    reason: str
+    mode: str
+    slices: int
+    added_slices: int
+    restored_from_step: int
+    restore_source: str
+    steps_rewound: int
+    since_last_progress_s: float
+    classify_s: float
+    teardown_s: float
+    wait_for_capacity_s: float
+    world_formation_s: float
+    state_load_s: float
+    compile_s: float
+    recovery_s: float
+    detected_at: float
+    capacity_ready_at: float
+    ready_at: float
+
+    @classmethod
+    def of(
+        cls,
+        change: WorldChange,
+        world: WorldRecord,
+        *,
+        mode: str,
+        added: int,
+        rewound: int,
+        wait_s: float,
+        capacity_ready_at: float,
+    ) -> "RecoveryRecord":
+        """The record of a recovery that ``change`` started and ``world`` ended (now)."""
+        t, now = world.times, time.time()
+        return cls(
+            generation=world.generation,
+            reason=change.reason,
+            mode=mode,
+            slices=len(world.slices),
+            added_slices=added,
+            restored_from_step=world.start_step - 1,
+            restore_source=world.restore_source,
+            steps_rewound=rewound,
+            since_last_progress_s=change.detected_at - change.last_progress_at,
+            classify_s=change.classify_s,
+            teardown_s=change.teardown_s,
+            wait_for_capacity_s=wait_s,
+            # everything of forming but loading state and compiling: actors, waiting for processes
+            # still starting, jax.distributed
+            world_formation_s=t["total_s"] - t["state_load_s"] - t["compile_s"],
+            state_load_s=t["state_load_s"],
+            compile_s=t["compile_s"],
+            recovery_s=now - change.detected_at,
+            detected_at=change.detected_at,
+            capacity_ready_at=capacity_ready_at,
+            ready_at=now,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleUpRecord:
+    """Capacity returned and the world grew at a step boundary."""
+
+    generation: int
+    from_slices: int
+    to_slices: int
+    restored_from_step: int
+    steps_rewound: int
+    resize_s: float  # the smaller world stopped -> the bigger one is ready
+    pause_s: float  # the smaller world's last step -> the bigger one is ready: training paused this long
+    ready_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    """The numbers of a finished run (``FitResult.summary`` is its dict view)."""
+
+    steps: int
+    num_steps: int
+    wall_s: float
+    resumed_from_checkpoint: Optional[int] = None
+    already_done: bool = False
+    goodput: Optional[float] = None
+    slices: Optional[int] = None
+    hosts_per_slice: Optional[int] = None
+    mesh: Optional[dict] = None
+    global_batch_size: Optional[int] = None
+    first_loss: Optional[float] = None
+    final_loss: Optional[float] = None
+    generations: int = 0
+    failures: int = 0
+    recoveries: int = 0
+    scale_ups: int = 0
+    checkpoints_saved: int = 0
+    checkpoints_committed: int = 0
+    checkpoint_restores: int = 0
+    steps_rewound: int = 0
+    max_recovery_s: float = 0.0
+    startup_s: Optional[float] = None
+    compile_s: Optional[float] = None
+    median_step_s: Optional[float] = None
+    snapshot_every: Optional[int] = None  # the last snapshot interval (``snapshot_every="auto"`` picks it)
+    max_rewind_steps: Optional[int] = None  # the most a recovery could rewind with a holder alive (interval - 1)
+
+
+@dataclasses.dataclass
+class FitResult:
+    """What ``fit`` returns: per-step metrics, recoveries and a summary of the run."""
+
+    steps: list[int]
+    losses: list[float]
+    step_times_s: list[float]
+    recoveries: list[RecoveryRecord]
+    summary: dict[str, Any]
+    events: list[dict]
+    metrics: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # what the loss returned, per step
+    evals: dict[int, dict] = dataclasses.field(default_factory=dict)  # step -> its eval's ``eval/...`` metrics
+
+    def __repr__(self) -> str:
+        return (
+            f"FitResult(steps={len(self.steps)}, final_loss={self.losses[-1] if self.losses else None}, "
+            f"recoveries={len(self.recoveries)}, summary={self.summary})"
+        )
+
+
+STEP_FIELDS = ("loss", *RESERVED_METRICS)
+
+
+def user_metrics(steps: list[dict]) -> dict[str, list]:
+    """The task's own metrics of ``steps`` (what its loss or train_step returned besides the loss),
+    one list per name (None where a step lacks it)."""
+    names = sorted({k for m in steps for k in m if k not in STEP_FIELDS})
+    return {k: [m.get(k) for m in steps] for k in names}
+
+
+class StepLedger:
+    """The metrics of every kept step, and their way into the event log: one ``steps`` line per
+    chunk, plus the checkpoint saves and commits the workers report with their steps."""
+
+    def __init__(self, events, steps_per_chunk: int):
+        self.events = events
+        self.steps_per_chunk = steps_per_chunk
+        self.metrics: dict[int, dict] = {}
+        self.step_times: list[float] = []  # every step run, for the watchdog (rewound ones too)
+        self._buffer: list[dict] = []
+        self._generation = 0
+        self._snapshot_steps: Callable[[], list[int]] = list
+        self.committed_step = -1  # the newest checkpoint a process reported committed in this run
+        self.save_seconds: list[float] = []  # how long each committed save took (the automatic save_timeout_s)
+        self._committed: set[int] = set()
+        self.evals: dict[int, dict] = {}
+
+    def add_eval(self, item: dict) -> bool:
+        """An eval's metrics (``{"step": s, "eval/...": ...}``), recorded once; with ``step`` alone,
+        only whether step ``s``'s eval is known."""
+        step = item["step"]
+        if len(item) == 1 or step in self.evals:
+            return step in self.evals
+        metrics = {k: v for k, v in item.items() if k != "step"}
+        self.evals[step] = metrics
+        self.events.emit("eval", step=step, metrics=metrics)
+        return True
+
+    def start_world(self, generation: int, snapshot_steps: Callable[[], list[int]]) -> None:
+        """Steps from now on belong to ``generation``; ``snapshot_steps()`` says which were snapshotted."""
+        self._generation, self._snapshot_steps = generation, snapshot_steps
+
+    def add(self, m: dict) -> None:
+        self.metrics[m["step"]] = m
+        self.step_times.append(m["step_time_s"])
+        if "checkpoint_step" in m:
+            self.events.emit("checkpoint_save", step=m["checkpoint_step"], blocking_s=m["checkpoint_blocking_s"])
+        self.saves_committed(m.get("checkpoints_committed", []))
+        self._buffer.append(m)
+        if len(self._buffer) >= self.steps_per_chunk:
+            self.flush()
+        self.events.step(m)
+
+    def flush(self) -> None:
+        """Buffered steps into the event log, one line (a rewound step appears again later)."""
+        buf, self._buffer = self._buffer, []
+        if buf:
+            self.events.emit(
+                "steps",
+                generation=self._generation,
+                steps=[m["step"] for m in buf],
+                losses=[m["loss"] for m in buf],
+                step_time_s=[m["step_time_s"] for m in buf],
+                finished_at=[m.get("finished_at") for m in buf],
+                snapshot_steps=self._snapshot_steps(),
+                metrics=user_metrics(buf),
+            )
+
+    def saves_committed(self, finished: list) -> None:
+        """Checkpoints a process reported committed: once each (every holder reports its own)."""
+        for step, total_s in finished:
+            if step in self._committed:
+                continue
+            self._committed.add(step)
+            self.committed_step = max(self.committed_step, step)
+            if total_s is not None:
+                self.save_seconds.append(total_s)
+            self.events.emit("checkpoint_committed", step=step, total_s=total_s)
+
+    @property
+    def last_step(self) -> int:
+        return max(self.metrics) if self.metrics else -1
+
+    def rewind_to(self, step: int) -> int:
+        """Forget steps after ``step`` (the next world recomputes them); returns how many."""
+        later = [s for s in self.metrics if s > step]
+        for s in later:
+            del self.metrics[s]
+        return len(later)
+
+
+def summarize(
+    *,
+    ledger: StepLedger,
+    worlds: list[WorldRecord],
+    recoveries: list[RecoveryRecord],
+    events: list[dict],
+    num_steps: int,
+    first_step: int,
+    startup_s: float,
+    wall_s: float,
+    hosts_per_slice: int,
+    gp: goodput.Goodput,
+) -> FitResult:
+    """The result of a finished run, from its records and events alone."""
+    steps = sorted(ledger.metrics)
+    losses = [ledger.metrics[s]["loss"] for s in steps]
+    times = [ledger.metrics[s]["step_time_s"] for s in steps]
+    steady = sorted(times[1:]) or times
+    last = worlds[-1]
+
+    def count(kind: str) -> int:
+        return sum(1 for e in events if e["kind"] == kind)
+
+    intervals = [e["every"] for e in events if e["kind"] == "snapshot_interval"]
+    # Steps run twice, by recoveries and by grow-backs alike (a grow-back should rewind none).
+    rewound = sum(r.steps_rewound for r in recoveries) + sum(
+        e["steps_rewound"] for e in events if e["kind"] == "scale_up"
+    )
+
+    summary = RunSummary(
+        steps=len(steps),
+        num_steps=num_steps,
+        wall_s=round(wall_s, 3),
+        resumed_from_checkpoint=first_step or None,
+        goodput=round(gp.goodput, 4),
+        slices=len(last.slices),
+        hosts_per_slice=hosts_per_slice,
+        mesh=last.mesh,
+        global_batch_size=last.global_batch_size,
+        first_loss=losses[0],
+        final_loss=losses[-1],
+        generations=len(worlds),
+        failures=count("failure"),
+        recoveries=len(recoveries),
+        scale_ups=count("scale_up"),
+        checkpoints_saved=count("checkpoint_save"),
+        checkpoints_committed=count("checkpoint_committed"),
+        checkpoint_restores=count("checkpoint_restore"),
+        steps_rewound=rewound,
+        max_recovery_s=round(max((r.recovery_s for r in recoveries), default=0.0), 3),
+        startup_s=round(startup_s, 3),
+        compile_s=round(worlds[0].times["compile_s"], 3),
+        median_step_s=steady[len(steady) // 2],
+        snapshot_every=intervals[-1] if intervals else None,
+        max_rewind_steps=max(intervals) - 1 if intervals and min(intervals) > 0 else None,
+    )
+    return FitResult(
+        steps,
+        losses,
+        times,
+        list(recoveries),
+        dataclasses.asdict(summary),
+        list(events),
+        user_metrics([ledger.metrics[s] for s in steps]),
+        dict(sorted(ledger.evals.items())),
+    )
+
+
+def failure_seen_at(event: dict) -> float:
+    """Wall time the controller saw the failure of a ``failure`` event: before it drained what the
+    survivors streamed and their keepers hold, and before it classified (the event's own time)."""
+    return event["ts"] - event["classify_s"] - event.get("drain_s", 0.0)
+
+
+def unexplained_rewinds(events: list[dict], replicas: int) -> int:
+    """Steps rewound although a snapshot holder of the newest step survived, read from a run's events
+    (``replicas``: its ``snapshot_replicas``; the holders are the first slices of each world).
+
+    A rewind is explained when every holder of the world that failed was lost or had its process
+    die (a dead process's newest snapshot can lack the step it died in), counting every failure
+    until the next world trained, or when each rewound step's snapshot failed on a survivor because
+    the step itself failed there (``snapshot_not_kept`` with a collective error: a peer got the
+    reduced loss, reported it and died before the survivor's all-reduce finished, so no living
+    process ever had that state); a planned grow-back never rewinds."""
+    holders, chain_holders, gone, in_chain, unexplained = [], [], set(), False, 0
+    unfinished: set[int] = set()  # steps whose snapshot failed in the step's own collective
+    for e in events:
+        k = e["kind"]
+        if k == "world_formed":
+            formed = e["slices"][:replicas]
+            if not in_chain:
+                holders = formed
+        elif k == "snapshot_not_kept":
+            unfinished |= {n["step"] for n in e["first"] if "JaxRuntimeError" in n["why"]}
+        elif k == "failure":
+            if not in_chain:
+                chain_holders, gone, in_chain = holders, set(), True
+            gone |= set(e["lost_slices"]) | set(e["crashed_slices"])
+        elif k in ("recovered", "scale_up"):
+            rewound = range(e["restored_from_step"] + 1, e["restored_from_step"] + 1 + e["steps_rewound"])
+            if (not in_chain or not set(chain_holders) <= gone) and not set(rewound) <= unfinished:
+                unexplained += e["steps_rewound"]
+            holders, in_chain, unfinished = formed, False, set()
+    return unexplained
+
+
+def already_done(*, checkpoint_step: int, num_steps: int, wall_s: float, events: list[dict]) -> FitResult:
+    """The checkpoint already covers ``num_steps``: nothing was trained."""
+    summary = RunSummary(
+        steps=0,
+        num_steps=num_steps,
+        wall_s=round(wall_s, 3),
+        resumed_from_checkpoint=checkpoint_step,
+        already_done=True,
+    )
+    return FitResult([], [], [], [], dataclasses.asdict(summary), list(events))
+
+
+def resume_changes(metadata: dict, *, seed: int, global_batch_size: int) -> dict[str, tuple]:
+    """Settings that changed since the checkpoint was written and change the data order: name -> (then, now)."""
+    now = {"seed": seed, "data_stride": global_batch_size}
+    changed = {k: (metadata.get(k), v) for k, v in now.items() if metadata.get(k) is not None and metadata.get(k) != v}
+    if changed:
+        logger.warning(
+            "the checkpoint was written with %s; this run uses %s: the data order differs",
+            {k: a for k, (a, _) in changed.items()},
+            {k: b for k, (_, b) in changed.items()},
+        )
+    return changed

@@ -1,0 +1,689 @@
+"""A simulated multi-slice TPU Ray cluster on one machine.
+
+Each slice host is a real Ray node (``ray.cluster_utils.Cluster``) that carries the
+labels, resources and environment a GKE / GCE TPU host carries, so the controller
+runs exactly the code paths it would run on real slices. JAX runs on CPU inside
+those nodes, with ``--xla_force_host_platform_device_count`` devices per host.
+
+It also offers the faults the tests and the demo need (kill a slice, hang a slice). Slices are
+launched and replaced either by Ray's own autoscaler (``autoscaler=True``: the v2 autoscaler with
+the node provider of :mod:`ray_elastic.sim.node_provider`) or by this process, with a
+:class:`Provisioner` thread standing in for the autoscaler.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from typing import Optional
+
+import psutil
+
+from ray_elastic.config import SliceSpec
+from ray_elastic.sim.hosts import (
+    SimulatedHost,
+    SimulatedSlice,
+    TPUHost,
+    free_port,
+    process_children,
+    send_signal,
+    tpu_host,
+)
+from ray_elastic.sim.node_provider import launches_in_flight, pool_node_type, read_events, write_knobs
+
+logger = logging.getLogger(__name__)
+
+# Fast failure detection: a killed host (its raylet refuses connections) is declared
+# dead after 3 checks 200 ms apart, ~0.6 s instead of ~14 s. A host that is only slow
+# gets 1.5 s per check: on a loaded machine a 200 ms timeout declares live hosts dead.
+# A hung (SIGSTOPped) host takes 3 timeouts, ~5 s; the controller's watchdog may see it first.
+# On a real cluster the same keys go into `ray start --system-config` (see cluster/).
+FAST_HEALTH_CHECKS = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 200,
+    "health_check_timeout_ms": 1500,
+    "health_check_failure_threshold": 3,
+}
+
+
+def _allow_nodes_from_any_thread() -> None:
+    """Let Ray nodes be started off the main thread.
+
+    Each ``ray._private.node.Node`` installs a SIGTERM handler, which Python only
+    permits on the main thread. Off the main thread we skip that one call; the
+    node's atexit hook and reaper process still clean it up, and
+    :meth:`SimulatedTPUCluster.shutdown` stops it explicitly.
+    """
+    import ray._private.utils as ray_utils
+
+    original = ray_utils.set_sigterm_handler
+    if getattr(original, "_ray_elastic_wrapped", False):
+        return
+
+    def set_sigterm_handler(handler):
+        if threading.current_thread() is threading.main_thread():
+            original(handler)
+
+    set_sigterm_handler._ray_elastic_wrapped = True
+    ray_utils.set_sigterm_handler = set_sigterm_handler
+
+
+LOOPBACK = "127.0.0.1"
+SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
+HEAD_INSTANCE_ID = "sim-head-00000"  # the head's cloud instance id, as the autoscaler knows it
+# Every simulated node's address is LOOPBACK: nothing of a local run listens on or sends to the
+# machine's network address. Ray turns a loopback address given to ray.init (or a job driver's
+# RAY_ADDRESS) into the machine's "reachable" address unless it is told the cluster is one machine,
+# which is what this flag (named for Windows and macOS, where it is the default) says. Processes
+# Ray starts read it from the environment; this process read it when it imported Ray.
+ONE_MACHINE_FLAG = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _one_machine(on: bool) -> bool:
+    """Tell this process's Ray whether the cluster is one machine; returns what it said before."""
+    from ray._private import ray_constants
+
+    before, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, not on
+    return not before
+
+
+class SimulatedTPUCluster:
+    """A Ray head plus one Ray node per simulated TPU slice host.
+
+    Use as a context manager; :meth:`shutdown` stops only the processes it started.
+
+    Slices come from one of two places. With ``autoscaler=True`` the head runs Ray's own autoscaler
+    (v2) with :class:`~ray_elastic.sim.node_provider.TPUSliceProvider`: the initial slices, every
+    :meth:`add_slice` and every replacement are launched by the autoscaler for pending demand (a slice
+    placement group), and it retires dead hosts. Without it, this process starts the nodes itself and
+    :meth:`provisioner` stands in for the autoscaler.
+
+    Args:
+        num_slices: slices to start with.
+        hosts_per_slice: Ray nodes per slice (v4: 1 host = 2x2x1, 2 hosts = 2x2x2, ...).
+        devices_per_host: JAX CPU devices each host's process sees.
+        accelerator: TPU generation the hosts pretend to be.
+        fast_health_checks: use :data:`FAST_HEALTH_CHECKS` (sub-second node-death detection).
+        object_store_mb: object store size per node.
+        dashboard: start Ray's dashboard on ``dashboard_port`` (needed for ``ray job submit``).
+        autoscaler: launch and replace slices with Ray's autoscaler.
+        launch_delay_s: (autoscaler) how long provisioning a slice takes, scaled down (the first
+            ``num_slices`` are launched without it).
+        max_slices: (autoscaler) capacity: slices that may be alive at once (``None``: no limit);
+            a launch beyond it fails like a stock-out, see :meth:`set_capacity`.
+        idle_timeout_s: (autoscaler) an idle slice is terminated after this long.
+        pool_slices: (autoscaler, multi-host) how many pre-named slices the pool has
+            (default ``num_slices + 2``): a replacement takes a free name of the pool, often the lost one's.
+    """
+
+    def __init__(
+        self,
+        num_slices: int = 3,
+        hosts_per_slice: int = 1,
+        devices_per_host: int = 2,
+        accelerator: str = "v4",
+        fast_health_checks: bool = True,
+        object_store_mb: int = 100,
+        connect: bool = True,
+        log_to_driver: bool = True,
+        dashboard: bool = False,
+        autoscaler: bool = False,
+        launch_delay_s: float = 0.0,
+        max_slices: Optional[int] = None,
+        idle_timeout_s: float = 3600.0,
+        pool_slices: Optional[int] = None,
+    ):
+        self.slice_spec = SliceSpec.for_hosts(accelerator, hosts_per_slice, devices_per_host)
+        self.devices_per_host = devices_per_host
+        self.autoscaler = autoscaler
+        self._object_store_bytes = object_store_mb * 1024 * 1024
+        self._connect = connect
+        self._log_to_driver = log_to_driver
+        self._lock = threading.Lock()
+        self._next_slice = 0
+        self.slices: list[SimulatedSlice] = []
+        self._provisioners: list[Provisioner] = []
+        self._starter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sim-node-starter")
+        self._events_seen = 0
+        self.state_dir: Optional[str] = None  # the autoscaler provider's records
+        self.autoscaling_config_path: Optional[str] = None
+
+        import ray  # noqa: F401  (import here so the module can be inspected without Ray)
+        from ray.cluster_utils import Cluster
+
+        _allow_nodes_from_any_thread()
+
+        # A private temp dir: never touch other Ray instances on this machine.
+        self.temp_dir = tempfile.mkdtemp(prefix="rel-", dir="/tmp")
+        os.makedirs(os.path.join(self.temp_dir, "ray"), exist_ok=True)
+        # Ray reads these from the environment of every process it starts (raylets, workers, job
+        # drivers, the autoscaler's monitor), so they are set here and given back at shutdown.
+        env = {"RAY_TMPDIR": self.temp_dir, ONE_MACHINE_FLAG: "0"}
+        gcs_port = free_port()
+        head_env = {}
+        if autoscaler:
+            self.state_dir = os.path.join(self.temp_dir, "autoscaler")
+            os.makedirs(self.state_dir)
+            self.autoscaling_config_path = os.path.join(self.state_dir, "autoscaling.json")
+            self._write_autoscaling_config(f"{LOOPBACK}:{gcs_port}", num_slices, idle_timeout_s, pool_slices)
+
+            write_knobs(self.state_dir, max_slices=max_slices, launch_delay_s=0.0)  # the first slices: no delay
+            env.update(
+                {
+                    "RAY_enable_autoscaler_v2": "1",  # GCS stores it; the head then starts the v2 monitor
+                    "AUTOSCALER_UPDATE_INTERVAL_S": "1",  # one reconcile round a second (the floor)
+                    "AUTOSCALER_METRIC_PORT": str(free_port()),  # the default port is one per machine
+                }
+            )
+            head_env = {"RAY_CLOUD_INSTANCE_ID": HEAD_INSTANCE_ID, "RAY_NODE_TYPE_NAME": "ray.head.default"}
+        self._old_env = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        self._was_one_machine = _one_machine(True)
+        self.dashboard_port = free_port()
+        head_args = dict(
+            num_cpus=1,
+            node_ip_address=LOOPBACK,
+            gcs_server_port=gcs_port,
+            temp_dir=os.path.join(self.temp_dir, "ray"),
+            include_dashboard=dashboard,
+            dashboard_host="127.0.0.1",
+            dashboard_port=self.dashboard_port,
+            # Every node's agent on its own port (the default, 52365, is one per machine).
+            dashboard_agent_listen_port=free_port(),
+            object_store_memory=self._object_store_bytes,
+            _system_config=dict(FAST_HEALTH_CHECKS) if fast_health_checks else {},
+        )
+        if autoscaler:
+            head_args.update(autoscaling_config=self.autoscaling_config_path, env_vars=head_env)
+        t0 = time.monotonic()
+        self._cluster = Cluster(initialize_head=True, head_node_args=head_args, shutdown_at_exit=True)
+        logger.info("simulated head up in %.1fs at %s", time.monotonic() - t0, self.address)
+        try:
+            if autoscaler:
+                self._launch_slices(num_slices)
+                self.set_launch_delay(launch_delay_s)
+            else:
+                for _ in range(num_slices):
+                    self.add_slice()
+            if connect:
+                self._init_driver()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def address(self) -> str:
+        return self._cluster.address
+
+    def _init_driver(self) -> None:
+        import ray
+
+        ray.init(address=self.address, log_to_driver=self._log_to_driver, namespace="ray_elastic")
+
+    def __enter__(self) -> "SimulatedTPUCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def alive_slices(self) -> list[SimulatedSlice]:
+        self._sync()
+        return [s for s in self.slices if s.alive and len(s.hosts) == self.slice_spec.num_hosts]
+
+    def slice_by_name(self, name: str) -> SimulatedSlice:
+        """The slice of that name; the live one where a replacement reuses a lost slice's name."""
+        self._sync()
+        named = [s for s in self.slices if s.name == name]
+        if not named:
+            raise KeyError(f"no simulated slice named {name!r}; have {[s.name for s in self.slices]}")
+        return next((s for s in reversed(named) if s.alive), named[-1])
+
+    # ------------------------------------------------------------- autoscaler
+    def _write_autoscaling_config(
+        self, gcs_address: str, num_slices: int, idle_timeout_s: float, pool_slices: Optional[int]
+    ) -> None:
+        """Ray's cluster config for the autoscaler: the head, and the TPU slice node types."""
+        import json
+
+        spec = self.slice_spec
+
+        def node_type(host: TPUHost, max_workers: int, static_name: bool) -> dict:
+            labels = dict(host.labels)
+            if not static_name:
+                labels.pop(SLICE_NAME_LABEL)  # the provider names each single-host slice it launches
+            return {
+                "resources": {"CPU": 2, **{k: int(v) for k, v in host.resources.items()}},
+                "labels": labels,
+                "node_config": {},
+                "min_workers": 0,
+                "max_workers": max_workers,
+            }
+
+        types = {"ray.head.default": {"resources": {"CPU": 1}, "node_config": {}, "min_workers": 0, "max_workers": 0}}
+        prefix = f"sim-{spec.pod_type}"
+        if spec.num_hosts == 1:
+            types["tpu-slice"] = node_type(tpu_host(spec, prefix, 0, self.devices_per_host), 1000, False)
+        else:
+            # Ray's slice reservation pins hosts to the head host's slice name, and the autoscaler
+            # matches names only against static labels: a pool of pre-named slices.
+            for i in range(pool_slices or num_slices + 2):
+                for w in range(spec.num_hosts):
+                    types[pool_node_type(i, w)] = node_type(
+                        tpu_host(spec, f"{prefix}-{i}", w, self.devices_per_host), 1, True
+                    )
+        config = {
+            "cluster_name": os.path.basename(self.temp_dir),
+            "max_workers": 1000,
+            "upscaling_speed": 1000.0,  # every slice lost at once is replaced in the same round
+            "idle_timeout_minutes": idle_timeout_s / 60.0,
+            "provider": {
+                "type": "external",
+                "module": "ray_elastic.sim.node_provider.TPUSliceProvider",
+                "gcs_address": gcs_address,
+                "head_node_id": HEAD_INSTANCE_ID,
+                "state_dir": self.state_dir,
+                "node_ip_address": LOOPBACK,
+                "accelerator": spec.accelerator,
+                "hosts_per_slice": spec.num_hosts,
+                "devices_per_host": self.devices_per_host,
+                "object_store_bytes": self._object_store_bytes,
+                "slice_prefix": prefix,
+                "launch_multiple": True,
+                "disable_node_updaters": True,  # the provider starts Ray itself
+                "disable_launch_config_check": True,
+            },
+            "auth": {},
+            "head_node_type": "ray.head.default",
+            "available_node_types": types,
+            "docker": {},
+            "initialization_commands": [],
+            "setup_commands": [],
+            "head_setup_commands": [],
+            "worker_setup_commands": [],
+            "head_start_ray_commands": [],
+            "worker_start_ray_commands": [],
+            "file_mounts": {},
+            "cluster_synced_files": [],
+            "file_mounts_sync_continuously": False,
+            "rsync_exclude": [],
+            "rsync_filter": [],
+        }
+        with open(self.autoscaling_config_path, "w") as f:
+            json.dump(config, f, indent=1)
+
+    def set_capacity(self, max_slices: Optional[int]) -> None:
+        """(autoscaler) Slices that may be alive at once; ``None``: no limit. Below the live count it
+        is a stock-out: nothing running is taken away, and every launch fails until capacity returns
+        (the autoscaler retries each round; its demand stays visible in the cluster status)."""
+
+        self._require_autoscaler("set_capacity")
+        write_knobs(self.state_dir, max_slices=max_slices)
+
+    def set_launch_delay(self, seconds: float) -> None:
+        """(autoscaler) How long provisioning each slice takes from now on."""
+
+        self._require_autoscaler("set_launch_delay")
+        write_knobs(self.state_dir, launch_delay_s=float(seconds))
+
+    def autoscaler_events(self) -> list[dict]:
+        """(autoscaler) What the provider did: ``launch``, ``create`` (per host, with process ids),
+        ``terminate`` and ``stock_out`` records, each with its wall-clock time ``t``."""
+
+        self._require_autoscaler("autoscaler_events")
+        return read_events(self.state_dir)
+
+    def _require_autoscaler(self, what: str) -> None:
+        if not self.autoscaler:
+            raise RuntimeError(f"{what} needs SimulatedTPUCluster(autoscaler=True)")
+
+    def _sync(self) -> None:
+        """Learn the slices the autoscaler launched or terminated since the last look."""
+        if not self.autoscaler:
+            return
+
+        with self._lock:
+            events = read_events(self.state_dir)[self._events_seen :]
+            self._events_seen += len(events)
+            for e in events:
+                if e["event"] == "create":
+                    host = SimulatedHost(
+                        node_id=e["node_id"],
+                        pids=tuple(tuple(p) for p in e["pids"]),
+                        instance_id=e["instance"],
+                        worker_id=e["worker"],
+                    )
+                    sl = next((s for s in reversed(self.slices) if s.name == e["slice"]), None)
+                    if sl is None or not sl.alive or any(h.worker_id == host.worker_id for h in sl.hosts):
+                        sl = SimulatedSlice(name=e["slice"], hosts=[])
+                        self.slices.append(sl)
+                    sl.hosts = sorted(sl.hosts + [host], key=lambda h: h.worker_id)
+                elif e["event"] == "terminate":
+                    for sl in self.slices:
+                        if any(h.instance_id == e["instance"] for h in sl.hosts):
+                            sl.alive = False
+
+    def _launch_slices(self, count: int, timeout_s: float = 120.0) -> list[SimulatedSlice]:
+        """Have the autoscaler launch ``count`` more slices: a standing request for as many slice
+        heads as are alive plus ``count`` (a request, unlike a placement group, cannot be met by an
+        idle slice), withdrawn once they are up."""
+        from ray.autoscaler.v2.sdk import request_cluster_resources
+
+        before = {id(s) for s in self.alive_slices()}
+        head = {"resources": {f"TPU-{self.slice_spec.pod_type}-head": 1}, "label_selector": {}}
+        request_cluster_resources(self.address, [head] * (len(before) + count))
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                new = [s for s in self.alive_slices() if id(s) not in before]
+                if len(new) >= count and self._registered(new):
+                    return new
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"the autoscaler launched {len(new)} of {count} slice(s) in {timeout_s:.0f}s "
+                        f"(see {self.state_dir} and the monitor log under {self.temp_dir}/ray)"
+                    )
+                time.sleep(0.2)
+        finally:
+            request_cluster_resources(self.address, [])
+
+    def _registered(self, slices: list[SimulatedSlice]) -> bool:
+        from ray._private.state import GlobalState
+        from ray._raylet import GcsClientOptions
+
+        state = GlobalState()
+        state._initialize_global_state(
+            GcsClientOptions.create(self.address, None, allow_cluster_id_nil=True, fetch_cluster_id_if_nil=False)
+        )
+        try:
+            alive = {n["NodeID"] for n in state.node_table() if n["Alive"]}
+        finally:
+            state.disconnect()
+        return all(nid in alive for s in slices for nid in s.node_ids)
+
+    # -------------------------------------------------------------- operations
+    def add_slice(self) -> SimulatedSlice:
+        """One more slice; returns when its nodes are registered.
+
+        Without the autoscaler, nodes are always started from one long-lived thread: Ray starts node
+        processes with a parent-death signal, which Linux ties to the *thread* that started them,
+        so a node started from a short-lived thread (a provisioner's) would die with it.
+        """
+        if self.autoscaler:
+            return self._launch_slices(1)[0]
+        return self._starter.submit(self._add_slice).result()
+
+    def _add_slice(self) -> SimulatedSlice:
+        spec = self.slice_spec
+        with self._lock:
+            name = f"sim-{spec.pod_type}-{self._next_slice}"
+            self._next_slice += 1
+        hosts = []
+        for worker_id in range(spec.num_hosts):
+            host = tpu_host(spec, name, worker_id, self.devices_per_host)
+            try:
+                node = self._cluster.add_node(
+                    num_cpus=2,
+                    node_ip_address=LOOPBACK,
+                    resources=host.resources,
+                    labels=host.labels,
+                    env_vars=host.env,
+                    dashboard_agent_listen_port=free_port(),
+                    object_store_memory=self._object_store_bytes,
+                )
+            except Exception:
+                # A node that did not start in time (seen on loaded cores: "The current node timed out
+                # during startup", its raylet then declared dead by the GCS and exiting on its own):
+                # the slice's hosts already up are stopped too, so no half slice is left behind.
+                self._kill_hosts(hosts, name)
+                raise
+            hosts.append(SimulatedHost(node_id=node.node_id, node=node, worker_id=worker_id))
+        sl = SimulatedSlice(name=name, hosts=hosts)
+        with self._lock:
+            self.slices.append(sl)
+        logger.info("simulated slice %s added (%d host(s))", name, len(hosts))
+        return sl
+
+    def processes(self) -> list[psutil.Process]:
+        """Every live process of the cluster: the head's and each live slice host's, with children."""
+        head = SimulatedHost(node_id=self._cluster.head_node.node_id, node=self._cluster.head_node)
+        table = process_children()
+        return [p for h in [head] + [h for sl in self.alive_slices() for h in sl.hosts] for p in h.processes(table)]
+
+    def kill_slice(self, name: str) -> float:
+        """A lost slice: SIGKILL every process of its hosts (and remove the nodes this process started).
+        Returns the wall time of the first SIGKILL: when the loss happened, for whoever times its detection."""
+        sl = self.slice_by_name(name)
+        killed_at = self._kill_hosts(sl.hosts, name)
+        sl.alive = False
+        logger.info("simulated slice %s killed", name)
+        return killed_at
+
+    def kill_host(self, name: str, worker_id: int) -> float:
+        """One host of a multi-host slice lost (the slice is unusable; ``reap_dead_slices`` clears the rest).
+        Returns the wall time of the first SIGKILL."""
+        killed_at = self._kill_hosts([self.slice_by_name(name).hosts[worker_id]], name)
+        logger.info("simulated host %d of slice %s killed", worker_id, name)
+        return killed_at
+
+    def _kill_hosts(self, hosts: list[SimulatedHost], name: str) -> float:
+        """SIGKILL these hosts' processes, all found first (one read of the process table) so the
+        kills follow each other at once, as in a real host or slice loss; then remove the nodes this
+        process started. Returns when the first SIGKILL went out: on loaded cores that can be long
+        after the caller asked (once ~1.5 s in ``bench/recovery.py``, which timed detection from the
+        asking until it used this)."""
+        table = process_children()
+        procs = [p for host in hosts for p in host.processes(table)]
+        killed_at = time.time()
+        send_signal(procs, signal.SIGKILL)
+        for host in hosts:
+            if host.node is None:
+                continue  # an autoscaled host: the autoscaler retires its instance
+            try:
+                self._cluster.remove_node(host.node, allow_graceful=False)
+            except Exception as e:  # already dead processes make remove_node's checks noisy
+                logger.debug("remove_node(%s): %s", name, e)
+                self._cluster.worker_nodes.discard(host.node)
+        return killed_at
+
+    def reap_dead_slices(self) -> list[str]:
+        """Kill and remove slices that Ray has declared dead (for example hung ones); returns their names."""
+        import ray
+
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        dead = [s.name for s in self.alive_slices() if any(nid not in alive for nid in s.node_ids)]
+        for name in dead:
+            self.kill_slice(name)
+        return dead
+
+    def hang_slice(self, name: str) -> None:
+        """A hung slice: SIGSTOP its hosts' processes (raylet and workers)."""
+        self._signal_slice(self.slice_by_name(name), signal.SIGSTOP)
+
+    def resume_slice(self, name: str) -> None:
+        """Undo :meth:`hang_slice`."""
+        self._signal_slice(self.slice_by_name(name), signal.SIGCONT)
+
+    @staticmethod
+    def _signal_slice(sl: SimulatedSlice, sig: int) -> None:
+        table = process_children()
+        send_signal([p for host in sl.hosts for p in host.processes(table)], sig)
+
+    def worker_pids(self, name: str) -> list[int]:
+        """PIDs of the Ray worker processes (actors) running on a slice's hosts."""
+        pids = []
+        table = process_children()
+        for host in self.slice_by_name(name).hosts:
+            for p in host.processes(table):
+                try:
+                    if p.name().startswith("ray::") or "default_worker.py" in " ".join(p.cmdline()):
+                        pids.append(p.pid)
+                except psutil.NoSuchProcess:
+                    pass
+        return pids
+
+    def _stop_autoscaled_nodes(self, cluster) -> None:
+        """No new launches (capacity 0), wait for the ones in flight (a node half-started when the
+        monitor dies would be orphaned), stop the monitor, then SIGKILL every node it launched by the
+        recorded PIDs, and last whatever of their hosts still runs (:meth:`stray_processes`)."""
+
+        write_knobs(self.state_dir, max_slices=0)
+        deadline = time.monotonic() + 60
+        while launches_in_flight(read_events(self.state_dir)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        try:
+            cluster.head_node.kill_monitor(check_alive=False)
+        except Exception as e:  # noqa: BLE001 - it may be gone already
+            logger.debug("kill monitor: %s", e)
+        self._sync()
+        table = process_children()
+        procs = [p for sl in self.slices for host in sl.hosts for p in host.processes(table)]
+        head = {p.pid for p in SimulatedHost(node_id="", node=cluster.head_node).processes(table)}
+        procs += [p for p in self.stray_processes() if p.pid not in head]  # missed by the records
+        send_signal(procs, signal.SIGKILL)
+
+    def stray_processes(self) -> list[psutil.Process]:
+        """Processes of this cluster's slice hosts that are still running: their environment has our
+        private ``RAY_TMPDIR`` and a ``TPU_NAME`` (what every host's raylet, agents and workers
+        inherit). After :meth:`shutdown` this is empty. Found by environment because Ray's agents
+        retitle themselves (``ray::DashboardAgent``) and outlive a SIGKILLed raylet."""
+        out = []
+        for p in psutil.process_iter(["pid"]):
+            try:
+                env = p.environ()
+            except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+                continue
+            if p.pid != os.getpid() and env.get("RAY_TMPDIR") == self.temp_dir and "TPU_NAME" in env:
+                out.append(p)
+        return out
+
+    def provisioner(self, delay_s: float = 0.0, poll_s: float = 0.2, max_slices: Optional[int] = None) -> "Provisioner":
+        """Start a :class:`Provisioner` bound to this cluster (stopped by :meth:`shutdown`)."""
+        if self.autoscaler:
+            raise RuntimeError(
+                "this cluster's slices come from Ray's autoscaler: use launch_delay_s, "
+                "max_slices and set_capacity() instead of a provisioner"
+            )
+        p = Provisioner(self, delay_s=delay_s, poll_s=poll_s, max_slices=max_slices)
+        self._provisioners.append(p)
+        p.start()
+        return p
+
+    def shutdown(self) -> None:
+        """Stop the provisioners, disconnect, stop every node this cluster started.
+
+        With the autoscaler: its monitor first (no more launches), then every host it launched (by
+        the process ids its provider recorded), then the head."""
+        for p in self._provisioners:
+            p.stop()
+        self._provisioners.clear()
+        import ray
+
+        if self._connect and ray.is_initialized():
+            ray.shutdown()
+        cluster = getattr(self, "_cluster", None)
+        if self.autoscaler and cluster is not None:
+            self._stop_autoscaled_nodes(cluster)
+        # SIGCONT anything we stopped so it can be killed cleanly.
+        for sl in self.slices:
+            if sl.alive:
+                try:
+                    self._signal_slice(sl, signal.SIGCONT)
+                except Exception:
+                    pass
+        if cluster is not None:
+            try:
+                cluster.shutdown()
+            except Exception as e:
+                logger.warning("cluster shutdown: %s", e)
+            self._cluster = None
+        self._starter.shutdown(wait=False)
+        _one_machine(self._was_one_machine)
+        for k, v in self._old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+class Provisioner:
+    """Adds a slice ``delay_s`` after a slice placement group has been pending.
+
+    It watches the placement group table for PENDING groups that ask for TPU
+    resources (what the Ray autoscaler reacts to), waits ``delay_s`` (how long a
+    real TPU slice takes to come up, scaled down), then adds one slice per
+    pending group. ``max_slices`` bounds the slices it will ever add. A launch that fails (a node
+    that does not start in time on loaded cores) is retried at the next poll, as a cloud
+    autoscaler retries a failed instance launch: a provisioner thread that died with it left a
+    pause-and-resume run waiting out its whole ``replacement_timeout_s`` (``bench/recovery.py``,
+    2026-12-04).
+    """
+
+    def __init__(self, cluster: SimulatedTPUCluster, delay_s: float, poll_s: float, max_slices: Optional[int]):
+        self._cluster = cluster
+        self.delay_s = delay_s
+        self.poll_s = poll_s
+        self.max_slices = max_slices
+        self.added: list[str] = []
+        self.failed_launches: list[str] = []  # why each launch that failed did (it was retried)
+        self._first_seen: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ray-elastic-provisioner", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+
+    def _pending_tpu_groups(self) -> list[str]:
+        import ray
+
+        pending = []
+        for pg_id, info in ray.util.placement_group_table().items():
+            if info.get("state") != "PENDING":
+                continue
+            bundles = info.get("bundles", {}).values()
+            # TPU hosts, or the head host of a multi-host slice (``TPU-<pod type>-head``: the first
+            # step of a slice reservation, which the Ray autoscaler also launches a slice for)
+            if any(
+                b.get("TPU", 0) > 0 or any(k.startswith("TPU-") and k.endswith("-head") for k in b) for b in bundles
+            ):
+                pending.append(pg_id)
+        return pending
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            if self.max_slices is not None and len(self.added) >= self.max_slices:
+                return
+            try:
+                pending = self._pending_tpu_groups()
+            except Exception as e:  # the driver may be shutting down
+                logger.debug("provisioner poll failed: %s", e)
+                continue
+            now = time.monotonic()
+            for pg_id in list(self._first_seen):
+                if pg_id not in pending:
+                    del self._first_seen[pg_id]
+            for pg_id in pending:
+                first = self._first_seen.setdefault(pg_id, now)
+                if now - first >= self.delay_s:
+                    try:
+                        sl = self._cluster.add_slice()
+                    except Exception as e:  # noqa: BLE001 - like a cloud's failed launch: try again
+                        self.failed_launches.append(repr(e)[:300])
+                        logger.warning("simulated slice launch failed (%s); retrying", repr(e)[:200])
+                        break  # the group stays pending: the next poll launches again
+                    self.added.append(sl.name)
+                    # The new slice satisfies this group; forget it either way.
+                    self._first_seen.pop(pg_id, None)
+                    break

@@ -1,0 +1,489 @@
+"""The JAX side of a slice process: join the world, build the mesh, train.
+
+Nothing here imports Ray. The slice actor (``worker.py``) calls it, and so does
+the bare multi-process baseline in ``bench/overhead.py``: both run exactly the
+same step function.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh
+
+from ray_elastic.decide import WorldPlan
+from ray_elastic.errors import StorageError, TrainingCodeError
+from ray_elastic.slice import step_program as sp
+from ray_elastic.slice.data import BatchPrefetcher, StepBatches
+
+
+def enable_compilation_cache(cache_dir: Optional[str]) -> None:
+    """Persistent compilation cache: a new generation recompiles from disk, not from scratch."""
+    if not cache_dir:
+        return
+    os.makedirs(cache_dir, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    _share_cpu_cache_entries()
+    _count_cache_hits()
+
+
+def _share_cpu_cache_entries() -> None:
+    """Let every process of a multi-process CPU world hit the entry process 0 wrote.
+
+    JAX writes persistent-cache entries from process 0 only and expects the other
+    processes to compute the same key. On TPU they do (the key hashes the slice's
+    topology); on CPU the topology fingerprint is per process, so processes 1.. miss
+    every time and recompile after each re-formation (measured: 0.9-1.1 s against 0.05 s
+    for process 0, 3 processes). For CPU devices the key hashes what is the same
+    everywhere (device kinds and count) instead; other platforms keep JAX's own key.
+    """
+    from jax._src import cache_key
+
+    original = cache_key._hash_accelerator_config
+    if getattr(original, "_ray_elastic", False):
+        return
+
+    def hash_accelerator_config(hash_obj, accelerators):
+        devices = list(accelerators.flat)
+        if devices and all(d.platform == "cpu" for d in devices):
+            hash_obj.update(f"cpu:{len(devices)}:{devices[0].device_kind}".encode())
+        else:
+            original(hash_obj, accelerators)
+
+    hash_accelerator_config._ray_elastic = True
+    cache_key._hash_accelerator_config = hash_accelerator_config
+
+
+def initialize(coordinator_address: str, plan: WorldPlan, process_id: int, timeout_s: float) -> None:
+    """Join the multi-controller JAX world of ``plan`` (gloo collectives on CPU).
+
+    A process that connects before process 0 has started the coordination service is
+    retried after about a second, and holds the whole world back that long (measured:
+    ~1 s vs ~0.01 s for 3 processes); so every other process first waits until the
+    coordinator's port accepts connections.
+    """
+    if process_id != 0:
+        _wait_for_port(coordinator_address, timeout_s)
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=plan.num_processes,
+        process_id=process_id,
+        initialization_timeout=int(timeout_s),
+        # The coordination service listens on the node's address only, not on every interface.
+        coordinator_bind_address=coordinator_address if process_id == 0 else None,
+    )
+    expected = plan.num_processes * plan.devices_per_host
+    if jax.device_count() != expected:
+        raise RuntimeError(
+            f"JAX world has {jax.device_count()} devices, plan expects {expected} "
+            f"({plan.num_processes} processes x {plan.devices_per_host}); check devices_per_host"
+        )
+
+
+def hold_port(host: str) -> socket.socket:
+    """A free port on ``host``, held until the coordination service binds it: the socket is bound
+    with SO_REUSEPORT and never listens, so gRPC (which sets SO_REUSEPORT) can bind the same port
+    while any other process is refused. Picking a port and closing it would leave a window in
+    which something else takes it. Close it once ``initialize`` has returned."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind((host, 0))
+    return s
+
+
+def _wait_for_port(address: str, timeout_s: float, poll_s: float = 0.005) -> None:
+    """Until ``host:port`` accepts a TCP connection (or the timeout: initialize then says why)."""
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, int(port)), timeout=0.1):
+                return
+        except OSError:
+            time.sleep(poll_s)
+
+
+def build_mesh(plan: WorldPlan) -> Mesh:
+    """A (replica, *slice axes) mesh: one row per slice, that slice's devices along its own axes.
+
+    On real multi-slice TPUs the devices carry ``slice_index`` and the hybrid
+    (ICI x DCN) helper lays them out; on CPU processes are grouped by process id,
+    which ``plan`` numbers slice-major.
+    """
+    return Mesh(_device_grid(plan), tuple(plan.mesh_shape))
+
+
+def _device_grid(plan: WorldPlan):
+    """The devices of ``plan``'s mesh, laid out (replica, *slice axes), from this world's first
+    ``plan.num_slices`` slices: all of them for this world's own plan; for a smaller layout,
+    the devices (and so the device ids) a world of that many slices will have."""
+    sizes = tuple(plan.mesh_shape.values())
+    inner = sizes[1:]
+    devices = jax.devices()
+    if devices[0].platform == "tpu" and plan.num_slices > 1:
+        from jax.experimental import mesh_utils
+
+        devices = [d for d in devices if getattr(d, "slice_index", 0) < plan.num_slices]
+        return mesh_utils.create_hybrid_device_mesh(
+            (1,) + inner, (plan.num_slices,) + (1,) * len(inner), devices=devices
+        )
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))[: int(np.prod(sizes))]
+    return np.array(ordered).reshape(sizes)
+
+
+def compile_ahead(traced: jax.stages.Traced, plan: WorldPlan) -> None:
+    """Compile the step traced for a smaller layout (``plan``) for the devices a world of that
+    layout will have, so that the persistent cache holds it before that world exists: its
+    first forming then loads the executable instead of compiling it (measured on CPU, the
+    digits MLP: 0.07-0.11 s against 0.6 s cold). Run in process 0 (JAX writes cache entries
+    from process 0 only); with no persistent cache it would be wasted work."""
+    _lower_and_compile(traced, _device_grid(plan))
+
+
+def _lower_and_compile(traced: jax.stages.Traced, grid) -> tuple:
+    """Lower a step traced ahead for the devices of ``grid`` and compile (or load) it: the one
+    definition for a forming world and for :func:`compile_ahead`, whose persistent-cache keys must
+    be the same. Returns the executable and the seconds of each phase (and whether it was a hit)."""
+    t0 = time.perf_counter()
+    lowered = traced.lower(lowering_platforms=(grid.flat[0].platform,))
+    t1 = time.perf_counter()
+    hits = _cache_hits[0]
+    executable = lowered.compile(device_assignment=tuple(grid.flat))
+    return executable, {"lower_s": t1 - t0, "load_s": time.perf_counter() - t1, "from_cache": _cache_hits[0] > hits}
+
+
+_cache_hits = [0]  # persistent-cache hits in this process (jax.monitoring), for :meth:`TrainLoop.compile`
+
+
+def _count_cache_hits() -> None:
+    if getattr(_count_cache_hits, "registered", False):
+        return
+    jax.monitoring.register_event_listener(
+        lambda event, **kw: (
+            _cache_hits.__setitem__(0, _cache_hits[0] + 1) if event == "/jax/compilation_cache/cache_hits" else None
+        )
+    )
+    _count_cache_hits.registered = True
+
+
+def _programs(task, plan: WorldPlan, seed: int, fsdp_min_size: int, mesh, rules, scale_updates: bool):
+    """State spec, shardings and the train step for ``mesh`` (concrete, or abstract to trace ahead of
+    a world). One definition for both, so what is traced ahead is what runs."""
+    spec = sp.state_spec(task, seed, plan.lr_scale if scale_updates else None)
+    shardings = sp.state_shardings(spec, mesh, rules, fsdp_min_size)
+    batch_sharding, step = sp.train_program(task, spec, shardings, mesh, plan.num_microbatches, plan.data_parallel)
+    return spec, shardings, batch_sharding, step
+
+
+def program_key(plan: WorldPlan) -> tuple:
+    """What the compiled step depends on besides the task: mesh shape, global batch, microbatches, update scale."""
+    return (tuple(plan.mesh_shape.items()), plan.global_batch_size, plan.num_microbatches, plan.lr_scale)
+
+
+def trace_ahead(
+    task, plan: WorldPlan, seed: int, fsdp_min_size: int, batches: StepBatches, scale_updates: bool = False, rules=()
+) -> jax.stages.Traced:
+    """Trace the train step for a world laid out like ``plan``, before any world exists.
+
+    Runs on an abstract mesh, so it needs no devices and may run before
+    ``jax.distributed.initialize``: a standby process traces the worlds it may join
+    while it waits, and joining one only lowers and loads (:meth:`TrainLoop.compile`).
+    """
+    mesh = AbstractMesh(tuple(plan.mesh_shape.values()), tuple(plan.mesh_shape))
+    spec, shardings, batch_sharding, step = _programs(task, plan, seed, fsdp_min_size, mesh, rules, scale_updates)
+    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), spec.abstract, shardings)
+    example = batches.rows(0, 0, 1)  # one row: the fields' trailing shapes and dtypes
+    batch = {
+        k: jax.ShapeDtypeStruct((plan.global_batch_size,) + v.shape[1:], v.dtype, sharding=batch_sharding)
+        for k, v in example.items()
+    }
+    return step.trace(state, batch)
+
+
+class NonFiniteLossError(TrainingCodeError):
+    """A step's loss was NaN or infinite: the run stops before that state replaces the last good one."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+    def __reduce__(self):  # crosses Ray from the slice process to the driver
+        return type(self), (str(self), self.step)
+
+
+def _host_metrics(metrics: dict) -> dict:
+    """A step's replicated scalar metrics as Python floats."""
+    return {k: float(np.asarray(v.addressable_shards[0].data)) for k, v in metrics.items()}
+
+
+def block_range(indices, shape) -> tuple:
+    """The global (start, stop) per dimension of the block a process's shards (``indices``: their
+    index tuples) form; raises when they do not tile it (a block with holes cannot be restored)."""
+    keys = {
+        tuple((sl.start or 0, dim if sl.stop is None else sl.stop) for sl, dim in zip(index, shape))
+        for index in indices
+    }
+    rng = tuple((min(k[d][0] for k in keys), max(k[d][1] for k in keys)) for d in range(len(shape)))
+    volume = lambda k: int(np.prod([b - a for a, b in k]))  # noqa: E731
+    if sum(volume(k) for k in keys) != volume(rng):
+        raise ValueError(f"this process's shards {sorted(keys)} do not form one block of an array of shape {shape}")
+    return rng
+
+
+def host_blocks(leaves: list[jax.Array]) -> dict:
+    """This process's block of every leaf, and its global index range (see :func:`local_block`)."""
+    blocks = [local_block(x) for x in leaves]
+    return {"leaves": [b for b, _ in blocks], "ranges": [r for _, r in blocks]}
+
+
+def local_block(arr: jax.Array) -> tuple[np.ndarray, tuple]:
+    """This process's part of a global array, as one numpy block, and the block's global index range.
+
+    A process's devices are whole rows of its slice's fsdp axis (the axes after fsdp fit in a
+    host), so its shards of a sharded array are one contiguous slab, and of a replicated array the
+    whole array. This is what ``make_array_from_process_local_data`` takes back; the
+    range says where the block belongs, so a restore can refuse one that would land elsewhere.
+    """
+    if arr.ndim == 0:
+        return np.asarray(arr.addressable_shards[0].data), ()
+    if arr.is_fully_replicated:  # the whole array on each device: one shard is the block
+        return np.array(arr.addressable_shards[0].data), tuple((0, d) for d in arr.shape)
+    rng = block_range([sh.index for sh in arr.addressable_shards], arr.shape)
+    block = np.empty([b - a for a, b in rng], dtype=arr.dtype)
+    for sh in arr.addressable_shards:
+        key = [(sl.start or 0, dim if sl.stop is None else sl.stop) for sl, dim in zip(sh.index, arr.shape)]
+        block[tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(key, rng))] = np.asarray(sh.data)
+    return block, rng
+
+
+class TrainLoop:
+    """Sharded train state and a compiled step on one world's mesh.
+
+    Args:
+        task: the user's TrainTask.
+        plan: this world's layout.
+        process_id: this process's place in ``plan``.
+        seed: parameter initialisation seed.
+        mesh: from :func:`build_mesh`.
+        fsdp_min_size: see ``ElasticConfig.fsdp_min_size``.
+        batches: the task's data by step (built once per process, reused across worlds).
+        restore: what :meth:`snapshot` returned in the same host position of an earlier world
+            (blocks and their index ranges, checked against this world's shardings); ``None``
+            initialises fresh parameters.
+        scale_updates: wrap the optimizer with the plan's ``lr_scale`` (scale policy + lr rule).
+        checkpointer: this world's :class:`~ray_elastic.state.checkpoints.Checkpointer` (None: no checkpoints).
+        checkpoint_step: load this committed checkpoint (steps completed) instead of ``restore``,
+            resharded onto this world's mesh, from ``restore_from`` (a Checkpointer) or ``checkpointer``.
+        rules: the run's logical axis rules (``ElasticConfig.logical_axis_rules``).
+        eval_batches: the task's held-out data (:class:`~ray_elastic.slice.data.EvalBatches`), or None.
+        prefetch: steps whose rows a reader thread prepares ahead (0: read in the step loop).
+    """
+
+    def __init__(
+        self,
+        task,
+        plan: WorldPlan,
+        process_id: int,
+        seed: int,
+        mesh: Mesh,
+        fsdp_min_size: int,
+        batches: StepBatches,
+        restore: Optional[list] = None,
+        scale_updates: bool = False,
+        checkpointer=None,
+        checkpoint_step: Optional[int] = None,
+        restore_from=None,
+        rules=(),
+        eval_batches=None,
+        prefetch: int = 2,
+    ):
+        self.task = task
+        self.plan = plan
+        self.mesh = mesh
+        self.process_id = process_id
+        self.row_range = plan.process_rows(process_id)
+        self.batches = batches
+        self.eval_batches = eval_batches
+        self._rows = BatchPrefetcher(batches, *self.row_range, depth=prefetch)
+        self._in_flight: collections.deque = collections.deque()  # (step, metrics, dispatched at)
+        self._last_finish: Optional[float] = None
+        self._copy = None  # the jitted device-side copy of the state, for snapshots
+        self._eval = None  # the jitted eval step, compiled at the first evaluation
+
+        self.spec, self.state_shardings, self.batch_sharding, self._step = _programs(
+            task, plan, seed, fsdp_min_size, mesh, rules, scale_updates
+        )
+        abstract = self.spec.abstract
+        self.sharded_params = sum(1 for sh in jax.tree.leaves(self.state_shardings) if any(sh.spec))
+
+        self.checkpointer = checkpointer
+        self.restored_metadata: Optional[dict] = None
+        if checkpoint_step is not None:
+            target = jax.tree.map(
+                lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, self.state_shardings
+            )
+            try:
+                self.state, self.restored_metadata = (restore_from or checkpointer).restore(checkpoint_step, target)
+            except Exception as e:  # storage, not the task: another world may read it
+                raise StorageError(f"restoring checkpoint {checkpoint_step} failed: {e!r}", checkpoint_step) from e
+        elif restore is None:
+            self.state = sp.init_program(self.spec, self.state_shardings)()
+        else:
+            leaves, treedef = jax.tree.flatten(abstract)
+            shardings = jax.tree.leaves(self.state_shardings)
+            blocks, ranges = restore["leaves"], restore["ranges"]
+            if len(blocks) != len(leaves):
+                raise ValueError(f"snapshot has {len(blocks)} arrays, the model's state has {len(leaves)}")
+            for i, (sh, a, got) in enumerate(zip(shardings, leaves, ranges)):
+                want = block_range(sh.addressable_devices_indices_map(a.shape).values(), a.shape) if a.ndim else ()
+                if tuple(map(tuple, got)) != want:
+                    raise ValueError(
+                        f"snapshot block of state leaf {i} {a.shape} holds {got}, but this process "
+                        f"of the new world needs {want}: refusing to place it by position"
+                    )
+            self.state = jax.tree.unflatten(
+                treedef,
+                [
+                    jax.make_array_from_process_local_data(sh, np.asarray(blk, dtype=a.dtype), a.shape)
+                    for sh, blk, a in zip(shardings, blocks, leaves)
+                ],
+            )
+
+    def global_batch_array(self, step: int) -> dict:
+        """This process's rows of step ``step`` (prepared ahead by the reader thread), assembled into
+        global jax.Arrays."""
+        local = self._rows.get(step)
+        B = self.plan.global_batch_size
+        return {
+            k: jax.make_array_from_process_local_data(self.batch_sharding, v, (B,) + v.shape[1:])
+            for k, v in local.items()
+        }
+
+    def close(self) -> None:
+        self._rows.close()
+
+    def compile(self, step: int, traced: Optional[jax.stages.Traced] = None, snapshots: bool = False) -> dict:
+        """Compile the step (from the persistent cache when warm); seconds of each phase.
+
+        ``traced``: from :func:`trace_ahead` for this world's layout (tracing is then already
+        done; it is lowered for this world's devices). ``load_s`` is XLA compiling, or loading
+        the executable on a persistent-cache hit. ``snapshots``: also compile the state's copy
+        (:meth:`snapshot_copy`), so the first snapshot does not hold up a step.
+        """
+        if snapshots:
+            self._copy = self._copy_program().lower(self.state).compile()
+        t0 = time.perf_counter()
+        if traced is not None:
+            self._step, phases = _lower_and_compile(traced, self.mesh.devices)
+            return {"trace_s": 0.0, **phases, "compile_s": time.perf_counter() - t0, "traced_ahead": True}
+        traced = self._step.trace(self.state, self.global_batch_array(step))
+        t1 = time.perf_counter()
+        lowered = traced.lower()
+        t2 = time.perf_counter()
+        hits = _cache_hits[0]
+        self._step = lowered.compile()
+        t3 = time.perf_counter()
+        return {
+            "trace_s": t1 - t0,
+            "lower_s": t2 - t1,
+            "load_s": t3 - t2,
+            "compile_s": t3 - t0,
+            "traced_ahead": False,
+            "from_cache": _cache_hits[0] > hits,
+        }
+
+    def dispatch(self, step: int) -> None:
+        """Start step ``step`` and return before it has run (JAX dispatches asynchronously);
+        :meth:`finish` reads it. The device queue then never drains between steps."""
+        t0 = time.perf_counter()
+        self.state, metrics = self._step(self.state, self.global_batch_array(step))
+        self._in_flight.append((step, metrics, t0))
+
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def finish(self) -> dict:
+        """Wait for the oldest dispatched step: its metrics (``loss`` and what the task returns) and
+        step time. The step time is the interval since the previous step finished (for the first,
+        since it was dispatched): with steps in flight that is what a step costs the run, waits
+        between chunks included. A loss that is not finite ends the run (:class:`NonFiniteLossError`)."""
+        step, metrics, t_dispatch = self._in_flight.popleft()
+        values = _host_metrics(metrics)
+        if not np.isfinite(values["loss"]):
+            raise NonFiniteLossError(
+                f"the loss of step {step} is {values['loss']}: training stopped before that state was "
+                "checkpointed or snapshotted (lower the learning rate, clip gradients, or check the data of "
+                "that step)",
+                step,
+            )
+        now = time.perf_counter()
+        since = t_dispatch if self._last_finish is None else self._last_finish
+        self._last_finish = now
+        return {**values, "step": step, "step_time_s": now - since}
+
+    def evaluate(self, num_batches: int) -> dict:
+        """Mean of the task's eval metrics over eval batches ``0 .. num_batches-1``, as ``eval/<name>``.
+        Same state, same numbers, whatever the world's size (each batch's metrics are means over it)."""
+        if self._eval is None:
+            self._eval = sp.eval_program(self.task, self.spec, self.state_shardings, self.mesh)
+        E = self.eval_batches.batch_size
+        lo, hi = self.eval_batches.process_rows(self.process_id, self.plan.num_processes)
+        totals: dict = {}
+        for i in range(num_batches):
+            local = self.eval_batches.rows(i, lo, hi)
+            batch = {
+                k: jax.make_array_from_process_local_data(self.batch_sharding, v, (E,) + v.shape[1:])
+                for k, v in local.items()
+            }
+            for k, v in _host_metrics(self._eval(self.state, batch)).items():
+                totals[k] = totals.get(k, 0.0) + v
+        return {f"eval/{k}": v / num_batches for k, v in totals.items()}
+
+    def run(self, start_step: int, num_steps: int, in_flight: int = 1) -> list[dict]:
+        """Run ``num_steps`` steps from ``start_step`` keeping ``in_flight`` more dispatched than read
+        (0: blocking); per-step loss and step time."""
+        out = []
+        for s in range(start_step, start_step + num_steps):
+            self.dispatch(s)
+            while self.in_flight() > in_flight:
+                out.append(self.finish())
+        while self.in_flight():
+            out.append(self.finish())
+        return out
+
+    def save_checkpoint(self, steps_done: int, metadata: dict) -> float:
+        """Start an async save of the state as checkpoint ``steps_done``; seconds the step was blocked.
+
+        The dispatched step is waited for first, outside the count: its time is the step's own (the
+        device computes it either way); what the save costs the run is only what comes after."""
+        jax.block_until_ready(self.state)
+        return self.checkpointer.save(steps_done, self.state, metadata)
+
+    def snapshot(self) -> dict:
+        """Host copy of this process's part of the train state (params and optimizer state): per
+        leaf the block (``leaves``) and its global index range (``ranges``). Waits for the state."""
+        return host_blocks(jax.tree.leaves(self.state))
+
+    def _copy_program(self):
+        """A jitted copy of the state onto new buffers with the state's shardings."""
+        return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self.state_shardings)
+
+    def snapshot_copy(self) -> list[jax.Array]:
+        """A device-side copy of the state after the last dispatched step, already on its way to
+        the host: the next step may donate the state's buffers while the copy is read out in the
+        background (:func:`host_blocks`). Costs one more copy of the state in device memory."""
+        if self._copy is None:
+            self._copy = self._copy_program()
+        leaves = jax.tree.leaves(self._copy(self.state))
+        for x in leaves:
+            x.copy_to_host_async()
+        return leaves

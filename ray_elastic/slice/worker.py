@@ -1,0 +1,529 @@
+"""The slice actor: one Ray actor per slice host, a thin shell around ``jax_world``.
+
+It owns one JAX process for the lifetime of one world generation. It can be
+started ahead of need (a *standby*: Python, JAX and the task's data already
+loaded) and promoted when the next generation forms. The controller never sends
+it per-step work: it asks for chunks of steps. One step is always in flight (the
+next is dispatched before the last one's loss is read); snapshot-keeping processes
+hand their snapshots to the host's keeper from a background thread and stream
+their metrics a few times a second, each step only once its snapshot is kept.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import logging
+import os
+import threading
+import time
+from typing import Optional
+
+import ray
+
+from ray_elastic.decide import WorldPlan, is_checkpoint_step, is_eval_step, is_snapshot_step
+from ray_elastic.detect.liveness import Beacon
+from ray_elastic.errors import SliceDownError
+from ray_elastic.state.snapshot_keeper import SnapshotWriter
+from ray_elastic.state.snapshots import SnapshotRef
+
+logger = logging.getLogger(__name__)
+TRACE_AHEAD_WORLDS = 3  # world sizes a standby traces the step for: full size and the next smaller ones
+IN_FLIGHT = 1  # steps dispatched beyond the one whose loss is being read
+FLUSH_S = 0.2  # a snapshot-keeping process streams its finished steps at most this often (and at chunk ends)
+
+
+def set_niceness(niceness: Optional[int]) -> None:
+    """Give every thread of this process ``niceness`` (``ElasticConfig.worker_niceness``; None: leave
+    Ray's ``RAY_worker_niceness``, 15 by default). On Linux niceness is per thread, and threads
+    started later inherit their creator's. Lowering it needs root or CAP_SYS_NICE."""
+    if niceness is None or not os.path.isdir("/proc/self/task"):
+        return
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
+        except OSError as e:
+            logger.warning("could not set niceness %d: %r", niceness, e)
+            return
+
+
+def _block_until_ready(leaves) -> None:
+    import jax
+
+    jax.block_until_ready(leaves)
+
+
+def jax_world_host_blocks(leaves) -> dict:
+    """The host copy of a snapshot (JAX side; imported here only when a snapshot is written)."""
+    from ray_elastic.slice.jax_world import host_blocks
+
+    return host_blocks(leaves)
+
+
+@contextlib.contextmanager
+def _world_errors(what: str, everything: bool = False):
+    """Raise what fails here as :class:`SliceDownError` when it is the world's fault, not the task's:
+    JAX's slice-down errors (a peer died mid-collective) always; any error with ``everything``
+    (steps that run no task code). The controller then recovers instead of calling it a bug."""
+    import jax
+
+    try:
+        yield
+    except SliceDownError:
+        raise
+    except jax.errors.JaxRuntimeError as e:
+        from pathwaysutils.elastic.elastic import is_error_due_to_slice_down
+
+        if everything or is_error_due_to_slice_down(e, log_traceback=False):
+            raise SliceDownError(f"{what}: {e}") from e
+        raise
+    except Exception as e:
+        if everything:
+            raise SliceDownError(f"{what}: {e!r}") from e
+        raise
+
+
+@ray.remote(max_restarts=0, max_task_retries=0, concurrency_groups={"health": 1, "ahead": 1})
+class SliceWorker:
+    """One process of the JAX world, pinned to one host of one slice.
+
+    Args:
+        task: the user's TrainTask.
+        config: the run's ElasticConfig (seed, data order, cache, snapshots, checkpoints).
+    """
+
+    def __init__(self, task, config):
+        set_niceness(config.worker_niceness)
+        try:  # the driver's connection to it ends when this process does (liveness.DeathWatch)
+            self._beacon: Optional[Beacon] = Beacon(ray.util.get_node_ip_address())
+        except OSError as e:
+            logger.warning("no liveness beacon (its death is then seen through Ray only): %r", e)
+            self._beacon = None
+        self.task = task
+        self.config = config
+        self.plan: Optional[WorldPlan] = None
+        self.process_id: Optional[int] = None
+        self.loop = None
+        self.batches = None
+        self.eval_batches = None
+        self.traced: dict = {}  # program key -> future of the step traced ahead for worlds of that layout
+        self._tracing: list = []  # the same futures, for ``traced_ahead`` (``compile`` pops ``traced``)
+        self._prepared = threading.Event()
+        self.last_step = -1
+        self.saving_since: Optional[float] = (
+            None  # inside a checkpoint save since (monotonic): not a hang, up to save_timeout_s
+        )
+        self._port_holder = None  # process 0: the coordinator's port, held until JAX binds it
+        self.writer: Optional[SnapshotWriter] = None  # snapshot holders: hands snapshots to the keeper
+        self._finished: list[dict] = []  # metrics of finished steps not yet streamed
+        self._reported = -1  # the newest step streamed
+        self._kept_early: list[int] = []  # steps kept whose metrics are not streamed yet
+        self._snapshot_step = -1  # the newest step handed to the writer
+        self._compiled_ahead = False  # once per world, after its first chunk (process 0)
+
+    def prepare(self, for_world: Optional[int] = None) -> dict:
+        """Everything that does not need the world: import JAX, load the task's data. Then, in the
+        background, trace the step for the worlds this process may join (``for_world``: the size of
+        the one it was started for; a process joins one world only, and the others' traces took CPU
+        from the world's forming): joining one then only lowers and loads it."""
+        t0 = time.perf_counter()
+        try:
+            from ray_elastic.slice import jax_world
+            from ray_elastic.slice.data import EvalBatches, StepBatches
+
+            c = self.config
+            jax_world.enable_compilation_cache(c.compilation_cache_dir)
+            self.batches = StepBatches(self.task.dataset(), c.global_batch_size, c.seed)
+            if c.eval_every:
+                self.eval_batches = EvalBatches(self.task.eval_dataset(), c.eval_batch)
+            tracer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trace-ahead")
+            for plan in self._likely_plans(for_world):
+                self.traced[jax_world.program_key(plan)] = tracer.submit(
+                    jax_world.trace_ahead,
+                    self.task,
+                    plan,
+                    c.seed,
+                    c.fsdp_min_size,
+                    self.batches,
+                    scale_updates=c.lr_rule is not None,
+                    rules=c.logical_axis_rules,
+                )
+            self._tracing = list(self.traced.values())
+            tracer.shutdown(wait=False)
+        finally:
+            self._prepared.set()
+        return self.host_info() | {"prepare_s": time.perf_counter() - t0}
+
+    @ray.method(concurrency_group="ahead")
+    def traced_ahead(self) -> None:
+        """Returns once ``prepare`` is done and its traces are finished (or cancelled, or failed):
+        a standby is warm only then, so a world formed on it only lowers and loads, and its
+        tracing threads do not compete with the world's first steps for the CPUs."""
+        self._prepared.wait()
+        concurrent.futures.wait(self._tracing)
+
+    def _likely_plans(self, for_world: Optional[int] = None) -> list[WorldPlan]:
+        """Layouts of the largest worlds this run may form (``ElasticConfig.world_plan``, as forming does),
+        or of the one world of ``for_world`` slices."""
+        c = self.config
+        sizes = [for_world] if for_world else sorted(c.world_sizes(), reverse=True)[:TRACE_AHEAD_WORLDS]
+        return [c.world_plan(0, [f"s{i}" for i in range(n)]) for n in sizes]
+
+    def host_info(self) -> dict:
+        """Where this process really runs (for placement checks and event logs)."""
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "slice_name": os.environ.get("TPU_NAME", ""),
+            "tpu_worker_id": os.environ.get("TPU_WORKER_ID", ""),
+            "pid": os.getpid(),
+            "ip": ray.util.get_node_ip_address(),
+            "beacon_port": self._beacon.port if self._beacon is not None else None,
+            "beacon_token": self._beacon.token.hex() if self._beacon is not None else None,
+        }
+
+    @ray.method(concurrency_group="health")
+    def probe(self) -> dict:
+        """Answered on its own thread even while a step is blocked in a collective."""
+        since = self.saving_since
+        return {
+            "pid": os.getpid(),
+            "last_step": self.last_step,
+            "saving": since is not None,
+            "saving_s": time.monotonic() - since if since is not None else 0.0,
+        }
+
+    def reserve_coordinator_port(self) -> str:
+        """Process 0 hosts the JAX coordination service: a free port on its node's address, held
+        until ``join_world`` has initialised JAX (see ``jax_world.hold_port``)."""
+        from ray_elastic.slice import jax_world as jw
+
+        ip = ray.util.get_node_ip_address()
+        self._port_holder = jw.hold_port(ip)
+        return f"{ip}:{self._port_holder.getsockname()[1]}"
+
+    def join_world(
+        self,
+        plan: WorldPlan,
+        *,
+        slice_index: int,
+        host_index: int,
+        coordinator_address: str,
+        timeout_s: float,
+        snapshot: Optional[SnapshotRef] = None,
+        checkpoint_step: Optional[int] = None,
+        checkpoint_dir: Optional[str] = None,
+        keeper=None,
+    ) -> dict:
+        """``jax.distributed.initialize``, mesh, and the state: fresh, from a snapshot or from a checkpoint.
+
+        ``snapshot`` names a snapshot from the same host position of an earlier world (fetched from
+        its keeper here, so the load is timed). ``checkpoint_step`` names a committed Orbax
+        checkpoint (steps completed) to load, from ``checkpoint_dir`` when given (another run's
+        directory, read only) else the run's own. ``keeper``: this host's
+        :class:`~ray_elastic.state.snapshot_keeper.SnapshotKeeper`, for a process that keeps snapshots.
+        """
+        from ray_elastic.slice import jax_world as jw
+
+        c = self.config
+        if self.batches is None:
+            self.prepare()
+        if self.loop is not None:
+            self.loop.close()
+        self.plan = plan
+        ours = jw.program_key(plan)
+        for key, ahead in self.traced.items():
+            if key != ours:
+                ahead.cancel()  # one world per process: the other layouts' traces would only take CPU from the join
+        self.process_id = plan.process_id(slice_index, host_index)
+        t0 = time.perf_counter()
+        try:
+            with _world_errors("jax.distributed.initialize", everything=True):  # a peer or the coordinator
+                jw.initialize(coordinator_address, plan, self.process_id, timeout_s)
+        finally:
+            if self._port_holder is not None:
+                self._port_holder.close()
+                self._port_holder = None
+        t_init = time.perf_counter() - t0
+        from ray_elastic.state.checkpoints import Checkpointer
+
+        checkpointer = (
+            Checkpointer(c.checkpoint_dir, c.max_to_keep, c.async_checkpointing) if c.checkpoint_dir else None
+        )
+        source = checkpointer
+        if checkpoint_step is not None and checkpoint_dir not in (None, c.checkpoint_dir):
+            source = Checkpointer(checkpoint_dir, None, read_only=True)
+        blocks, t_fetch = None, 0.0
+        if snapshot is not None:
+            t1 = time.perf_counter()
+            with _world_errors("fetching the snapshot from its donor", everything=True):  # the donor died
+                snap = ray.get(snapshot.keeper.fetch.remote(snapshot.generation, snapshot.step))
+            blocks = {"leaves": snap["leaves"], "ranges": snap["ranges"]}
+            self.last_step = snap["step"]
+            t_fetch = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        mesh = jw.build_mesh(plan)
+        with _world_errors("building the train state"):  # runs the task's code: only JAX's slice-down errors
+            self.loop = jw.TrainLoop(
+                self.task,
+                plan,
+                self.process_id,
+                c.seed,
+                mesh,
+                c.fsdp_min_size,
+                self.batches,
+                restore=blocks,
+                scale_updates=c.lr_rule is not None,
+                checkpointer=checkpointer,
+                checkpoint_step=checkpoint_step,
+                restore_from=source,
+                rules=c.logical_axis_rules,
+                eval_batches=self.eval_batches,
+            )
+        if source is not checkpointer:
+            source.close()
+        if checkpoint_step is not None:
+            self.last_step = checkpoint_step - 1
+        if keeper is not None and plan.takes_snapshots(self.process_id):
+            self.writer = SnapshotWriter(keeper, plan.generation)
+        return {
+            "init_s": t_init,
+            "snapshot_fetch_s": t_fetch,
+            "state_s": time.perf_counter() - t2,
+            "checkpoint_metadata": self.loop.restored_metadata,
+            "mesh_shape": dict(mesh.shape),
+            "local_devices": len(mesh.local_devices),
+            "row_range": self.loop.row_range,
+            "sharded_params": self.loop.sharded_params,
+        }
+
+    def compile(self, step: int) -> dict:
+        from ray_elastic.slice import jax_world as jw
+
+        ahead = self.traced.pop(jw.program_key(self.plan), None)  # the others were cancelled by ``join_world``
+        traced = None
+        if ahead is not None and ahead.cancel() is False:  # started or done: its result comes sooner
+            try:
+                traced = ahead.result()
+            except Exception as e:  # noqa: BLE001 - the world's own trace raises it where it counts
+                logger.warning("tracing ahead failed: %r", e)
+        with _world_errors("compiling the step"):
+            return self.loop.compile(step, traced, snapshots=self.writer is not None)
+
+    @ray.method(num_returns="streaming")
+    def run_chunk(
+        self,
+        start_step: int,
+        num_steps: int,
+        final_step: int,
+        snapshot_every: Optional[int] = None,
+        eval_before: bool = False,
+    ):
+        """Run steps ``start_step ..``; stream what the controller needs.
+
+        One step stays in flight across chunks; the run's last step and a chunk of no steps (the
+        controller's way to stop at a step boundary) finish every step. Snapshot-keeping processes
+        take a snapshot after every ``snapshot_every``-th step and stream their finished steps'
+        metrics at most every ``FLUSH_S`` and at the chunk's end: a list of step metrics, the
+        last item carrying the steps kept. A step is streamed only once its snapshot is kept, so
+        the controller never knows of a step that no snapshot covers when one was due. The others
+        stream their finished steps once, at the end. Checkpoints are started after every
+        ``checkpoint_every`` steps and after ``final_step``, by every process (each writes its
+        own shards). Before a checkpoint is saved, the steps in flight are finished: a step whose
+        loss is not finite stops the run before its state is saved. After every ``eval_every``-th
+        step (and ``final_step``) the steps are finished and streamed, then the eval runs and its
+        metrics are streamed as ``{"eval": {...}}``: a failure during the eval rewinds no step
+        (``eval_before`` redoes the eval of ``start_step - 1`` first, when a failure lost it).
+        """
+        c = self.config
+        every = (
+            snapshot_every if snapshot_every is not None else (1 if c.snapshot_every == "auto" else c.snapshot_every)
+        )
+        streams = self.plan.takes_snapshots(self.process_id)
+        end = start_step + num_steps
+        flush_at = time.monotonic()  # the first finished step goes out at once: progress is seen early
+        if eval_before:
+            yield from self._evaluate(start_step - 1, streams, every)
+        for step in range(start_step, end):
+            with _world_errors(f"step {step}"):
+                self.loop.dispatch(step)
+                if c.checkpoint_dir and is_checkpoint_step(step, c.checkpoint_every, final_step):
+                    while self.loop.in_flight():  # a non-finite loss stops the run before the save
+                        self._finish_one()
+                    with self._saving():
+                        blocking = self.loop.save_checkpoint(step + 1, self._metadata(step + 1))
+                    # The step has finished (above): its metrics, not yet streamed, carry the save.
+                    self._finished[-1].update(checkpoint_step=step + 1, checkpoint_blocking_s=blocking)
+                if self.writer is not None and is_snapshot_step(step, every):
+                    self._snapshot(step)
+                while self.loop.in_flight() > IN_FLIGHT:
+                    self._finish_one()
+            if c.eval_every and is_eval_step(step, c.eval_every, final_step):
+                yield from self._evaluate(step, streams, every)
+            if streams and time.monotonic() >= flush_at:
+                flush_at = time.monotonic() + FLUSH_S
+                item = self._report()
+                if item:
+                    yield item
+        if num_steps == 0 or end - 1 >= final_step:
+            with _world_errors(f"step {end - 1}"):
+                while self.loop.in_flight():
+                    self._finish_one()
+                if (
+                    num_steps == 0
+                    and start_step <= final_step
+                    and self.writer is not None
+                    and self.last_step > self._snapshot_step
+                ):
+                    # A planned stop (the world grows at this boundary): the bigger world starts from
+                    # this very step, not from the interval's last snapshot (``snapshot_every`` > 1).
+                    self._snapshot(self.last_step)
+                if self.writer is not None:
+                    self.writer.wait()
+        if num_steps and not self._compiled_ahead:
+            self._compile_ahead()
+        yield self._report()
+
+    def _evaluate(self, step: int, streams: bool, every: int):
+        """Finish and stream the steps up to ``step`` (kept, when snapshots are due), then evaluate the
+        state after ``step``; streaming processes yield ``{"eval": {"step": step, "eval/...": ...}}``."""
+        with _world_errors(f"step {step}"):
+            while self.loop.in_flight():
+                self._finish_one()
+        if self.writer is not None:
+            if every and self.last_step > self._snapshot_step and self.last_step == step:
+                self._snapshot(step)  # the state the eval sees is kept before the eval can fail
+            self.writer.wait()
+        if streams:
+            item = self._report()
+            if item:
+                yield item
+        with _world_errors(f"evaluating after step {step}"):
+            metrics = self.loop.evaluate(self.config.eval_steps)
+        if streams:
+            yield {"steps": [], "kept": [], "snapshot_s": [], "eval": {"step": step, **metrics}}
+
+    def _compile_ahead(self) -> None:
+        """After this world's first chunk, process 0 compiles the step of the next smaller world
+        the run may form into the persistent cache, in the background: a replica-resize recovery
+        then loads it instead of compiling a layout never seen (5 s for the transformer demo's
+        first recovery here). Once per world; nothing to do without a persistent cache."""
+        c, plan = self.config, self.plan
+        smaller = plan.num_slices - 1
+        self._compiled_ahead = True
+        if self.process_id != 0 or not c.compilation_cache_dir or smaller not in c.world_sizes():
+            return
+
+        def run():
+            from ray_elastic.slice import jax_world
+
+            target = c.world_plan(plan.generation + 1, plan.slice_names[:smaller])
+            try:
+                traced = jax_world.trace_ahead(
+                    self.task,
+                    target,
+                    c.seed,
+                    c.fsdp_min_size,
+                    self.batches,
+                    scale_updates=c.lr_rule is not None,
+                    rules=c.logical_axis_rules,
+                )
+                jax_world.compile_ahead(traced, target)
+            except Exception as e:  # noqa: BLE001 - an optimisation: the world that needs it compiles it
+                logger.warning("compiling ahead for %d slices failed: %r", smaller, e)
+
+        threading.Thread(target=run, name="compile-ahead", daemon=True).start()
+
+    def _snapshot(self, step: int) -> None:
+        """Hand the state after ``step`` (the newest dispatched) to the writer: copied on the device
+        now, to the host and the keeper in the writer's thread."""
+        copy = self.loop.snapshot_copy()
+        self.writer.submit(
+            step, functools.partial(jax_world_host_blocks, copy), functools.partial(_block_until_ready, copy)
+        )
+        self._snapshot_step = step
+
+    def run_chunk_quiet(
+        self,
+        start_step: int,
+        num_steps: int,
+        final_step: int,
+        snapshot_every: Optional[int] = None,
+        eval_before: bool = False,
+    ) -> None:
+        """:meth:`run_chunk` for a process that streams nothing (it keeps no snapshot): the driver
+        reads one result, or the error, per chunk, with the other processes' in one batch."""
+        for _ in self.run_chunk(start_step, num_steps, final_step, snapshot_every, eval_before):
+            pass
+
+    def _finish_one(self) -> None:
+        metrics = self.loop.finish()
+        metrics["finished_at"] = time.time()  # streamed later: benchmarks time steps by this, not by arrival
+        if self.loop.checkpointer is not None:
+            finished = self.loop.checkpointer.finished_saves()
+            if finished:
+                metrics["checkpoints_committed"] = finished
+        self.last_step = metrics["step"]
+        self._finished.append(metrics)
+
+    def _report(self) -> dict:
+        """Finished steps to stream (those before the step whose snapshot is still being written),
+        and the steps kept since the last report with the seconds each snapshot cost."""
+        pending = self.writer.pending() if self.writer is not None else None
+        kept, seconds, not_kept = self.writer.take_kept() if self.writer is not None else ([], [], [])
+        cut = len(self._finished) if pending is None else sum(m["step"] < pending for m in self._finished)
+        ready, self._finished = self._finished[:cut], self._finished[cut:]
+        if ready:
+            self._reported = ready[-1]["step"]
+        # A step is named kept only once its metrics are streamed too (its loss may be read later).
+        kept = self._kept_early + kept
+        self._kept_early = [k for k in kept if k > self._reported]
+        kept = [k for k in kept if k <= self._reported]
+        item = {"steps": ready, "kept": kept, "snapshot_s": seconds}
+        if not_kept:
+            item["not_kept"] = not_kept
+        return item if ready or kept or seconds or not_kept else {}
+
+    @contextlib.contextmanager
+    def _saving(self):
+        """Inside a checkpoint save or commit: the health probe says so, and the watchdog waits."""
+        self.saving_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.saving_since = None
+
+    def _metadata(self, steps_done: int) -> dict:
+        """Saved with every checkpoint: where the data stands and the shape of the world that wrote it."""
+        p, c = self.plan, self.config
+        return {
+            "step": steps_done,
+            "task": self.task.name(),  # checkpoints belong to a task: another one's are not resumed silently
+            "data_position": steps_done * p.stride,
+            "data_stride": p.stride,
+            "seed": c.seed,
+            "world": {
+                "generation": p.generation,
+                "slices": list(p.slice_names),
+                "num_slices": p.num_slices,
+                "hosts_per_slice": p.hosts_per_slice,
+                "mesh": p.mesh_shape,
+                "global_batch_size": p.global_batch_size,
+                "batch_policy": c.batch_policy,
+                "lr_scale": p.lr_scale,
+            },
+            "saved_at": time.time(),
+        }
+
+    def finish_checkpoints(self, save_step: Optional[int] = None) -> list:
+        """Wait until the in-flight save is committed (before a planned teardown or the end); with
+        ``save_step``, save the current state as that checkpoint first (the run's last one, when the
+        world that was saving it failed). The (step, total seconds) of saves that finished since they
+        were last reported."""
+        if self.loop is None or self.loop.checkpointer is None:
+            return []
+        with self._saving():
+            if save_step is not None:
+                self.loop.save_checkpoint(save_step, self._metadata(save_step))
+            self.loop.checkpointer.wait()
+        return self.loop.checkpointer.finished_saves()

@@ -1,0 +1,210 @@
+"""In-memory snapshots off the step's critical path: a keeper per slice host, fed from a writer thread.
+
+A snapshot must outlive the process that took it (a killed process is the most
+common fault) and die with its node (a snapshot on a lost host must never be
+trusted). Ray 2.56 removed ``ray.put(..., _owner=...)``, so an object a process
+puts dies with that process; instead a small :class:`SnapshotKeeper` actor per
+slice host, started in the slice's placement group and living as long as the
+reservation, holds the newest snapshots of that host's process in its own
+memory. The slice process hands them over from :class:`SnapshotWriter`'s
+background thread, so the step loop only dispatches a device-side copy and goes on.
+
+The keeper answers which (generation, step) snapshots it holds; the driver asks at
+recovery and learns the rest from the steps the writer reports as kept, piggy-backed
+on the metrics the process streams anyway. A keeper holds a step only once the whole
+state after it was copied to host, which needs the step's collectives to have
+finished on every process: a held step is a finished step.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import ray
+
+logger = logging.getLogger(__name__)
+KEEP_STEPS = 3  # per host: the newest three, so the hosts of one slice (in lockstep, but handing over
+# in the background) always share one step
+MAX_UNACKED = 64  # per host: at most this many snapshots newer than the driver's last word are held
+# (a stream goes out every ~0.2 s: at 5 ms a step that is ~40 steps)
+
+
+def evictable(
+    keys: list[tuple[int, int]], keep_steps: int, acked: tuple[int, int], max_unacked: int = MAX_UNACKED
+) -> list[tuple[int, int]]:
+    """Which of the held (generation, step) keys to let go: all but the newest ``keep_steps``, the
+    newest key at or before ``acked`` (the newest step of this host the driver has said it
+    received), and every key after it (up to ``max_unacked``).
+
+    The driver restores only a step it has the metrics of, and it takes a step's metrics from
+    whichever snapshot holder streams them first. Holders stream every ~0.2 s, each on its own
+    clock, so when one holder dies the driver may know of a step the others have not streamed
+    yet, while they have kept several more: every step after the driver's last word may be the
+    one it restores, and must still be held. Seen twice: in ``bench/chaos.py`` (a peer hung, the
+    newest three all lay beyond what was streamed: 17 steps rewound to a checkpoint) and, most
+    likely, in a CI run of ``test_second_failure_during_recovery`` (1 step rewound: the dead
+    holder had streamed a step the survivor had kept but then let go).
+
+    The pin is what the driver acknowledged, not what the process streamed: a streamed item may
+    never reach the driver (the process is killed with it in flight, or the driver is too slow to
+    read it before it tears the world down). Pinning on the process's own word lost steps in
+    ``bench/chaos.py``: a starved world was taken for hung, every keeper had let go of the newest
+    step the driver knew, and the next world restored a checkpoint two steps beyond the record.
+    """
+    newest = set(sorted(keys)[-keep_steps:] if keep_steps > 0 else [])
+    pinned = max((k for k in keys if k <= acked), default=None)
+    unacked = set(sorted(k for k in keys if k > acked)[-max_unacked:])
+    return [k for k in keys if k not in newest and k != pinned and k not in unacked]
+
+
+@ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)
+class SnapshotKeeper:
+    """The newest snapshots of one slice host's process, by (generation, step)."""
+
+    def __init__(self, keep_steps: int = KEEP_STEPS):
+        self.keep_steps = keep_steps
+        self._entries: dict[tuple[int, int], dict] = {}
+        self._generation, self._start = -1, 0
+        self._acked = (-1, -1)  # the newest (generation, step) of this host the driver has received
+
+    def begin(self, generation: int, start_step: int) -> None:
+        """A world of ``generation`` starts after ``start_step - 1``: steps from ``start_step`` on are
+        run again by it, so what earlier worlds kept of them (after a resize, other numbers) is dropped,
+        and a late write from an earlier world is refused."""
+        self._generation, self._start = generation, start_step
+        for key in [k for k in self._entries if k[1] >= start_step]:
+            del self._entries[key]
+
+    def keep(self, generation: int, step: int, snapshot: dict) -> bool:
+        """Hold ``snapshot`` (blocks and ranges, copied out of the call's arguments); False when
+        refused (a late write of an earlier world)."""
+        if generation < self._generation:
+            return False
+        self._entries[(generation, step)] = {
+            "leaves": [np.array(b, copy=True) for b in snapshot["leaves"]],
+            "ranges": snapshot["ranges"],
+            "step": step,
+        }
+        self._evict()
+        return True
+
+    def ack(self, generation: int, step: int) -> None:
+        """The driver has received the report that this host kept ``step`` (see :func:`evictable`)."""
+        self._acked = max(self._acked, (generation, step))
+        self._evict()
+
+    def _evict(self) -> None:
+        for key in evictable(list(self._entries), self.keep_steps, self._acked):
+            del self._entries[key]
+
+    def held(self) -> list[tuple[int, int]]:
+        """(generation, step) of every snapshot held."""
+        return sorted(self._entries)
+
+    def fetch(self, generation: int, step: int) -> dict:
+        """The snapshot of ``step`` kept by ``generation``'s process (KeyError when it is gone)."""
+        return self._entries[(generation, step)]
+
+
+class SnapshotWriter:
+    """Hands snapshots to the host's keeper from a background thread, one at a time.
+
+    ``submit`` takes a callable that produces the host copy (it waits for the device copy
+    the step loop dispatched) and returns at once, unless the previous snapshot is still
+    being written: then it waits for it, so a snapshot is never skipped (skipping would
+    leave a reported step without its snapshot). What a snapshot costs (``seconds``) is the wall
+    time from the moment its device copy is ready (``ready``: before that it waits for the step
+    itself) until the keeper holds it, plus any wait in ``submit``. CPU time alone was measured
+    to miss most of it on the large bench model (the memory traffic of the copies; the device copy).
+    """
+
+    def __init__(self, keeper, generation: int):
+        self.keeper = keeper
+        self.generation = generation
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot-writer")
+        self._future: Optional[concurrent.futures.Future] = None
+        self._lock = threading.Lock()
+        self._kept: list[int] = []
+        self._not_kept: list[tuple[int, str]] = []  # (step, why): the driver reports them as events
+        self._pending: Optional[int] = None
+        self.seconds: list[float] = []  # per snapshot: host copy + hand-over, and the wait in ``submit``
+
+    def submit(self, step: int, host_copy: Callable[[], dict], ready: Callable[[], None] = lambda: None) -> None:
+        t0 = time.perf_counter()
+        self.wait()
+        waited = time.perf_counter() - t0
+        self._pending = step
+        self._future = self._pool.submit(self._write, step, host_copy, ready, waited)
+
+    def _write(self, step: int, host_copy: Callable[[], dict], ready: Callable[[], None], waited: float) -> None:
+        kept, why = False, "refused by the keeper: a newer world has begun"
+        try:
+            ready()
+            t0 = time.perf_counter()
+            kept = ray.get(self.keeper.keep.remote(self.generation, step, host_copy()))
+        except Exception as e:  # noqa: BLE001 - the step goes on without this snapshot; recovery may rewind
+            logger.warning("snapshot of step %d not kept: %r", step, e)
+            why = repr(e)[:300]
+            t0 = time.perf_counter()
+        with self._lock:
+            if kept:
+                self._kept.append(step)
+            else:
+                self._not_kept.append((step, why))
+            self.seconds.append(time.perf_counter() - t0 + waited)
+
+    def wait(self) -> None:
+        """Until the snapshot in flight is kept; raises what writing it raised."""
+        if self._future is not None:
+            future, self._future = self._future, None
+            try:
+                future.result()
+            finally:
+                self._pending = None
+
+    def pending(self) -> Optional[int]:
+        """The step whose snapshot is being written (None: none)."""
+        if self._future is not None and self._future.done():
+            self.wait()
+        return self._pending
+
+    def take_kept(self) -> tuple[list[int], list[float], list[tuple[int, str]]]:
+        """Steps kept, seconds spent and (step, why) of snapshots not kept, since the last call."""
+        with self._lock:
+            kept, self._kept = self._kept, []
+            seconds, self.seconds = self.seconds, []
+            not_kept, self._not_kept = self._not_kept, []
+        return kept, seconds, not_kept
+
+
+def ask_keepers(
+    keepers: list, timeout_s: float, dead: Optional[set] = None, starting: frozenset = frozenset()
+) -> dict[int, list[tuple[int, int]]]:
+    """Index -> (generation, step) held, for each of ``keepers`` (None skipped) that answers within
+    ``timeout_s``. A keeper Ray reports dead holds nothing (``[]``; its snapshots died with it) and
+    its index goes into ``dead``; one that does not answer (a lost or hung node) is left out.
+
+    ``starting``: indices of keepers that have never answered (their process may still be starting,
+    and they hold nothing yet): asked, but not waited for. Every fit's first world waited the whole
+    ``timeout_s`` for its new keepers' processes to start."""
+    asks = {k.held.remote(): i for i, k in enumerate(keepers) if k is not None}
+    awaited = [ref for ref, i in asks.items() if i not in starting]
+    if awaited:
+        ray.wait(awaited, num_returns=len(awaited), timeout=timeout_s)
+    ready, _ = ray.wait(list(asks), num_returns=len(asks), timeout=0)  # and what the new ones said by now
+    out = {}
+    for ref in ready:
+        try:
+            out[asks[ref]] = ray.get(ref)
+        except ray.exceptions.ActorDiedError:
+            out[asks[ref]] = []
+            if dead is not None:
+                dead.add(asks[ref])
+        except Exception:  # noqa: BLE001 - no answer we can read: as if it had not answered
+            continue
+    return out

@@ -1,0 +1,80 @@
+"""The package layout is the design: each package imports only the packages below it, and no module
+imports itself back through others (read from the source, no import needed)."""
+
+import ast
+import collections
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "ray_elastic"
+# Lowest first. A package may import its own modules and those of the layers below it.
+LAYERS = [
+    ["errors"],  # what a caller can catch
+    ["decide", "task"],  # pure decisions; the user's task contract
+    ["detect", "state"],  # failure evidence; snapshots and checkpoints
+    ["config", "observe", "slice"],  # settings; events and results; the slice process (JAX)
+    ["control", "sim", "examples"],  # the controller (Ray effects); the simulated cluster; example tasks
+    ["cli"],  # the command line
+    ["__main__", "__init__"],  # entry points: ``python -m ray_elastic``, the public API
+]
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for p in ROOT.rglob("*.py"):
+        parts = ["ray_elastic", *p.relative_to(ROOT).with_suffix("").parts]
+        if parts[-1] == "__init__" and len(parts) > 2:
+            parts = parts[:-1]
+        out[".".join(parts)] = p
+    return out
+
+
+def _imports(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = collections.defaultdict(set)
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ray_elastic"):
+                for target in [node.module] + [f"{node.module}.{a.name}" for a in node.names]:
+                    if target in modules and target != name:
+                        edges[name].add(target)
+            elif isinstance(node, ast.Import):
+                edges[name].update(a.name for a in node.names if a.name in modules and a.name != name)
+    return edges
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_every_package_is_in_a_layer():
+    packages = {_package(m) for m in _modules()}
+    assert packages == {p for layer in LAYERS for p in layer}, packages
+
+
+def test_no_package_imports_one_above_it_or_beside_it():
+    layer_of = {p: i for i, layer in enumerate(LAYERS) for p in layer}
+    upward = [
+        (m, t)
+        for m, targets in _imports(_modules()).items()
+        for t in targets
+        if _package(m) != _package(t) and layer_of[_package(t)] >= layer_of[_package(m)]
+    ]
+    assert upward == [], f"imports that go up (or sideways) a layer: {upward}"
+
+
+def test_no_import_circle():
+    edges = _imports(_modules())
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(edges.get(m, ())):
+            if state.get(t) == 1:
+                raise AssertionError("import circle: " + " -> ".join(path[path.index(t) :] + [m, t]))
+            if t not in state:
+                visit(t, path + [m])
+        state[m] = 2
+
+    for m in sorted(_modules()):
+        if m not in state:
+            visit(m, [])
