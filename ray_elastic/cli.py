@@ -49,13 +49,20 @@ def _add_training_args(p: argparse.ArgumentParser, default_slices: int) -> None:
     )
     p.add_argument("--num-slices", type=int, default=default_slices, help="slices to train on")
     p.add_argument("--min-slices", type=int, default=None, help="fewest slices to continue on (replica-resize)")
-    p.add_argument("--mode", choices=MODES, default="replica-resize")
-    p.add_argument("--batch-policy", choices=BATCH_POLICIES, default="constant")
+    p.add_argument("--mode", choices=MODES, default=ElasticConfig.mode)
+    p.add_argument("--batch-policy", choices=BATCH_POLICIES, default=ElasticConfig.batch_policy)
     p.add_argument("--global-batch", type=int, default=48, help="examples per step over all slices")
     p.add_argument("--steps", type=int, default=200, help="training steps")
-    p.add_argument("--steps-per-chunk", type=int, default=10, help="steps per controller call")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slice-timeout", type=float, default=300.0, help="seconds to wait for slices to be reserved")
+    p.add_argument(
+        "--steps-per-chunk", type=int, default=ElasticConfig.steps_per_chunk, help="steps per controller call"
+    )
+    p.add_argument("--seed", type=int, default=ElasticConfig.seed)
+    p.add_argument(
+        "--slice-timeout",
+        type=float,
+        default=ElasticConfig.slice_timeout_s,
+        help="seconds to wait for slices to be reserved",
+    )
     p.add_argument("--run-dir", default=None, help="write the event log (events.jsonl) here")
     p.add_argument(
         "--checkpoint-dir",
@@ -68,8 +75,10 @@ def _add_training_args(p: argparse.ArgumentParser, default_slices: int) -> None:
         help="start from the newest committed checkpoint of this directory (another run's, or "
         "--checkpoint-dir itself to accept another task's); new ones go to --checkpoint-dir",
     )
-    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
-    p.add_argument("--max-to-keep", type=int, default=3, help="committed checkpoints kept")
+    p.add_argument(
+        "--checkpoint-every", type=int, default=ElasticConfig.checkpoint_every, help="steps between checkpoints"
+    )
+    p.add_argument("--max-to-keep", type=int, default=ElasticConfig.max_to_keep, help="committed checkpoints kept")
     p.add_argument(
         "--snapshot-every",
         type=_snapshot_every,
@@ -302,6 +311,7 @@ def cmd_sim(args) -> int:
 
     # Jobs run on this cluster's nodes: they must find this installation's ray-elastic.
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    args.devices_per_host = args.devices_per_host or 2
     spec = SliceSpec.for_hosts(args.accelerator, args.hosts_per_slice, args.devices_per_host)
     with SimulatedTPUCluster(
         num_slices=args.num_slices,
@@ -413,6 +423,15 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _add_sim_host_args(p: argparse.ArgumentParser, devices_help: str) -> None:
+    """The simulated hosts' shape (``demo`` and ``sim``); ``--devices-per-host`` None: the command's default."""
+    p.add_argument("--accelerator", default="v4", help="TPU generation the simulated hosts pretend to be")
+    p.add_argument("--hosts-per-slice", type=int, default=1)
+    p.add_argument(
+        "--devices-per-host", type=int, default=None, help="JAX CPU devices per simulated host " + devices_help
+    )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="ray-elastic", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log controller decisions")
@@ -420,14 +439,7 @@ def main(argv=None) -> int:
 
     demo = sub.add_parser("demo", help="train an example on a simulated multi-slice TPU cluster on this machine")
     _add_training_args(demo, default_slices=3)
-    demo.add_argument("--accelerator", default="v4", help="TPU generation the simulated hosts pretend to be")
-    demo.add_argument("--hosts-per-slice", type=int, default=1)
-    demo.add_argument(
-        "--devices-per-host",
-        type=int,
-        default=None,
-        help="JAX CPU devices per simulated host (default 2; 4 for the llm example: 2 fsdp x 2 tensor)",
-    )
+    _add_sim_host_args(demo, devices_help="(default 2; 4 for the llm example: 2 fsdp x 2 tensor)")
     demo.add_argument(
         "--kill-at",
         type=int,
@@ -453,9 +465,7 @@ def main(argv=None) -> int:
         "sim", help="run a simulated TPU cluster in the foreground (for ray job submit); kill/add slices from stdin"
     )
     sim.add_argument("--num-slices", type=int, default=3)
-    sim.add_argument("--accelerator", default="v4", help="TPU generation the simulated hosts pretend to be")
-    sim.add_argument("--hosts-per-slice", type=int, default=1)
-    sim.add_argument("--devices-per-host", type=int, default=2, help="JAX CPU devices per simulated host")
+    _add_sim_host_args(sim, devices_help="(default 2)")
     _add_slice_source_args(sim, arrival_delay=2.0)
     sim.set_defaults(func=cmd_sim)
 

@@ -13,8 +13,8 @@ from typing import Optional, Union
 
 from ray_elastic.decide import WorldPlan, batch_for_world, lr_scale, plan_world
 from ray_elastic.decide.layout import DEFAULT_SLICE_MESH, FSDP_AXIS, normalize_rules, resolve_slice_mesh
+from ray_elastic.policy.scaling import MODES, ScalingPolicy, scaling_policy  # noqa: F401 - MODES: the CLI's choices
 
-MODES = ("replica-resize", "pause-and-resume")
 BATCH_POLICIES = ("constant", "scale")
 LR_RULES = (None, "linear", "sqrt")
 
@@ -24,6 +24,14 @@ def _ray_tpu():
     from ray._private.accelerators import tpu as ray_tpu
 
     return ray_tpu
+
+
+# The labels Ray puts on a TPU host's node (``ray.util.tpu``), and what the simulated hosts carry.
+SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
+WORKER_ID_LABEL = "ray.io/tpu-worker-id"
+POD_TYPE_LABEL = "ray.io/tpu-pod-type"
+TOPOLOGY_LABEL = "ray.io/tpu-topology"
+ACCELERATOR_LABEL = "ray.io/accelerator-type"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +150,9 @@ class ElasticConfig:
         slice: shape of every slice.
         global_batch_size: examples per step, summed over all slices.
         min_slices: fewest slices training may continue on (replica-resize). Defaults to 1.
-        mode: ``replica-resize`` (continue on survivors) or ``pause-and-resume`` (wait for a replacement).
+        mode: ``replica-resize`` (continue on survivors, grow back as replacements come),
+            ``pause-and-resume`` (wait for a replacement) or ``resize-until-full`` (continue on
+            survivors, grow back once full size can be restored at once); see ``policy/scaling.py``.
         batch_policy: ``constant`` keeps the global batch when slices are lost; ``scale`` shrinks it.
         steps_per_chunk: steps a worker runs per controller call (no driver round trip per step).
         seed: seeds parameter initialisation and the data order.
@@ -278,8 +288,7 @@ class ElasticConfig:
                 f"min_slices={min_slices} must be between 1 and num_slices={self.num_slices}: "
                 f"lower min_slices or raise num_slices"
             )
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}: use one of {', '.join(MODES)}")
+        self.scaling_policy()  # an unknown mode says which exist
         if self.batch_policy not in BATCH_POLICIES:
             raise ValueError(f"unknown batch_policy {self.batch_policy!r}: use one of {', '.join(BATCH_POLICIES)}")
         if self.lr_rule not in LR_RULES:
@@ -432,11 +441,13 @@ class ElasticConfig:
             microbatch_size=self.microbatch_size or 0,
         )
 
+    def scaling_policy(self) -> ScalingPolicy:
+        """The mode's policy: the next world after a failure, when to grow back, the world sizes."""
+        return scaling_policy(self.mode, self.num_slices, self.min_slices, self.fallback_to_resize)
+
     def world_sizes(self) -> list[int]:
-        """Slice counts the run may train on: only full size in pure pause-and-resume."""
-        if self.mode == "pause-and-resume" and not self.fallback_to_resize:
-            return [self.num_slices]
-        return list(range(self.min_slices, self.num_slices + 1))
+        """Slice counts the run may train on (the batch must split over each)."""
+        return self.scaling_policy().world_sizes()
 
     def _check_batch_splits(self) -> None:
         dps = self.fsdp_per_slice  # devices of a slice that take their own rows of the batch

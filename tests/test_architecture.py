@@ -10,7 +10,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "ray_elastic"
 LAYERS = [
     ["errors"],  # what a caller can catch
     ["decide", "task"],  # pure decisions; the user's task contract
-    ["detect", "state"],  # failure evidence; snapshots and checkpoints
+    ["detect", "state", "policy"],  # failure evidence; snapshots and checkpoints; scaling and failure policies
     ["config", "observe", "slice"],  # settings; events and results; the slice process (JAX)
     ["control", "sim", "examples"],  # the controller (Ray effects); the simulated cluster; example tasks
     ["cli"],  # the command line

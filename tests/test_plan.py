@@ -11,18 +11,17 @@ from ray_elastic.decide import (
     batch_for_world,
     choose_restore,
     classify_failure,
-    decide_next_world,
     drop_repeat_offender,
     failures_exceeded,
     is_checkpoint_step,
     is_snapshot_step,
     lr_scale,
     plan_world,
-    should_grow,
     watchdog_timeout,
 )
 from ray_elastic.decide import ErrorKind as K
 from ray_elastic.decide.layout import fsdp_partition as param_partition
+from ray_elastic.policy.scaling import MODES, scaling_policy
 from ray_elastic.state.snapshots import SnapshotStore
 
 
@@ -97,10 +96,9 @@ def test_drop_repeat_offender():
     assert (d.lost_slices, d.crashed_slices, d.quarantined) == (("b",), (), ("b",)) and "twice in a row" in d.reason
 
 
-def nw(mode, survivors, ready, num_slices, min_slices, **kw):
-    return decide_next_world(
-        mode=mode, survivors=survivors, ready_replacements=ready, num_slices=num_slices, min_slices=min_slices, **kw
-    )
+def nw(mode, survivors, ready, num_slices, min_slices, timed_out=False, fallback_to_resize=False):
+    policy = scaling_policy(mode, num_slices, min_slices, fallback_to_resize)
+    return policy.next_world(survivors, ready, timed_out=timed_out)
 
 
 def test_decide_next_world_replica_resize():
@@ -199,7 +197,31 @@ def test_misc_policies():
     assert failures_exceeded([0, 1, 2, 100], now=101, max_failures=2, window_s=5) is False
     assert failures_exceeded([97, 98, 99, 100], now=101, max_failures=2, window_s=5) is True
     assert watchdog_timeout([], 10, 3) == 3 and watchdog_timeout([1.0] * 5, 10, 3) == 10
-    assert should_grow("replica-resize", 2, 1, 3) and not should_grow("replica-resize", 3, 1, 3)
+    grow = scaling_policy("replica-resize", 3, 1).should_grow
+    assert grow(2, 1) and not grow(3, 1)
+
+
+def test_resize_until_full_trains_on_the_survivors_and_grows_back_once():
+    """The third scaling policy: like replica-resize after a loss; grows back only when the ready
+    replacements restore full size at once (one pause for slices that return one by one)."""
+    policy = scaling_policy("resize-until-full", 4, 2)
+    d = policy.next_world(["a", "b"], 0)
+    assert (d.action, d.size) == ("form", 2)  # at once, as replica-resize
+    assert not policy.should_grow(2, 1)  # one replacement of two: keep training on 2
+    assert policy.should_grow(2, 2) and policy.should_grow(3, 1)  # full size at once
+    assert policy.world_sizes() == [2, 3, 4]
+    assert policy.next_world(["a"], 0, timed_out=True).action == "fail"
+
+
+def test_each_mode_is_one_policy_chosen_by_the_config():
+    from ray_elastic import ElasticConfig
+
+    for mode in MODES:
+        cfg = ElasticConfig(num_slices=4, global_batch_size=48, mode=mode, min_slices=2)
+        assert cfg.scaling_policy().mode == mode
+    with pytest.raises(ValueError, match="unknown mode 'shrink'.*resize-until-full"):
+        ElasticConfig(num_slices=4, global_batch_size=48, mode="shrink")
+    assert ElasticConfig(num_slices=4, global_batch_size=48, mode="pause-and-resume").world_sizes() == [4]
 
 
 def test_newest_snapshot_step_follows_the_snapshot_rule():

@@ -22,22 +22,13 @@ from ray_elastic.config import ElasticConfig
 from ray_elastic.control.generations import Generations
 from ray_elastic.control.ray_backend import RayBackend
 from ray_elastic.control.states import ControllerState, OutcomeKind, RunOutcome, check_transition
-from ray_elastic.decide import (
-    Action,
-    RestoreSource,
-    classify_failure,
-    drop_repeat_offender,
-    failures_exceeded,
-    save_timeout,
-)
+from ray_elastic.decide import Action, RestoreSource, save_timeout
 from ray_elastic.errors import (
     CapacityTimeoutError,
     ElasticRuntimeError,
     ProcessFailed,
-    RetriesExhaustedError,
     StateLostError,
     StorageFailingError,
-    TrainingCodeError,
     failed_save,
 )
 from ray_elastic.observe import goodput, results
@@ -45,6 +36,7 @@ from ray_elastic.observe.events import EventLog
 from ray_elastic.observe.observers import ProgressBar, RayMetricsObserver, StandbyReplenisher, UserCallbacks
 from ray_elastic.observe.results import FitResult, RecoveryRecord, ScaleUpRecord, WorldChange
 from ray_elastic.observe.tensorboard import TensorBoardWriter
+from ray_elastic.policy.failure import FailureEvidence, FailurePolicy
 from ray_elastic.state import checkpoints
 from ray_elastic.task import TrainTask
 
@@ -283,9 +275,7 @@ class ElasticTrainer:
         self.gens = Generations(cfg, self.backend)
         self.gens.resume_dir = resume_dir
         self.recoveries: list[RecoveryRecord] = []
-        self._failure_times: list[float] = []
-        self._failures_in_a_row, self._steps_at_failure, self._last_origin = 0, 0, None
-        self._save_failures, self._committed_at_save_failure = 0, -1  # checkpoint saves failed in a row
+        self.failures = FailurePolicy(cfg, self.retry_policy)
         self._first_step = resume.step if resume else 0
         self.events = EventLog(self.run_dir, [self.callbacks])
         self.ledger = results.StepLedger(self.events, cfg.steps_per_chunk)
@@ -394,23 +384,24 @@ class ElasticTrainer:
         last_progress_at = previous.last_progress_at if chained else outcome.last_progress_at
         ev = self.gens.evidence(outcome, now)
         first = next(iter(outcome.errors.values()), None) or RuntimeError(outcome.kind.value)
-        dead = self.backend.dead_slices(ev.slice_nodes, ev.suspects)  # node health first: then blame code
-        verdict = classify_failure(
-            errors=ev.kinds, dead_slices=dead, world_slices=ev.slices, error_text=self.backend.error_text(first)
+        saves = [e for e in outcome.errors.values() if failed_save(e)]
+        decision = self.failures.decide(
+            FailureEvidence(
+                kinds=ev.kinds,
+                dead_slices=self.backend.dead_slices(ev.slice_nodes, ev.suspects),  # node health first: then blame code
+                world_slices=ev.slices,
+                error_text=self.backend.error_text(first),
+                origin=ev.origin,
+                forming=outcome.kind is OutcomeKind.FORMING_FAILED,
+                steps_run=len(self.ledger.step_times),
+                save_failed=self.backend.error_text(saves[0]) if saves else None,
+                committed_step=self.ledger.committed_step,
+                checkpoint_dir=self.config.checkpoint_dir,
+            ),
+            time.monotonic(),
+            first,
         )
-        if outcome.kind is OutcomeKind.FORMING_FAILED and verdict.training_code:
-            raise TrainingCodeError(f"forming a world failed in training code: {first}") from first
-        steps_run = len(self.ledger.step_times)  # every step run, rewound ones too: progress of any kind
-        progressed, self._steps_at_failure = steps_run > self._steps_at_failure, steps_run
-        self._failures_in_a_row = 1 if progressed else self._failures_in_a_row + 1
-        verdict = drop_repeat_offender(
-            verdict,
-            origin=ev.origin,
-            previous_origin=self._last_origin,
-            progressed=progressed,
-            origin_kind=ev.kinds.get(ev.origin),
-        )
-        self._last_origin = ev.origin
+        verdict = decision.verdict
         classified_at = time.time()
         self.events.emit(
             "failure",
@@ -425,14 +416,14 @@ class ElasticTrainer:
             error=str(first)[:2000],
             last_step=self.ledger.last_step,
             origin=ev.origin,
-            failures_in_a_row=self._failures_in_a_row,
+            failures_in_a_row=decision.failures_in_a_row,
             since_last_progress_s=now - last_progress_at,
             drain_s=outcome.drain_s,
             classify_s=classified_at - now,
             detection_latency_s=classified_at - last_progress_at,
         )
-        self._count_save_failures(outcome)
-        self._may_retry(verdict, first)
+        if decision.stop is not None:
+            raise decision.stop from (saves[0] if isinstance(decision.stop, StorageFailingError) else first)
         t0 = time.perf_counter()
         if self.world is not None:
             # With checkpoints, wait until the old processes are really gone: nothing of theirs may
@@ -456,47 +447,6 @@ class ElasticTrainer:
             classify_s=classified_at - now,
             teardown_s=time.perf_counter() - t0,
         )
-
-    def _may_retry(self, verdict, error: BaseException) -> None:
-        """Raise the error that ends the run when this failure must not be recovered from."""
-        if not verdict.recoverable:
-            error_cls = TrainingCodeError if verdict.training_code else ElasticRuntimeError
-            raise error_cls(f"not recoverable: {verdict.reason}") from error
-        now, cfg = time.monotonic(), self.config
-        self._failure_times.append(now)
-        if failures_exceeded(self._failure_times, now, cfg.max_failures, cfg.failure_window_s):
-            raise RetriesExhaustedError(
-                f"gave up after {len(self._failure_times)} failures within {cfg.failure_window_s:.0f}s "
-                f"(max_failures={cfg.max_failures}); last: {verdict.reason}"
-            ) from error
-        if self._failures_in_a_row > cfg.max_failures_in_a_row:
-            raise RetriesExhaustedError(
-                f"gave up after {self._failures_in_a_row} failures in a row without a step finished "
-                f"(max_failures_in_a_row={cfg.max_failures_in_a_row}); last: {verdict.reason}"
-            ) from error
-        attempt = len(self._failure_times)
-        if self.retry_policy is not None and not self.retry_policy(attempt, error):
-            raise RetriesExhaustedError(f"retry_policy declined attempt {attempt} after {verdict.reason}") from error
-
-    def _count_save_failures(self, outcome: RunOutcome) -> None:
-        """Stop once checkpoint saves failed ``max_save_failures_in_a_row`` times in a row with none
-        committed in between: each retry replays a few steps (progress for the other limits) and
-        fails the same save again."""
-        saves = [e for e in outcome.errors.values() if failed_save(e)]
-        committed = self.ledger.committed_step
-        if not saves:
-            self._save_failures = 0
-            return
-        self._save_failures = 1 if committed > self._committed_at_save_failure else self._save_failures + 1
-        self._committed_at_save_failure = committed
-        limit = self.config.max_save_failures_in_a_row
-        if self._save_failures >= limit:
-            raise StorageFailingError(
-                f"checkpoint saves to {self.config.checkpoint_dir} failed {self._save_failures} times in a row "
-                f"with none committed in between (max_save_failures_in_a_row={limit}); last: "
-                f"{self.backend.error_text(saves[0])}. Check that the location is writable (permissions, quota, "
-                "free space) and reachable, or raise save_timeout_s if saves are only slow"
-            ) from saves[0]
 
     def _next_world(
         self, change: WorldChange, resume: Optional[checkpoints.CheckpointInfo] = None
@@ -537,7 +487,7 @@ class ElasticTrainer:
             raise CapacityTimeoutError(
                 f"{change.reason}; {decision.reason} (replacement_timeout_s={cfg.replacement_timeout_s:.0f}, "
                 f"mode={cfg.mode}, min_slices={cfg.min_slices}). Add capacity, raise replacement_timeout_s, "
-                + ("or set fallback_to_resize=True" if cfg.mode == "pause-and-resume" else "or lower min_slices")
+                + self.gens.scaling.advice
             )
         capacity_ready_at = time.time()
         members, added = self.gens.take(change.survivors, decision)

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 from ray_elastic.config import ElasticConfig
 from ray_elastic.control.placement import REPORT_EVERY_S
+from ray_elastic.control.placement import slice_name as _name
 from ray_elastic.control.states import OutcomeKind, RunOutcome
 from ray_elastic.decide import (
     Action,
@@ -24,8 +25,6 @@ from ray_elastic.decide import (
     RestorePlan,
     RestoreSource,
     choose_restore,
-    decide_next_world,
-    should_grow,
 )
 from ray_elastic.errors import unreadable_checkpoint
 from ray_elastic.observe.results import WorldRecord
@@ -60,6 +59,7 @@ class Generations:
     def __init__(self, config: ElasticConfig, backend):
         self.config = config
         self.backend = backend
+        self.scaling = config.scaling_policy()
         self.members: list = []  # slice reservations of the current/next world, replica order
         self.replacements: list = []  # pending replacement requests (the autoscaler's demand)
         self.quarantined: list = []  # reservations of slices that kept failing: held until the run ends
@@ -92,23 +92,15 @@ class Generations:
         pause of a grow-back is then teardown, joining and loading, not Python and JAX starting.
         """
         ready = self.ready_replacements()
-        if not should_grow(self.config.mode, len(self.members), len(ready), self.config.num_slices):
+        if not self.scaling.should_grow(len(self.members), len(ready)):
             return False
         newcomers = [req.poll() for req in ready[: self.config.num_slices - len(self.members)]]
         self.backend.replenish(newcomers, at_once=True)  # together: none is still starting beside the grow
         return self.backend.warm(self.members + newcomers)
 
     def decide(self, survivors: list, *, timed_out: bool) -> NextWorld:
-        cfg = self.config
-        return decide_next_world(
-            mode=cfg.mode,
-            survivors=[_name(r, i) for i, r in enumerate(survivors)],
-            ready_replacements=len(self.ready_replacements()),
-            num_slices=cfg.num_slices,
-            min_slices=cfg.min_slices,
-            timed_out=timed_out,
-            fallback_to_resize=cfg.fallback_to_resize,
-        )
+        names = [_name(r, i) for i, r in enumerate(survivors)]
+        return self.scaling.next_world(names, len(self.ready_replacements()), timed_out=timed_out)
 
     def await_capacity(
         self,
@@ -391,8 +383,3 @@ class Generations:
                 r.release()
             except Exception as e:  # noqa: BLE001
                 logger.debug("release reservation: %s", e)
-
-
-def _name(res, index: int) -> str:
-    """A slice's name (one that never joined a world has none yet: named by its position)."""
-    return res.slice_name or f"new-slice-{index}"

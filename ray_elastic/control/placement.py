@@ -19,7 +19,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray.util.tpu import SlicePlacementGroup
 
-from ray_elastic.config import SliceSpec
+from ray_elastic.config import POD_TYPE_LABEL, SLICE_NAME_LABEL, WORKER_ID_LABEL, SliceSpec
 from ray_elastic.errors import CapacityTimeoutError
 
 logger = logging.getLogger(__name__)
@@ -27,7 +27,11 @@ REPORT_EVERY_S = 5.0  # how often a wait for slices says what it still waits for
 JOINING_WAIT_S = 30.0  # a claimed slice whose hosts are still registering is waited for this long
 WATCH_JOINING_S = 0.2
 UNPLACED = "<unplaced>"  # no node: never among the live ones
-SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
+
+
+def slice_name(reservation, index: int) -> str:
+    """A reserved slice's name; one that never joined a world has none yet: named by its position."""
+    return reservation.slice_name or f"new-slice-{index}"
 
 
 class SliceReservation:
@@ -188,7 +192,7 @@ def _claim_whole_slice(
             if claim is None:
                 claim = placement_group(
                     [{f"TPU-{spec.pod_type}-head": 1}],
-                    bundle_label_selector=[{"ray.io/tpu-worker-id": "0", "ray.io/tpu-pod-type": spec.pod_type}],
+                    bundle_label_selector=[{WORKER_ID_LABEL: "0", POD_TYPE_LABEL: spec.pod_type}],
                 )
                 claimed = claim.ready()
             ready, _ = ray.wait([claimed], timeout=1.0 if left is None else min(1.0, left))

@@ -16,8 +16,8 @@ from typing import Callable, NamedTuple, Optional
 
 import ray
 
-from ray_elastic.config import ElasticConfig
-from ray_elastic.control.placement import SLICE_NAME_LABEL, SliceReservation
+from ray_elastic.config import SLICE_NAME_LABEL, WORKER_ID_LABEL, ElasticConfig
+from ray_elastic.control.placement import SliceReservation, slice_name
 from ray_elastic.control.relay import RelayPool
 from ray_elastic.decide import WorldPlan
 from ray_elastic.detect import health
@@ -209,7 +209,7 @@ def _host_labels(reservations: list[SliceReservation]) -> Optional[list[list[dic
             lab = node_labels.get(node, {})
             if SLICE_NAME_LABEL not in lab:
                 return None
-            hosts.append({"slice_name": lab[SLICE_NAME_LABEL], "tpu_worker_id": lab.get("ray.io/tpu-worker-id", "")})
+            hosts.append({"slice_name": lab[SLICE_NAME_LABEL], "tpu_worker_id": lab.get(WORKER_ID_LABEL, "")})
         if len(hosts) != res.spec.num_hosts:
             return None
         out.append(hosts)
@@ -370,7 +370,7 @@ class World:
             # joining the JAX world at once and it catches up.
             labels = _host_labels(reservations)
             if labels is None:
-                known = [res.slice_name or f"new-slice-{i}" for i, res in enumerate(reservations)]
+                known = [slice_name(res, i) for i, res in enumerate(reservations)]
                 infos = _gather(
                     flat_prepared,
                     [n for n in known for _ in range(spec.num_hosts)],

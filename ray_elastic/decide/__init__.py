@@ -4,7 +4,7 @@
 - :mod:`~ray_elastic.decide.world`: one world's process ids, mesh, batch and learning-rate scale;
 - :mod:`~ray_elastic.decide.schedule`: snapshot, eval and checkpoint steps, chunk lengths, time bounds;
 - :mod:`~ray_elastic.decide.failures`: what a failure means, and the limits on retrying;
-- :mod:`~ray_elastic.decide.next_world`: form the next world, wait for capacity, or fail;
+- :mod:`~ray_elastic.decide.next_world`: the next move's types (form, wait, fail);
 - :mod:`~ray_elastic.decide.restore`: where the next world's state comes from.
 """
 
@@ -27,7 +27,7 @@ from ray_elastic.decide.layout import (
     resolve_slice_mesh,
     spec_sizes,
 )
-from ray_elastic.decide.next_world import Action, NextWorld, decide_next_world, should_grow
+from ray_elastic.decide.next_world import Action, NextWorld
 from ray_elastic.decide.restore import RestorePlan, RestoreSource, choose_restore
 from ray_elastic.decide.schedule import (
     MAX_CHUNK_S,
@@ -87,8 +87,6 @@ __all__ = [
     "failures_exceeded",
     "Action",
     "NextWorld",
-    "decide_next_world",
-    "should_grow",
     "RestoreSource",
     "RestorePlan",
     "choose_restore",

@@ -59,9 +59,6 @@ class EventLog:
         for listener in self.listeners:
             listener.on_state(old, new)
 
-    def of_kind(self, kind: str) -> list[dict]:
-        return [e for e in self.events if e["kind"] == kind]
-
     def close(self) -> None:
         for listener in self.listeners:
             listener.close()

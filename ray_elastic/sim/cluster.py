@@ -25,7 +25,7 @@ from typing import Optional
 
 import psutil
 
-from ray_elastic.config import SliceSpec
+from ray_elastic.config import SLICE_NAME_LABEL, SliceSpec
 from ray_elastic.sim.hosts import (
     SimulatedHost,
     SimulatedSlice,
@@ -75,7 +75,6 @@ def _allow_nodes_from_any_thread() -> None:
 
 
 LOOPBACK = "127.0.0.1"
-SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
 HEAD_INSTANCE_ID = "sim-head-00000"  # the head's cloud instance id, as the autoscaler knows it
 # Every simulated node's address is LOOPBACK: nothing of a local run listens on or sends to the
 # machine's network address. Ray turns a loopback address given to ray.init (or a job driver's
@@ -514,19 +513,6 @@ class SimulatedTPUCluster:
     def _signal_slice(sl: SimulatedSlice, sig: int) -> None:
         table = process_children()
         send_signal([p for host in sl.hosts for p in host.processes(table)], sig)
-
-    def worker_pids(self, name: str) -> list[int]:
-        """PIDs of the Ray worker processes (actors) running on a slice's hosts."""
-        pids = []
-        table = process_children()
-        for host in self.slice_by_name(name).hosts:
-            for p in host.processes(table):
-                try:
-                    if p.name().startswith("ray::") or "default_worker.py" in " ".join(p.cmdline()):
-                        pids.append(p.pid)
-                except psutil.NoSuchProcess:
-                    pass
-        return pids
 
     def _stop_autoscaled_nodes(self, cluster) -> None:
         """No new launches (capacity 0), wait for the ones in flight (a node half-started when the

@@ -10,6 +10,8 @@ from typing import Optional
 
 import psutil
 
+from ray_elastic.config import ACCELERATOR_LABEL, POD_TYPE_LABEL, SLICE_NAME_LABEL, TOPOLOGY_LABEL, WORKER_ID_LABEL
+
 
 def free_port() -> int:
     """A TCP port nobody listens on right now (the OS picks it)."""
@@ -71,11 +73,11 @@ def tpu_host(spec, slice_name: str, worker_id: int, devices_per_host: int) -> TP
     if worker_id == 0:
         resources[f"TPU-{spec.pod_type}-head"] = 1
     labels = {
-        "ray.io/tpu-slice-name": slice_name,
-        "ray.io/tpu-worker-id": str(worker_id),
-        "ray.io/tpu-pod-type": spec.pod_type,
-        "ray.io/tpu-topology": spec.topology,
-        "ray.io/accelerator-type": acc,
+        SLICE_NAME_LABEL: slice_name,
+        WORKER_ID_LABEL: str(worker_id),
+        POD_TYPE_LABEL: spec.pod_type,
+        TOPOLOGY_LABEL: spec.topology,
+        ACCELERATOR_LABEL: acc,
     }
     env = {
         "TPU_NAME": slice_name,

@@ -56,6 +56,7 @@ from ray.autoscaler.tags import (  # noqa: E402
     TAG_RAY_USER_NODE_TYPE,
 )
 
+from ray_elastic.config import SLICE_NAME_LABEL  # noqa: E402
 from ray_elastic.sim.hosts import SimulatedHost, send_signal  # noqa: E402 - a node's processes, as kill_slice finds them
 
 HEAD_NODE_TYPE = "ray.head.default"  # the name FakeMultiNodeProvider gives the head
@@ -156,7 +157,7 @@ class TPUSliceProvider(FakeMultiNodeProvider):
             self._start_host(node_type, tags, name, 0)
             return
         # A pool slice: its name is in the node type's labels; start every host it lacks.
-        name = labels["ray.io/tpu-slice-name"]
+        name = labels[SLICE_NAME_LABEL]
         index = int(node_type.split("-")[1])
         with self.lock:
             have = {w for s, w in self._slice_of.values() if s == name}

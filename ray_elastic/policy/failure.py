@@ -1,0 +1,121 @@
+"""The failure policy: from the evidence of one failure, which slices are lost, and whether the run
+may try again. It owns the run's retry counters, so the controller only reads evidence, asks, and
+executes the answer."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+from ray_elastic.decide.failures import (
+    ErrorKind,
+    FailureVerdict,
+    classify_failure,
+    drop_repeat_offender,
+    failures_exceeded,
+)
+from ray_elastic.errors import ElasticRuntimeError, RetriesExhaustedError, StorageFailingError, TrainingCodeError
+
+
+@dataclasses.dataclass(frozen=True)
+class FailureEvidence:
+    """What one failure showed: per-slice error kinds, the slices whose node is dead, the world's
+    slices, the slice whose error came first, and the run's progress and saves at that moment."""
+
+    kinds: dict[str, ErrorKind]
+    dead_slices: set[str]
+    world_slices: list[str]
+    error_text: str  # the first error, one line
+    origin: Optional[str] = None
+    forming: bool = False  # the world failed before its first step
+    steps_run: int = 0  # every step run so far, rewound ones too: progress of any kind
+    save_failed: Optional[str] = None  # a checkpoint save failed (its error, one line)
+    committed_step: int = -1  # the newest checkpoint committed so far
+    checkpoint_dir: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class FailureDecision:
+    """The verdict, and the error that ends the run (None: recover)."""
+
+    verdict: FailureVerdict
+    failures_in_a_row: int
+    stop: Optional[ElasticRuntimeError] = None
+
+
+class FailurePolicy:
+    """Classification, the repeat-offender rule and every retry limit of one run:
+    ``max_failures`` per ``failure_window_s``, ``max_failures_in_a_row`` without progress,
+    ``max_save_failures_in_a_row`` without a commit, and the user's ``retry_policy``."""
+
+    def __init__(self, config, retry_policy: Optional[Callable[[int, Exception], bool]] = None):
+        self.config, self.retry_policy = config, retry_policy
+        self.failure_times: list[float] = []
+        self.failures_in_a_row = 0
+        self._steps_at_failure = 0
+        self._last_origin: Optional[str] = None
+        self._save_failures, self._committed_at_save_failure = 0, -1
+
+    def decide(self, ev: FailureEvidence, now: float, error: Optional[Exception] = None) -> FailureDecision:
+        """One failure's decision (``now``: monotonic seconds; ``error``: the first error, for the
+        retry policy)."""
+        verdict = classify_failure(
+            errors=ev.kinds, dead_slices=ev.dead_slices, world_slices=ev.world_slices, error_text=ev.error_text
+        )
+        if ev.forming and verdict.training_code:
+            return self._stop(verdict, TrainingCodeError(f"forming a world failed in training code: {ev.error_text}"))
+        progressed, self._steps_at_failure = ev.steps_run > self._steps_at_failure, ev.steps_run
+        self.failures_in_a_row = 1 if progressed else self.failures_in_a_row + 1
+        verdict = drop_repeat_offender(
+            verdict,
+            origin=ev.origin,
+            previous_origin=self._last_origin,
+            progressed=progressed,
+            origin_kind=ev.kinds.get(ev.origin),
+        )
+        self._last_origin = ev.origin
+        stop = self._save_limit(ev) or self._retry_limit(verdict, now, error)
+        return FailureDecision(verdict, self.failures_in_a_row, stop)
+
+    def _stop(self, verdict: FailureVerdict, error: ElasticRuntimeError) -> FailureDecision:
+        return FailureDecision(verdict, self.failures_in_a_row, error)
+
+    def _save_limit(self, ev: FailureEvidence) -> Optional[ElasticRuntimeError]:
+        """Saves that failed ``max_save_failures_in_a_row`` times with none committed in between:
+        each retry replays a few steps (progress for the other limits) and fails the same save again."""
+        if ev.save_failed is None:
+            self._save_failures = 0
+            return None
+        committed = ev.committed_step > self._committed_at_save_failure
+        self._save_failures = 1 if committed else self._save_failures + 1
+        self._committed_at_save_failure = ev.committed_step
+        limit = self.config.max_save_failures_in_a_row
+        if self._save_failures < limit:
+            return None
+        return StorageFailingError(
+            f"checkpoint saves to {ev.checkpoint_dir} failed {self._save_failures} times in a row with none "
+            f"committed in between (max_save_failures_in_a_row={limit}); last: {ev.save_failed}. Check that the "
+            "location is writable (permissions, quota, free space) and reachable, or raise save_timeout_s if "
+            "saves are only slow"
+        )
+
+    def _retry_limit(self, verdict: FailureVerdict, now: float, error) -> Optional[ElasticRuntimeError]:
+        if not verdict.recoverable:
+            error_cls = TrainingCodeError if verdict.training_code else ElasticRuntimeError
+            return error_cls(f"not recoverable: {verdict.reason}")
+        cfg = self.config
+        self.failure_times.append(now)
+        if failures_exceeded(self.failure_times, now, cfg.max_failures, cfg.failure_window_s):
+            return RetriesExhaustedError(
+                f"gave up after {len(self.failure_times)} failures within {cfg.failure_window_s:.0f}s "
+                f"(max_failures={cfg.max_failures}); last: {verdict.reason}"
+            )
+        if self.failures_in_a_row > cfg.max_failures_in_a_row:
+            return RetriesExhaustedError(
+                f"gave up after {self.failures_in_a_row} failures in a row without a step finished "
+                f"(max_failures_in_a_row={cfg.max_failures_in_a_row}); last: {verdict.reason}"
+            )
+        attempt = len(self.failure_times)
+        if self.retry_policy is not None and not self.retry_policy(attempt, error):
+            return RetriesExhaustedError(f"retry_policy declined attempt {attempt} after {verdict.reason}")
+        return None
