@@ -23,6 +23,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ray_elastic tests bench examples
 	$(VENV)/bin/ruff format --check ray_elastic tests bench examples
+	$(VENV)/bin/mypy
 
 test: lint
 	$(PY) -m pytest -q -ra $(ARGS)

@@ -84,8 +84,8 @@ class FakeWorld:
         self.host_infos = [{"node_id": f"node-{r.host}", "pid": 0} for r in reservations]
         self.torn_down = False
 
-    def slice_of(self, p: int) -> str:
-        return self.plan.slice_names[p // self.plan.hosts_per_slice]
+    def slice_of(self, process_id: int) -> str:
+        return self.plan.slice_names[process_id // self.plan.hosts_per_slice]
 
     def slice_node_ids(self) -> dict[str, list[str]]:
         return {self.slice_of(p): [info["node_id"]] for p, info in enumerate(self.host_infos)}
@@ -106,8 +106,9 @@ class FakeStreams:
         self.not_kept: list = []
         self.not_kept_count = 0
 
-    def run(self, start: int, end: int, grow_requested: Callable[[], bool]) -> RunOutcome:
-        for step in range(start, end):
+    def run(self, start_step: int, end_step: int, grow_requested: Callable[[], bool]) -> RunOutcome:
+        start = start_step
+        for step in range(start_step, end_step):
             if step > start and grow_requested():
                 return RunOutcome(OutcomeKind.GROW, {}, time.time())
             fault = self.backend.faults.pop(step, None)

@@ -78,3 +78,53 @@ def test_no_import_circle():
     for m in sorted(_modules()):
         if m not in state:
             visit(m, [])
+
+
+def test_the_ray_backend_and_the_fake_offer_what_the_backend_protocol_names():
+    """The seam is explicit: every method of ``control.backend.Backend`` exists on ``RayBackend`` and
+    on the tests' ``FakeBackend``, taking the protocol's parameters (extra ones only with defaults)."""
+    import inspect
+
+    from fake_backend import FakeBackend, FakeRequest, FakeReservation, FakeStreams, FakeWorld
+
+    from ray_elastic.control import backend as seam
+    from ray_elastic.control.placement import ReplacementRequest, SliceReservation
+    from ray_elastic.control.ray_backend import RayBackend
+    from ray_elastic.control.stepping import StepStreams
+    from ray_elastic.control.world import World
+
+    pairs = [
+        (seam.Backend, RayBackend),
+        (seam.Backend, FakeBackend),
+        (seam.WorldHandle, World),
+        (seam.WorldHandle, FakeWorld),
+        (seam.Streams, StepStreams),
+        (seam.Streams, FakeStreams),
+        (seam.Reservation, SliceReservation),
+        (seam.Reservation, FakeReservation),
+        (seam.ReplacementRequest, ReplacementRequest),
+        (seam.ReplacementRequest, FakeRequest),
+    ]
+    problems = []
+    for protocol, impl in pairs:
+        for name, member in vars(protocol).items():
+            if name.startswith("_") or not callable(member):
+                continue
+            if not callable(getattr(impl, name, None)):
+                problems.append(f"{impl.__name__}.{name} missing")
+                continue
+            want = inspect.signature(member).parameters
+            have = inspect.signature(getattr(impl, name)).parameters
+            if any(p not in have for p in want if p != "self" and not want[p].kind == want[p].VAR_KEYWORD):
+                problems.append(f"{impl.__name__}.{name}{inspect.signature(getattr(impl, name))} lacks {list(want)}")
+            extra = [
+                p
+                for p in have
+                if p not in want
+                and p != "self"
+                and have[p].default is inspect.Parameter.empty
+                and have[p].kind not in (have[p].VAR_POSITIONAL, have[p].VAR_KEYWORD)
+            ]
+            if extra:
+                problems.append(f"{impl.__name__}.{name} needs {extra}, which the protocol does not pass")
+    assert problems == []

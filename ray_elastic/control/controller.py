@@ -19,6 +19,7 @@ import time
 from typing import Callable, Optional
 
 from ray_elastic.config import ElasticConfig
+from ray_elastic.control.backend import Backend
 from ray_elastic.control.generations import Generations
 from ray_elastic.control.ray_backend import RayBackend
 from ray_elastic.control.states import ControllerState, OutcomeKind, RunOutcome, check_transition
@@ -79,6 +80,8 @@ class ElasticTrainer:
     """
 
     backend_cls = RayBackend  # the seam tests replace (as Ray Train's ``worker_group_cls``)
+    gens: Generations  # the current run's members, replacements, snapshots and worlds (set by fit)
+    backend: Backend
 
     def __init__(
         self,
@@ -122,16 +125,17 @@ class ElasticTrainer:
             )
         self.tensorboard_dir = tensorboard_dir or None
         self.state = S.INITIALIZING
-        self.gens: Optional[Generations] = None
 
     @property
     def world(self):
         """The current generation's :class:`~ray_elastic.control.world.World` (None before the first)."""
-        return self.gens.world if self.gens else None
+        gens = getattr(self, "gens", None)  # set by each fit
+        return gens.world if gens else None
 
     @property
     def worlds(self) -> list[results.WorldRecord]:
-        return self.gens.worlds if self.gens else []
+        gens = getattr(self, "gens", None)
+        return gens.worlds if gens else []
 
     def _enter(self, new: ControllerState) -> None:
         check_transition(self.state, new)
@@ -254,7 +258,7 @@ class ElasticTrainer:
                     "them and could restore one of theirs: give it an empty checkpoint_dir, or drop resume_from "
                     "to train on from checkpoint_dir's own newest checkpoint"
                 )
-            if theirs and resume_from != cfg.checkpoint_dir:
+            if own is not None and theirs and resume_from != cfg.checkpoint_dir:
                 raise ValueError(
                     f"checkpoint_dir {cfg.checkpoint_dir!r} holds checkpoints of task {theirs!r} (newest: step "
                     f"{own.step}), not of {ours!r}: use another checkpoint_dir, or fit(..., resume_from="

@@ -15,6 +15,7 @@ import time
 from typing import Callable, Optional
 
 from ray_elastic.config import ElasticConfig
+from ray_elastic.control.backend import Backend, WorldHandle
 from ray_elastic.control.placement import REPORT_EVERY_S
 from ray_elastic.control.placement import slice_name as _name
 from ray_elastic.control.states import OutcomeKind, RunOutcome
@@ -56,7 +57,7 @@ class Evidence:
 class Generations:
     """Members of the current (or next) world, pending replacements, snapshots and worlds so far."""
 
-    def __init__(self, config: ElasticConfig, backend):
+    def __init__(self, config: ElasticConfig, backend: Backend):
         self.config = config
         self.backend = backend
         self.scaling = config.scaling_policy()
@@ -68,7 +69,7 @@ class Generations:
         self.last_restore: Optional[RestorePlan] = None  # what the newest world loaded (or tried to)
         self.store = SnapshotStore(config.slice.num_hosts)
         self.worlds: list[WorldRecord] = []
-        self.world = None  # the current World
+        self.world: Optional[WorldHandle] = None  # the current generation
 
     # ------------------------------------------------------------ capacity
     def reserve(self, on_wait: Optional[Callable[[int, int], None]] = None) -> list:
@@ -169,7 +170,7 @@ class Generations:
             # A pending slice placement group is what makes the autoscaler provision a new slice.
             self.replacements.append(self.backend.request_replacement())
 
-    def split(self, lost: set[str], quarantined: set[str] = frozenset()) -> list:
+    def split(self, lost: set[str], quarantined: frozenset[str] | set[str] = frozenset()) -> list:
         """After a failure of the current world: drop the ``lost`` slices (holding the ``quarantined``
         ones), return the others (replica order)."""
         survivors = []
@@ -194,13 +195,12 @@ class Generations:
             named = [n for n in getattr(error, "slices", ()) if n in nodes]
             if not named and kind in (ErrorKind.NODE_DIED, ErrorKind.PROCESS_DIED):
                 kind = ErrorKind.ACTOR_DIED  # whose process it was is unknown: the node table decides
-            kinds = {name: kind for name in named or nodes}
             return Evidence(
-                kinds,
+                {name: kind for name in named or nodes},
                 nodes,
                 list(nodes),
                 len(self.worlds),
-                self._vouched(kinds, self.members),
+                self._vouched({name: kind for name in named or nodes}, self.members),
                 origin=named[0] if named else None,
                 unreadable_checkpoints=self._unreadable(outcome),
             )
@@ -277,7 +277,7 @@ class Generations:
             plan = dataclasses.replace(plan, directory=directory)
         return plan
 
-    def _set_aside_newer(self, directory: Optional[str], step: int, restore_step: int) -> list[str]:
+    def _set_aside_newer(self, directory: Optional[str], step: Optional[int], restore_step: int) -> list[str]:
         """The run goes on from a snapshot of ``restore_step`` though a newer checkpoint committed (see
         :func:`~ray_elastic.decide.choose_restore`): the steps after it run again and save that
         checkpoint again, which orbax refuses while it exists (``StepAlreadyExistsError``, seen in
@@ -290,6 +290,7 @@ class Generations:
         while (
             step is not None and step > restore_step and directory == self.config.checkpoint_dir and step not in tried
         ):
+            assert directory is not None  # the loop runs only in the run's own directory
             tried.add(step)
             try:
                 moved.append(checkpoints.set_aside(directory, step + 1, why="superseded"))

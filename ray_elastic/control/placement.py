@@ -46,6 +46,8 @@ class SliceReservation:
     ):
         self.spec = spec
         # Multi-host: claim the head host of a whole, idle slice first and pin every bundle to it.
+        self.pinned_slice: Optional[str]
+        self._head_pg: Optional[PlacementGroup]
         self.pinned_slice, self._head_pg = (
             _claim_whole_slice(spec, head_timeout_s, on_wait, cancelled) if spec.num_hosts > 1 else (None, None)
         )
@@ -61,7 +63,9 @@ class SliceReservation:
         except BaseException:
             self._release_head()
             raise
-        self.placement_group = self._handle.placement_group
+        placement_group = self._handle.placement_group
+        assert placement_group is not None  # SlicePlacementGroup creates it in its constructor
+        self.placement_group: PlacementGroup = placement_group
         self.slice_name: Optional[str] = None  # learnt from the hosts when a world forms on it
         self._ready_ref: Optional[ray.ObjectRef] = None
         self._is_ready = False
@@ -265,7 +269,7 @@ def pending_slice_demand() -> str:
     import collections
     import json
 
-    demand = collections.Counter()
+    demand: collections.Counter = collections.Counter()
     for info in ray.util.placement_group_table().values():
         if info.get("state") not in ("PENDING", "RESCHEDULING"):
             continue

@@ -11,7 +11,7 @@ fake through ``ElasticTrainer.backend_cls``, as Ray Train's controller takes a
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import ray
 
@@ -30,13 +30,15 @@ logger = logging.getLogger(__name__)
 
 
 class RayBackend:
-    """Slices, processes and worlds on the Ray cluster this driver is connected to."""
+    """Slices, processes and worlds on the Ray cluster this driver is connected to
+    (a :class:`~ray_elastic.control.backend.Backend`)."""
+
+    pool: WorkerPool  # set by connect
 
     def __init__(self, task: TrainTask, config: ElasticConfig, address: Optional[str] = None):
         self.task = task
         self.config = config
         self.address = address
-        self.pool: Optional[WorkerPool] = None
 
     def connect(self) -> None:
         if not ray.is_initialized():
@@ -69,12 +71,12 @@ class RayBackend:
     ) -> bool:
         return self.pool.replenish(members, per_host, at_once, for_world)
 
-    def missing_snapshots(self, refs: list, members: list = (), timeout_s: float = 1.0) -> set[int]:
+    def missing_snapshots(self, refs: list, members: Sequence = (), timeout_s: float = 1.0) -> set[int]:
         """Indices of ``refs`` (:class:`SnapshotRef`) whose keeper answers but no longer holds them, or
         is dead. In the same round, the keeper of every host of ``members`` is asked too: one that
         died while its slice stays (an OOM kill, ``ray.kill``) is replaced by a new, empty one, so
         the next world does not fail to form on it and the slice is not blamed for it."""
-        hosts = self.pool.keepers_of(members)
+        hosts = self.pool.keepers_of(list(members))
         keepers = list({k._actor_id: k for k in [r.keeper for r in refs] + [k for _, k in hosts]}.values())
         dead: set[int] = set()
         starting = frozenset(i for i, k in enumerate(keepers) if not self.pool.answered(k))
@@ -102,8 +104,26 @@ class RayBackend:
         self.pool.discard(reservation)
 
     # --------------------------------------------------------------- worlds
-    def form(self, **kwargs) -> World:
-        return World.form(pool=self.pool, config=self.config, **kwargs)
+    def form(
+        self,
+        *,
+        generation: int,
+        reservations: list,
+        start_step: int,
+        restore: Callable[[str], Optional[list]],
+        checkpoint_step: Optional[int],
+        checkpoint_dir: Optional[str] = None,
+    ) -> World:
+        return World.form(
+            pool=self.pool,
+            config=self.config,
+            generation=generation,
+            reservations=reservations,
+            start_step=start_step,
+            restore=restore,
+            checkpoint_step=checkpoint_step,
+            checkpoint_dir=checkpoint_dir,
+        )
 
     @staticmethod
     def check_task(task, config, resume=None) -> None:
@@ -154,5 +174,5 @@ class RayBackend:
         return health.unresponsive(world.workers, self.config.probe_timeout_s)
 
     def shutdown(self) -> None:
-        if self.pool is not None:
+        if getattr(self, "pool", None) is not None:
             self.pool.shutdown()

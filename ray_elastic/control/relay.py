@@ -26,7 +26,7 @@ ORDER_TIMEOUT_S = 60.0  # a chunk waits this long for the one before it to be su
 Target = tuple  # (process id, actor handle, method name, leading args)
 
 
-@ray.remote(num_cpus=0, max_concurrency=RELAY_CONCURRENCY)
+@ray.remote(num_cpus=0, max_concurrency=RELAY_CONCURRENCY)  # type: ignore[call-overload]
 class ChunkRelay:
     """Runs each chunk on its group of processes of one world generation (given by :meth:`prepare`)."""
 
@@ -71,7 +71,7 @@ class ChunkRelay:
             try:
                 ray.get(done)  # one call for the batch; one per ref only to name who failed
             except Exception:  # noqa: BLE001
-                failed = {}
+                failed: dict[int, BaseException] = {}
                 for ref in done:
                     try:
                         ray.get(ref, timeout=0)

@@ -119,7 +119,7 @@ class StepStreams:
     def _next_interval(self, step: int) -> int:
         c = self.config
         if c.snapshot_every != "auto":
-            every = c.snapshot_every
+            every = int(c.snapshot_every)
         else:
             current = self._intervals[-1][1] if self._intervals else 1
             if self._intervals:  # what the snapshots cost the steps run at the current interval
@@ -227,9 +227,9 @@ class StepStreams:
                 stream_waiter.watch(self._heads(holders))
             now = time.monotonic()
             if now - last_progress > suspect and now >= next_node_check:
-                gone = self._lost_hosts()
-                if gone:
-                    return RunOutcome(OutcomeKind.FAILURE, gone, last_progress_wall)
+                lost = self._lost_hosts()
+                if lost:
+                    return RunOutcome(OutcomeKind.FAILURE, lost, last_progress_wall)
                 next_node_check = now + node_check_every
                 node_check_every = min(2 * node_check_every, NODE_CHECK_MAX_S)
             if time.monotonic() - last_progress > limit:
@@ -249,7 +249,7 @@ class StepStreams:
                         last_progress_wall,
                     )
                 if not health.busy(answers, max(self._reported, probed)):
-                    silent = {
+                    silent: dict[int, BaseException] = {
                         p: TimeoutError("no answer to the health probe") for p, a in enumerate(answers) if a is None
                     }
                     return RunOutcome(OutcomeKind.HANG, silent, last_progress_wall)

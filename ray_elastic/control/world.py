@@ -79,7 +79,7 @@ class WorkerPool:
         slice's placement group until the slice leaves, so it outlives every slice process."""
         key = (id(res), host)
         if key not in self._keepers:
-            self._keepers[key] = SnapshotKeeper.options(
+            self._keepers[key] = SnapshotKeeper.options(  # type: ignore[attr-defined]
                 num_cpus=0, scheduling_strategy=res.host_strategy(host)
             ).remote()
         return self._keepers[key]
@@ -115,7 +115,7 @@ class WorkerPool:
         options = {"num_cpus": 0, "scheduling_strategy": res.host_strategy(host)}
         if self.env:
             options["runtime_env"] = {"env_vars": self.env}
-        actor = SliceWorker.options(**options).remote(self.task_ref, self.config)
+        actor = SliceWorker.options(**options).remote(self.task_ref, self.config)  # type: ignore[attr-defined]
         return Standby(actor, actor.prepare.remote(for_world), actor.traced_ahead.remote())
 
     def take(self, res: SliceReservation, host: int, for_world: Optional[int] = None) -> tuple[tuple, bool]:
@@ -169,7 +169,7 @@ class WorkerPool:
         tracing the step ahead (``every``: all its standbys have, so none of them still uses CPU)."""
         if not self.config.standby_workers:
             return True
-        queues = [self._standby.get((id(res), h)) for res in reservations for h in range(res.spec.num_hosts)]
+        queues = [self._standby.get((id(res), h)) or [] for res in reservations for h in range(res.spec.num_hosts)]
         if not all(queues):
             return False
         refs = [s.traced for q in queues for s in (q if every else q[:1])]  # q[0]: the one ``take`` hands out next

@@ -56,7 +56,7 @@ class FailurePolicy:
         self._last_origin: Optional[str] = None
         self._save_failures, self._committed_at_save_failure = 0, -1
 
-    def decide(self, ev: FailureEvidence, now: float, error: Optional[Exception] = None) -> FailureDecision:
+    def decide(self, ev: FailureEvidence, now: float, error: Optional[BaseException] = None) -> FailureDecision:
         """One failure's decision (``now``: monotonic seconds; ``error``: the first error, for the
         retry policy)."""
         verdict = classify_failure(
@@ -71,7 +71,7 @@ class FailurePolicy:
             origin=ev.origin,
             previous_origin=self._last_origin,
             progressed=progressed,
-            origin_kind=ev.kinds.get(ev.origin),
+            origin_kind=ev.kinds.get(ev.origin) if ev.origin is not None else None,
         )
         self._last_origin = ev.origin
         stop = self._save_limit(ev) or self._retry_limit(verdict, now, error)
@@ -116,6 +116,6 @@ class FailurePolicy:
                 f"(max_failures_in_a_row={cfg.max_failures_in_a_row}); last: {verdict.reason}"
             )
         attempt = len(self.failure_times)
-        if self.retry_policy is not None and not self.retry_policy(attempt, error):
+        if self.retry_policy is not None and not self.retry_policy(attempt, error):  # type: ignore[arg-type]
             return RetriesExhaustedError(f"retry_policy declined attempt {attempt} after {verdict.reason}")
         return None

@@ -1,0 +1,129 @@
+"""The seam between the controller and the cluster: what a backend, its worlds, streams, slice
+reservations and replacement requests offer. :class:`~ray_elastic.control.ray_backend.RayBackend`
+is the real one; ``tests/fake_backend.py`` scripts one. The controller and
+:class:`~ray_elastic.control.generations.Generations` reach Ray only through these."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+from ray_elastic.control.states import RunOutcome
+from ray_elastic.decide import ErrorKind, WorldPlan
+
+
+class Reservation(Protocol):
+    """One reserved slice (a placement group over its hosts)."""
+
+    slice_name: Optional[str]
+
+    def node_ids(self) -> list[str]: ...
+
+    def release(self) -> None: ...
+
+
+class ReplacementRequest(Protocol):
+    """A slice asked for (pending demand for the autoscaler): ``poll`` gives it once placed."""
+
+    def poll(self) -> Optional[Any]: ...
+
+    def cancel(self) -> None: ...
+
+
+class WorldHandle(Protocol):
+    """One generation of the JAX world, formed on ``reservations`` (plan order)."""
+
+    plan: WorldPlan
+    workers: list
+    reservations: list
+    times: Any  # FormationTimes
+    join_infos: list[dict]
+    host_infos: list[dict]
+
+    def slice_of(self, process_id: int) -> str: ...
+
+    def slice_node_ids(self) -> dict[str, list[str]]: ...
+
+    def teardown(self, confirm_s: float = 0.0) -> None: ...
+
+    def finish_checkpoints(self, timeout_s: float, save_step: Optional[int] = None) -> list: ...
+
+
+class Streams(Protocol):
+    """Driving one world: its steps until done, a failure, a hang or a grow-back."""
+
+    not_kept: list
+    not_kept_count: int
+
+    def run(self, start_step: int, end_step: int, grow_requested: Callable[[], bool]) -> RunOutcome: ...
+
+    def drain(self, timeout_s: float, errors: dict) -> None: ...
+
+    def take_snapshot_steps(self) -> list[int]: ...
+
+
+class Backend(Protocol):
+    """Slices, processes, worlds and failure evidence on one cluster."""
+
+    # the cluster
+    def connect(self) -> None: ...
+
+    def run_metrics(self, name: str) -> Any: ...
+
+    def shutdown(self) -> None: ...
+
+    # slices
+    def reserve(self, count: int, on_wait: Optional[Callable[[int, int], None]] = None) -> list: ...
+
+    def pending_demand(self) -> str: ...
+
+    def request_replacement(self) -> ReplacementRequest: ...
+
+    def replenish(
+        self, members: list, per_host: Optional[int] = None, at_once: bool = False, for_world: Optional[int] = None
+    ) -> bool: ...
+
+    def warm(self, reservations: list, every: bool = False) -> bool: ...
+
+    def discard(self, reservation: Any) -> None: ...
+
+    def missing_snapshots(self, refs: list, members: Sequence = ()) -> set[int]: ...
+
+    # worlds
+    def form(
+        self,
+        *,
+        generation: int,
+        reservations: list,
+        start_step: int,
+        restore: Callable[[str], Optional[list]],
+        checkpoint_step: Optional[int],
+        checkpoint_dir: Optional[str] = None,
+    ) -> WorldHandle: ...
+
+    def drive(
+        self,
+        world: Any,
+        store: Any,
+        on_metrics: Callable[[dict], None],
+        step_times: list[float],
+        on_interval: Optional[Callable[[int, int], None]] = None,
+        on_committed: Optional[Callable[[list], None]] = None,
+        on_eval: Optional[Callable[[dict], bool]] = None,
+        save_seconds: Optional[list] = None,
+    ) -> Streams: ...
+
+    # evidence
+    def error_kind(self, error: BaseException) -> ErrorKind: ...
+
+    def error_text(self, error: BaseException) -> str: ...
+
+    def hosts_answer(self, reservation: Any) -> bool: ...
+
+    def lost_hosts(self, reservations: list) -> list: ...
+
+    def dead_slices(self, slice_nodes: dict[str, list[str]], suspects: set[str]) -> set[str]: ...
+
+    def unresponsive(self, world: Any) -> set[int]: ...
+
+
+BackendFactory = Callable[..., Backend]  # ``(task, config, address) -> Backend``, with ``check_task`` on it
