@@ -23,7 +23,7 @@ from ray_elastic.control.backend import Backend
 from ray_elastic.control.generations import Generations
 from ray_elastic.control.ray_backend import RayBackend
 from ray_elastic.control.states import ControllerState, OutcomeKind, RunOutcome, check_transition
-from ray_elastic.decide import Action, RestoreSource, save_timeout
+from ray_elastic.decide import Action, NextWorld, RestorePlan, RestoreSource, save_timeout
 from ray_elastic.errors import (
     CapacityTimeoutError,
     ElasticRuntimeError,
@@ -363,25 +363,14 @@ class ElasticTrainer:
 
     # ------------------------------------------------------------- the loop's two halves
     def _intake(self, outcome: RunOutcome, previous: WorldChange) -> WorldChange:
-        """A world ended early: gather the evidence, decide what is lost, tear down, keep the survivors."""
+        """A world ended early: read the evidence, decide what is lost (the failure policy), then
+        execute: tear down, set aside unreadable checkpoints, keep the survivors."""
         now = time.time()
         if outcome.kind is OutcomeKind.GROW:
-            self._enter(S.RESIZING)
-            t0 = time.perf_counter()
-            try:
-                self._finish_checkpoints()  # a planned stop: let the in-flight save commit first
-            except ProcessFailed as e:  # a process died while its save committed: a failure, not a grow
-                outcome = RunOutcome(OutcomeKind.FAILURE, {e.process: e.cause}, outcome.last_progress_at)
-            else:
-                self.world.teardown()
-                return WorldChange(
-                    OutcomeKind.GROW,
-                    list(self.gens.members),
-                    "capacity returned",
-                    now,
-                    outcome.last_progress_at or now,
-                    teardown_s=time.perf_counter() - t0,
-                )
+            grown = self._stop_to_grow(outcome, now)
+            if isinstance(grown, WorldChange):
+                return grown
+            outcome = grown  # a process died while the in-flight save committed: a failure, not a grow
         self._enter(S.RECOVERING)
         chained = outcome.kind is OutcomeKind.FORMING_FAILED and previous.cause is not OutcomeKind.DONE
         detected_at = previous.detected_at if chained else now
@@ -389,24 +378,72 @@ class ElasticTrainer:
         ev = self.gens.evidence(outcome, now)
         first = next(iter(outcome.errors.values()), None) or RuntimeError(outcome.kind.value)
         saves = [e for e in outcome.errors.values() if failed_save(e)]
-        decision = self.failures.decide(
-            FailureEvidence(
-                kinds=ev.kinds,
-                dead_slices=self.backend.dead_slices(ev.slice_nodes, ev.suspects),  # node health first: then blame code
-                world_slices=ev.slices,
-                error_text=self.backend.error_text(first),
-                origin=ev.origin,
-                forming=outcome.kind is OutcomeKind.FORMING_FAILED,
-                steps_run=len(self.ledger.step_times),
-                save_failed=self.backend.error_text(saves[0]) if saves else None,
-                committed_step=self.ledger.committed_step,
-                checkpoint_dir=self.config.checkpoint_dir,
-            ),
-            time.monotonic(),
-            first,
-        )
-        verdict = decision.verdict
+        decision = self.failures.decide(self._failure_evidence(ev, outcome, first, saves), time.monotonic(), first)
         classified_at = time.time()
+        self._emit_failure(ev, outcome, decision, first, now, last_progress_at, classified_at)
+        if decision.stop is not None:
+            raise decision.stop from (saves[0] if isinstance(decision.stop, StorageFailingError) else first)
+        t0 = time.perf_counter()
+        if self.world is not None:
+            # With checkpoints, wait until the old processes are really gone: nothing of theirs may
+            # land in the checkpoint directory once the next world reads and cleans it.
+            self.world.teardown(confirm_s=TEARDOWN_CONFIRM_S if self.config.checkpoint_dir else 0.0)
+        for step in sorted(ev.unreadable_checkpoints - self.gens.unreadable_checkpoints):  # its readers are gone
+            self.events.emit(
+                "checkpoint_unreadable",
+                step=step,
+                error=str(first)[:2000],
+                set_aside_to=self.gens.checkpoint_unreadable(step),
+            )
+        verdict = decision.verdict
+        survivors = self.gens.split(set(verdict.lost_slices), set(verdict.quarantined))
+        reason = verdict.reason if not chained else f"failure while forming a world: {first!r}"[:300]
+        return WorldChange(
+            outcome.kind,
+            survivors,
+            reason,
+            detected_at,
+            last_progress_at,
+            classify_s=classified_at - now,
+            teardown_s=time.perf_counter() - t0,
+        )
+
+    def _stop_to_grow(self, outcome: RunOutcome, now: float) -> WorldChange | RunOutcome:
+        """Capacity returned (state ``resizing``): let the in-flight save commit, then tear down. A
+        process dying meanwhile turns the grow into a failure (returned as that outcome)."""
+        self._enter(S.RESIZING)
+        t0 = time.perf_counter()
+        try:
+            self._finish_checkpoints()
+        except ProcessFailed as e:
+            return RunOutcome(OutcomeKind.FAILURE, {e.process: e.cause}, outcome.last_progress_at)
+        self.world.teardown()
+        return WorldChange(
+            OutcomeKind.GROW,
+            list(self.gens.members),
+            "capacity returned",
+            now,
+            outcome.last_progress_at or now,
+            teardown_s=time.perf_counter() - t0,
+        )
+
+    def _failure_evidence(self, ev, outcome: RunOutcome, first: BaseException, saves: list) -> FailureEvidence:
+        """What the failure policy decides from: the world's evidence, node health, the run's progress."""
+        return FailureEvidence(
+            kinds=ev.kinds,
+            dead_slices=self.backend.dead_slices(ev.slice_nodes, ev.suspects),  # node health first: then blame code
+            world_slices=ev.slices,
+            error_text=self.backend.error_text(first),
+            origin=ev.origin,
+            forming=outcome.kind is OutcomeKind.FORMING_FAILED,
+            steps_run=len(self.ledger.step_times),
+            save_failed=self.backend.error_text(saves[0]) if saves else None,
+            committed_step=self.ledger.committed_step,
+            checkpoint_dir=self.config.checkpoint_dir,
+        )
+
+    def _emit_failure(self, ev, outcome, decision, first, now: float, last_progress_at: float, classified_at: float):
+        verdict = decision.verdict
         self.events.emit(
             "failure",
             generation=ev.generation,
@@ -426,37 +463,58 @@ class ElasticTrainer:
             classify_s=classified_at - now,
             detection_latency_s=classified_at - last_progress_at,
         )
-        if decision.stop is not None:
-            raise decision.stop from (saves[0] if isinstance(decision.stop, StorageFailingError) else first)
-        t0 = time.perf_counter()
-        if self.world is not None:
-            # With checkpoints, wait until the old processes are really gone: nothing of theirs may
-            # land in the checkpoint directory once the next world reads and cleans it.
-            self.world.teardown(confirm_s=TEARDOWN_CONFIRM_S if self.config.checkpoint_dir else 0.0)
-        for step in sorted(ev.unreadable_checkpoints - self.gens.unreadable_checkpoints):  # its readers are gone
-            self.events.emit(
-                "checkpoint_unreadable",
-                step=step,
-                error=str(first)[:2000],
-                set_aside_to=self.gens.checkpoint_unreadable(step),
-            )
-        survivors = self.gens.split(set(verdict.lost_slices), set(verdict.quarantined))
-        reason = verdict.reason if not chained else f"failure while forming a world: {first!r}"[:300]
-        return WorldChange(
-            outcome.kind,
-            survivors,
-            reason,
-            detected_at,
-            last_progress_at,
-            classify_s=classified_at - now,
-            teardown_s=time.perf_counter() - t0,
-        )
 
     def _next_world(
         self, change: WorldChange, resume: Optional[checkpoints.CheckpointInfo] = None
     ) -> Optional[RunOutcome]:
         """The one path to the next world: wait for the capacity the mode needs, take the survivors and
         ready replacements, form. Returns None when formed, else the forming failure as an outcome."""
+        change, decision, wait_s = self._await_capacity(change)
+        capacity_ready_at = time.time()
+        members, added = self.gens.take(change.survivors, decision)
+        if self.pre_callback is not None:
+            self.pre_callback()
+        restore = self._restore_plan(change, resume)
+        before = self.worlds[-1] if self.worlds else None
+        self._enter(S.FORMING_WORLD)
+        try:
+            record = self.gens.form(members, restore)
+        except Exception as e:  # noqa: BLE001 - a failure while forming is another failure
+            return RunOutcome(OutcomeKind.FORMING_FAILED, {0: e}, change.last_progress_at)
+        self.events.emit("world_formed", **record.event_fields())
+        if restore.source is RestoreSource.CHECKPOINT:
+            self.events.emit(
+                "checkpoint_restore",
+                step=record.start_step,
+                generation=record.generation,
+                seconds=record.times["state_load_s"],
+                saved_by=self.world.join_infos[0].get("checkpoint_metadata"),
+            )
+        rewound = self.ledger.rewind_to(restore.step)
+        if change.cause is OutcomeKind.GROW:
+            self._record_scale_up(change, record, len(members), restore.step, rewound)
+        elif change.cause is not OutcomeKind.DONE:  # not the first world: a recovery
+            rec = RecoveryRecord.of(
+                change,
+                record,
+                mode=self.config.mode,
+                added=len(added),
+                rewound=rewound,
+                wait_s=wait_s,
+                capacity_ready_at=capacity_ready_at,
+            )
+            self.recoveries.append(rec)
+            self.events.emit("recovered", **dataclasses.asdict(rec))
+            if before is not None and len(before.slices) != len(members):
+                self.events.emit(
+                    "resize", generation=rec.generation, from_slices=len(before.slices), to_slices=len(members)
+                )
+        return None
+
+    def _await_capacity(self, change: WorldChange) -> tuple[WorldChange, NextWorld, float]:
+        """Wait until the mode's policy says form (state ``waiting_for_capacity`` meanwhile, reported
+        every few seconds); raise :class:`CapacityTimeoutError` when it says fail. Returns the change
+        with the survivors still alive, the decision and the seconds waited."""
         cfg = self.config
 
         def on_wait(reason: str, waited_s: float) -> None:
@@ -493,70 +551,38 @@ class ElasticTrainer:
                 f"mode={cfg.mode}, min_slices={cfg.min_slices}). Add capacity, raise replacement_timeout_s, "
                 + self.gens.scaling.advice
             )
-        capacity_ready_at = time.time()
-        members, added = self.gens.take(change.survivors, decision)
-        if self.pre_callback is not None:
-            self.pre_callback()
+        return change, decision, wait_s
+
+    def _restore_plan(self, change: WorldChange, resume: Optional[checkpoints.CheckpointInfo]) -> RestorePlan:
+        """What the next world loads; never fresh parameters once steps were done or the run resumed
+        from a checkpoint (:class:`StateLostError`, unless ``allow_restart_from_scratch``)."""
         restore = self.gens.restore_plan(change.survivors, resume, last_step=self.ledger.last_step)
         done = max(self.ledger.last_step + 1, self._first_step)  # steps trained here, or resumed from
-        if restore.source is RestoreSource.FRESH and done > 0 and not cfg.allow_restart_from_scratch:
+        if restore.source is RestoreSource.FRESH and done > 0 and not self.config.allow_restart_from_scratch:
             raise StateLostError(
                 f"{change.reason}: every slice holding a snapshot is gone and no checkpoint could be loaded, so "
                 f"going on would restart training from step 0 ({done} steps done or resumed from). "
                 "Set checkpoint_dir, raise snapshot_replicas, or allow_restart_from_scratch=True"
             )
-        before = self.worlds[-1] if self.worlds else None
-        self._enter(S.FORMING_WORLD)
-        try:
-            record = self.gens.form(members, restore)
-        except Exception as e:  # noqa: BLE001 - a failure while forming is another failure
-            return RunOutcome(OutcomeKind.FORMING_FAILED, {0: e}, change.last_progress_at)
-        self.events.emit("world_formed", **record.event_fields())
-        if restore.source is RestoreSource.CHECKPOINT:
-            self.events.emit(
-                "checkpoint_restore",
-                step=record.start_step,
-                generation=record.generation,
-                seconds=record.times["state_load_s"],
-                saved_by=self.world.join_infos[0].get("checkpoint_metadata"),
-            )
-        rewound = self.ledger.rewind_to(restore.step)
-        if change.cause is OutcomeKind.DONE:  # the first world
-            return None
-        if change.cause is OutcomeKind.GROW:
-            ready_at = time.time()
-            self.events.emit(
-                "scale_up",
-                **dataclasses.asdict(
-                    ScaleUpRecord(
-                        record.generation,
-                        len(change.survivors),
-                        len(members),
-                        restore.step,
-                        rewound,
-                        resize_s=ready_at - change.detected_at,
-                        pause_s=ready_at - change.last_progress_at,
-                        ready_at=ready_at,
-                    )
-                ),
-            )
-            return None
-        rec = RecoveryRecord.of(
-            change,
-            record,
-            mode=cfg.mode,
-            added=len(added),
-            rewound=rewound,
-            wait_s=wait_s,
-            capacity_ready_at=capacity_ready_at,
+        return restore
+
+    def _record_scale_up(self, change: WorldChange, record, size: int, step: int, rewound: int) -> None:
+        ready_at = time.time()
+        self.events.emit(
+            "scale_up",
+            **dataclasses.asdict(
+                ScaleUpRecord(
+                    record.generation,
+                    len(change.survivors),
+                    size,
+                    step,
+                    rewound,
+                    resize_s=ready_at - change.detected_at,
+                    pause_s=ready_at - change.last_progress_at,
+                    ready_at=ready_at,
+                )
+            ),
         )
-        self.recoveries.append(rec)
-        self.events.emit("recovered", **dataclasses.asdict(rec))
-        if before is not None and len(before.slices) != len(members):
-            self.events.emit(
-                "resize", generation=rec.generation, from_slices=len(before.slices), to_slices=len(members)
-            )
-        return None
 
     def _finish_checkpoints(self, save_step: Optional[int] = None) -> None:
         """Wait for the in-flight save of the current world to commit (first saving ``save_step``)."""

@@ -50,9 +50,7 @@ def snapshot_cost_in_steps(
     ``timed`` ((step, seconds) pairs): the extra time of the ``spread`` steps from a snapshot step
     on, over the median of the steps farther from one (per distance, medians: a stray slow step
     is not a snapshot). It sees what the writing process's own clock cannot: the keeper's and
-    the object store's copies and the memory traffic on the cores the step shares (on the large
-    bench model, 2026-12-02, it agreed with the writer: ~0.07-0.10 s, all on the step after the
-    snapshot step). None while it cannot tell (an interval too short to leave steps without a
+    the object store's copies and the memory traffic on the cores the step shares. None while it cannot tell (an interval too short to leave steps without a
     snapshot near, or too few steps)."""
     if every < spread + 2:
         return None

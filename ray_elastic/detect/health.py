@@ -106,7 +106,7 @@ def _raylet_replies(node_id: str, address: tuple[str, int], timeout_s: float) ->
     a connection accepted: the kernel accepts connections on a killed raylet's port until its last
     thread has exited (probed on busy cores: accepted 1-5 ms after the SIGKILL, refused from 12-19
     ms; no request answered), and a slice process's death is seen sooner than that
-    (``liveness``): a lost host read as a process crash on a live host once in a 2-host test."""
+    (``liveness``): a lost host would read as a process crash on a live host."""
     try:  # Ray's own channel (TLS and token auth as the cluster has them); private, so guarded
         from ray._private.grpc_utils import init_grpc_channel
         from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc

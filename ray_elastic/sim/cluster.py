@@ -607,9 +607,7 @@ class Provisioner:
     real TPU slice takes to come up, scaled down), then adds one slice per
     pending group. ``max_slices`` bounds the slices it will ever add. A launch that fails (a node
     that does not start in time on loaded cores) is retried at the next poll, as a cloud
-    autoscaler retries a failed instance launch: a provisioner thread that died with it left a
-    pause-and-resume run waiting out its whole ``replacement_timeout_s`` (``bench/recovery.py``,
-    2026-12-04).
+    autoscaler retries a failed instance launch.
     """
 
     def __init__(self, cluster: SimulatedTPUCluster, delay_s: float, poll_s: float, max_slices: Optional[int]):
