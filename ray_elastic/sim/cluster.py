@@ -8,7 +8,7 @@ those nodes, with ``--xla_force_host_platform_device_count`` devices per host.
 It also offers the faults the tests and the demo need (kill a slice, hang a slice). Slices are
 launched and replaced either by Ray's own autoscaler (``autoscaler=True``: the v2 autoscaler with
 the node provider of :mod:`ray_elastic.sim.node_provider`) or by this process, with a
-:class:`Provisioner` thread standing in for the autoscaler.
+:class:`~ray_elastic.sim.provisioner.Provisioner` thread standing in for the autoscaler.
 """
 
 from __future__ import annotations
@@ -25,17 +25,22 @@ from typing import Optional
 
 import psutil
 
-from ray_elastic.config import SLICE_NAME_LABEL, SliceSpec
+from ray_elastic.config import SliceSpec
 from ray_elastic.sim.hosts import (
     SimulatedHost,
     SimulatedSlice,
-    TPUHost,
     free_port,
     process_children,
     send_signal,
     tpu_host,
 )
-from ray_elastic.sim.node_provider import launches_in_flight, pool_node_type, read_events, write_knobs
+from ray_elastic.sim.node_provider import (
+    autoscaling_config,
+    launches_in_flight,
+    read_events,
+    write_knobs,
+)
+from ray_elastic.sim.provisioner import Provisioner
 
 logger = logging.getLogger(__name__)
 
@@ -251,69 +256,18 @@ class SimulatedTPUCluster:
         """Ray's cluster config for the autoscaler: the head, and the TPU slice node types."""
         import json
 
-        spec = self.slice_spec
-
-        def node_type(host: TPUHost, max_workers: int, static_name: bool) -> dict:
-            labels = dict(host.labels)
-            if not static_name:
-                labels.pop(SLICE_NAME_LABEL)  # the provider names each single-host slice it launches
-            return {
-                "resources": {"CPU": 2, **{k: int(v) for k, v in host.resources.items()}},
-                "labels": labels,
-                "node_config": {},
-                "min_workers": 0,
-                "max_workers": max_workers,
-            }
-
-        types = {"ray.head.default": {"resources": {"CPU": 1}, "node_config": {}, "min_workers": 0, "max_workers": 0}}
-        prefix = f"sim-{spec.pod_type}"
-        if spec.num_hosts == 1:
-            types["tpu-slice"] = node_type(tpu_host(spec, prefix, 0, self.devices_per_host), 1000, False)
-        else:
-            # Ray's slice reservation pins hosts to the head host's slice name, and the autoscaler
-            # matches names only against static labels: a pool of pre-named slices.
-            for i in range(pool_slices or num_slices + 2):
-                for w in range(spec.num_hosts):
-                    types[pool_node_type(i, w)] = node_type(
-                        tpu_host(spec, f"{prefix}-{i}", w, self.devices_per_host), 1, True
-                    )
-        config = {
-            "cluster_name": os.path.basename(self.temp_dir),
-            "max_workers": 1000,
-            "upscaling_speed": 1000.0,  # every slice lost at once is replaced in the same round
-            "idle_timeout_minutes": idle_timeout_s / 60.0,
-            "provider": {
-                "type": "external",
-                "module": "ray_elastic.sim.node_provider.TPUSliceProvider",
-                "gcs_address": gcs_address,
-                "head_node_id": HEAD_INSTANCE_ID,
-                "state_dir": self.state_dir,
-                "node_ip_address": LOOPBACK,
-                "accelerator": spec.accelerator,
-                "hosts_per_slice": spec.num_hosts,
-                "devices_per_host": self.devices_per_host,
-                "object_store_bytes": self._object_store_bytes,
-                "slice_prefix": prefix,
-                "launch_multiple": True,
-                "disable_node_updaters": True,  # the provider starts Ray itself
-                "disable_launch_config_check": True,
-            },
-            "auth": {},
-            "head_node_type": "ray.head.default",
-            "available_node_types": types,
-            "docker": {},
-            "initialization_commands": [],
-            "setup_commands": [],
-            "head_setup_commands": [],
-            "worker_setup_commands": [],
-            "head_start_ray_commands": [],
-            "worker_start_ray_commands": [],
-            "file_mounts": {},
-            "cluster_synced_files": [],
-            "file_mounts_sync_continuously": False,
-            "rsync_exclude": [],
-            "rsync_filter": [],
-        }
+        config = autoscaling_config(
+            self.slice_spec,
+            self.devices_per_host,
+            cluster_name=os.path.basename(self.temp_dir),
+            gcs_address=gcs_address,
+            head_instance_id=HEAD_INSTANCE_ID,
+            node_ip=LOOPBACK,
+            state_dir=self.state_dir,
+            object_store_bytes=self._object_store_bytes,
+            slices=pool_slices or num_slices + 2,
+            idle_timeout_s=idle_timeout_s,
+        )
         with open(self.autoscaling_config_path, "w") as f:
             json.dump(config, f, indent=1)
 
@@ -549,7 +503,7 @@ class SimulatedTPUCluster:
                 out.append(p)
         return out
 
-    def provisioner(self, delay_s: float = 0.0, poll_s: float = 0.2, max_slices: Optional[int] = None) -> "Provisioner":
+    def provisioner(self, delay_s: float = 0.0, poll_s: float = 0.2, max_slices: Optional[int] = None) -> Provisioner:
         """Start a :class:`Provisioner` bound to this cluster (stopped by :meth:`shutdown`)."""
         if self.autoscaler:
             raise RuntimeError(
@@ -597,77 +551,3 @@ class SimulatedTPUCluster:
             else:
                 os.environ[k] = v
         shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-
-class Provisioner:
-    """Adds a slice ``delay_s`` after a slice placement group has been pending.
-
-    It watches the placement group table for PENDING groups that ask for TPU
-    resources (what the Ray autoscaler reacts to), waits ``delay_s`` (how long a
-    real TPU slice takes to come up, scaled down), then adds one slice per
-    pending group. ``max_slices`` bounds the slices it will ever add. A launch that fails (a node
-    that does not start in time on loaded cores) is retried at the next poll, as a cloud
-    autoscaler retries a failed instance launch.
-    """
-
-    def __init__(self, cluster: SimulatedTPUCluster, delay_s: float, poll_s: float, max_slices: Optional[int]):
-        self._cluster = cluster
-        self.delay_s = delay_s
-        self.poll_s = poll_s
-        self.max_slices = max_slices
-        self.added: list[str] = []
-        self.failed_launches: list[str] = []  # why each launch that failed did (it was retried)
-        self._first_seen: dict[str, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ray-elastic-provisioner", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=10)
-
-    def _pending_tpu_groups(self) -> list[str]:
-        import ray
-
-        pending = []
-        for pg_id, info in ray.util.placement_group_table().items():
-            if info.get("state") != "PENDING":
-                continue
-            bundles = info.get("bundles", {}).values()
-            # TPU hosts, or the head host of a multi-host slice (``TPU-<pod type>-head``: the first
-            # step of a slice reservation, which the Ray autoscaler also launches a slice for)
-            if any(
-                b.get("TPU", 0) > 0 or any(k.startswith("TPU-") and k.endswith("-head") for k in b) for b in bundles
-            ):
-                pending.append(pg_id)
-        return pending
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            if self.max_slices is not None and len(self.added) >= self.max_slices:
-                return
-            try:
-                pending = self._pending_tpu_groups()
-            except Exception as e:  # the driver may be shutting down
-                logger.debug("provisioner poll failed: %s", e)
-                continue
-            now = time.monotonic()
-            for pg_id in list(self._first_seen):
-                if pg_id not in pending:
-                    del self._first_seen[pg_id]
-            for pg_id in pending:
-                first = self._first_seen.setdefault(pg_id, now)
-                if now - first >= self.delay_s:
-                    try:
-                        sl = self._cluster.add_slice()
-                    except Exception as e:  # noqa: BLE001 - like a cloud's failed launch: try again
-                        self.failed_launches.append(repr(e)[:300])
-                        logger.warning("simulated slice launch failed (%s); retrying", repr(e)[:200])
-                        break  # the group stays pending: the next poll launches again
-                    self.added.append(sl.name)
-                    # The new slice satisfies this group; forget it either way.
-                    self._first_seen.pop(pg_id, None)
-                    break

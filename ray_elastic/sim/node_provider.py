@@ -39,6 +39,7 @@ import os
 import signal
 import threading
 import time
+from typing import Optional
 
 import psutil
 
@@ -57,7 +58,7 @@ from ray.autoscaler.tags import (  # noqa: E402
 )
 
 from ray_elastic.config import SLICE_NAME_LABEL  # noqa: E402
-from ray_elastic.sim.hosts import SimulatedHost, send_signal  # noqa: E402 - a node's processes, as kill_slice finds them
+from ray_elastic.sim.hosts import SimulatedHost, TPUHost, free_port, send_signal, tpu_host  # noqa: E402
 
 HEAD_NODE_TYPE = "ray.head.default"  # the name FakeMultiNodeProvider gives the head
 EVENTS_FILE = "events.jsonl"
@@ -177,8 +178,6 @@ class TPUSliceProvider(FakeMultiNodeProvider):
         import ray
         from ray._private import ray_constants
 
-        from ray_elastic.sim.hosts import free_port, tpu_host
-
         host = tpu_host(self._spec, slice_name, worker_id, self._devices_per_host)
         resources = dict(host.resources)
         with self.lock:
@@ -274,3 +273,81 @@ class TPUSliceProvider(FakeMultiNodeProvider):
                     logger.debug("kill %s: %s", i, e)
                 send_signal(procs, signal.SIGKILL)
             record_event(self._state_dir, event="terminate", instance=i, slice=slice_name, asked=i == node_id)
+
+
+def autoscaling_config(
+    spec,
+    devices_per_host: int,
+    *,
+    cluster_name: str,
+    gcs_address: str,
+    head_instance_id: str,
+    node_ip: str,
+    state_dir: Optional[str],
+    object_store_bytes: int,
+    slices: int,
+    idle_timeout_s: float,
+) -> dict:
+    """Ray's cluster config for the autoscaler with this provider: the head, and the TPU slice node
+    types (multi-host: a pool of ``slices`` pre-named slices)."""
+
+    def node_type(host: TPUHost, max_workers: int, static_name: bool) -> dict:
+        labels = dict(host.labels)
+        if not static_name:
+            labels.pop(SLICE_NAME_LABEL)  # the provider names each single-host slice it launches
+        return {
+            "resources": {"CPU": 2, **{k: int(v) for k, v in host.resources.items()}},
+            "labels": labels,
+            "node_config": {},
+            "min_workers": 0,
+            "max_workers": max_workers,
+        }
+
+    types = {"ray.head.default": {"resources": {"CPU": 1}, "node_config": {}, "min_workers": 0, "max_workers": 0}}
+    prefix = f"sim-{spec.pod_type}"
+    if spec.num_hosts == 1:
+        types["tpu-slice"] = node_type(tpu_host(spec, prefix, 0, devices_per_host), 1000, False)
+    else:
+        # Ray's slice reservation pins hosts to the head host's slice name, and the autoscaler
+        # matches names only against static labels: a pool of pre-named slices.
+        for i in range(slices):
+            for w in range(spec.num_hosts):
+                types[pool_node_type(i, w)] = node_type(tpu_host(spec, f"{prefix}-{i}", w, devices_per_host), 1, True)
+    config = {
+        "cluster_name": cluster_name,
+        "max_workers": 1000,
+        "upscaling_speed": 1000.0,  # every slice lost at once is replaced in the same round
+        "idle_timeout_minutes": idle_timeout_s / 60.0,
+        "provider": {
+            "type": "external",
+            "module": "ray_elastic.sim.node_provider.TPUSliceProvider",
+            "gcs_address": gcs_address,
+            "head_node_id": head_instance_id,
+            "state_dir": state_dir,
+            "node_ip_address": node_ip,
+            "accelerator": spec.accelerator,
+            "hosts_per_slice": spec.num_hosts,
+            "devices_per_host": devices_per_host,
+            "object_store_bytes": object_store_bytes,
+            "slice_prefix": prefix,
+            "launch_multiple": True,
+            "disable_node_updaters": True,  # the provider starts Ray itself
+            "disable_launch_config_check": True,
+        },
+        "auth": {},
+        "head_node_type": "ray.head.default",
+        "available_node_types": types,
+        "docker": {},
+        "initialization_commands": [],
+        "setup_commands": [],
+        "head_setup_commands": [],
+        "worker_setup_commands": [],
+        "head_start_ray_commands": [],
+        "worker_start_ray_commands": [],
+        "file_mounts": {},
+        "cluster_synced_files": [],
+        "file_mounts_sync_continuously": False,
+        "rsync_exclude": [],
+        "rsync_filter": [],
+    }
+    return config
