@@ -828,7 +828,7 @@ def test_standbys_start_one_at_a_time_per_host(cluster):
     spare started next to it (the bench's cold chain of process kills). A grow-back's newcomers
     start theirs together."""
     from ray_elastic.control.placement import SliceReservation
-    from ray_elastic.control.world import WorkerPool
+    from ray_elastic.control.pool import WorkerPool
 
     res = SliceReservation(cluster.slice_spec)
     assert res.wait(30)

@@ -22,6 +22,7 @@ from ray_elastic.config import ElasticConfig
 from ray_elastic.control.backend import Backend
 from ray_elastic.control.generations import Generations
 from ray_elastic.control.ray_backend import RayBackend
+from ray_elastic.control.resume import resume_point
 from ray_elastic.control.states import ControllerState, OutcomeKind, RunOutcome, check_transition
 from ray_elastic.decide import Action, NextWorld, RestorePlan, RestoreSource, save_timeout
 from ray_elastic.errors import (
@@ -177,7 +178,7 @@ class ElasticTrainer:
         t_start, cfg = time.perf_counter(), self.config
         if isinstance(resume_from, str) and resume_from.strip():
             resume_from = checkpoints.resolve(resume_from.strip())  # ~ and relative paths, as the workers read them
-        resume = self._resume_point(resume_from)
+        resume = resume_point(cfg, self.task.name(), resume_from)
         self.backend_cls.check_task(self.task, cfg, resume)  # before any cluster resource is taken
         self._new_run(num_steps, resume, resume_from or cfg.checkpoint_dir)
         if resume is not None and resume.step >= num_steps:
@@ -234,42 +235,6 @@ class ElasticTrainer:
             hosts_per_slice=cfg.slice.num_hosts,
             gp=gp,
         )
-
-    def _resume_point(self, resume_from: Optional[str]) -> Optional[checkpoints.CheckpointInfo]:
-        """The checkpoint the run starts from, after checking the locations (a bad one fails now,
-        not at the first save) and that the run's own directory holds no other task's checkpoints."""
-        cfg, ours = self.config, self.task.name()
-        if resume_from is not None:
-            if not isinstance(resume_from, str) or not resume_from.strip():
-                raise ValueError(f"resume_from must be a local path or gs://bucket/prefix, got {resume_from!r}")
-            if checkpoints.is_gcs(resume_from):
-                checkpoints.check_location(resume_from, writable=False)  # read access is all a resume needs
-        own = None
-        if cfg.checkpoint_dir:
-            checkpoints.check_location(cfg.checkpoint_dir)
-            own = checkpoints.latest_checkpoint(cfg.checkpoint_dir)
-            theirs = checkpoints.foreign_task(own, ours)
-            if own is not None and resume_from not in (None, cfg.checkpoint_dir):
-                # Its saves would land among those checkpoints, and a recovery without a snapshot
-                # would restore the newest of them: possibly another run's later step.
-                raise ValueError(
-                    f"checkpoint_dir {cfg.checkpoint_dir!r} already holds checkpoints (newest: step {own.step}, "
-                    f"task {own.metadata.get('task')!r}), so a run resumed from {resume_from!r} would save among "
-                    "them and could restore one of theirs: give it an empty checkpoint_dir, or drop resume_from "
-                    "to train on from checkpoint_dir's own newest checkpoint"
-                )
-            if own is not None and theirs and resume_from != cfg.checkpoint_dir:
-                raise ValueError(
-                    f"checkpoint_dir {cfg.checkpoint_dir!r} holds checkpoints of task {theirs!r} (newest: step "
-                    f"{own.step}), not of {ours!r}: use another checkpoint_dir, or fit(..., resume_from="
-                    f"{cfg.checkpoint_dir!r}) to train on from them anyway"
-                )
-        if resume_from is None:
-            return own
-        info = checkpoints.latest_checkpoint(resume_from)
-        if info is None:
-            raise ValueError(f"resume_from {resume_from!r} holds no committed checkpoint: check the path")
-        return info
 
     def _new_run(self, num_steps: int, resume: Optional[checkpoints.CheckpointInfo], resume_dir: Optional[str]) -> None:
         """Everything one run owns starts fresh, so a trainer can ``fit`` again."""

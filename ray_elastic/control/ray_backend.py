@@ -17,8 +17,9 @@ import ray
 
 from ray_elastic.config import ElasticConfig
 from ray_elastic.control.placement import ReplacementRequest, SliceReservation, pending_slice_demand, reserve_slices
+from ray_elastic.control.pool import WorkerPool
 from ray_elastic.control.stepping import StepStreams
-from ray_elastic.control.world import WorkerPool, World
+from ray_elastic.control.world import World
 from ray_elastic.decide import ErrorKind
 from ray_elastic.detect import health
 from ray_elastic.state import checkpoints

@@ -2,8 +2,8 @@
 
 Forming a world is one repeatable operation (:meth:`World.form`); the controller
 replaces whole generations and never patches a running one, because a JAX world
-cannot go on after a peer died mid-collective. :class:`WorkerPool` keeps warm
-standby processes on every reserved slice host so that forming the next
+cannot go on after a peer died mid-collective. :class:`~ray_elastic.control.pool.WorkerPool`
+keeps warm standby processes on every reserved slice host so that forming the next
 generation does not wait for Python and JAX to start.
 """
 
@@ -12,19 +12,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import ray
 
 from ray_elastic.config import SLICE_NAME_LABEL, WORKER_ID_LABEL, ElasticConfig
 from ray_elastic.control.placement import SliceReservation, slice_name
-from ray_elastic.control.relay import RelayPool
+from ray_elastic.control.pool import WorkerPool, kill
 from ray_elastic.decide import WorldPlan
 from ray_elastic.detect import health
 from ray_elastic.detect.liveness import DeathWatch
 from ray_elastic.errors import FormingError, HostLost, ProcessFailed, ProcessGone, RayletGone
-from ray_elastic.slice.worker import SliceWorker
-from ray_elastic.state.snapshot_keeper import SnapshotKeeper
 from ray_elastic.state.snapshots import SnapshotRef
 
 logger = logging.getLogger(__name__)
@@ -45,155 +43,6 @@ class FormationTimes:
     standbys_used: int = 0
     processes_starting: int = 0  # taken before they had started (Python, JAX, data): forming waited for them
     compiled_from_cache: int = 0  # processes whose step came from the persistent cache (not compiled)
-
-
-class Standby(NamedTuple):
-    """A slice process started ahead of need, with the refs that say how far it got."""
-
-    actor: ray.actor.ActorHandle
-    prepared: ray.ObjectRef  # Python, JAX and the task's data loaded (its host info)
-    traced: ray.ObjectRef  # the steps of the likely worlds traced too
-
-
-class WorkerPool:
-    """Slice actors for the next generation: standbys started ahead of need.
-
-    Actors take no Ray resources of their own: the slice's placement group holds
-    the host, and any number of processes can live in its bundle. On a real TPU
-    host only the promoted process touches the TPU (JAX opens devices at
-    ``jax.distributed.initialize``), so a standby does not compete for chips.
-    """
-
-    def __init__(self, task_ref: ray.ObjectRef, config: ElasticConfig, env: Optional[dict] = None):
-        self.task_ref = task_ref
-        self.config = config
-        self.env = env or {}  # forwarded to every slice process (GCS endpoint and credentials)
-        # (id(reservation), host) -> standbys, oldest first
-        self._standby: dict[tuple[int, int], list[Standby]] = {}
-        self._keepers: dict[tuple[int, int], ray.actor.ActorHandle] = {}  # (id(reservation), host) -> keeper
-        self._answered: set = set()  # actor ids of keepers that have answered a call: their process is up
-        self.relays = RelayPool()  # fan chunks out to many quiet processes (large worlds)
-
-    def keeper(self, res: SliceReservation, host: int) -> ray.actor.ActorHandle:
-        """The host's snapshot keeper, started with the first process placed there: it lives in the
-        slice's placement group until the slice leaves, so it outlives every slice process."""
-        key = (id(res), host)
-        if key not in self._keepers:
-            self._keepers[key] = SnapshotKeeper.options(  # type: ignore[attr-defined]
-                num_cpus=0, scheduling_strategy=res.host_strategy(host)
-            ).remote()
-        return self._keepers[key]
-
-    def keepers_of(
-        self, reservations: list[SliceReservation]
-    ) -> list[tuple[tuple[SliceReservation, int], ray.actor.ActorHandle]]:
-        """((reservation, host), keeper) of every host of these slices that has a keeper already."""
-        return [
-            ((res, h), self._keepers[(id(res), h)])
-            for res in reservations
-            for h in range(res.spec.num_hosts)
-            if (id(res), h) in self._keepers
-        ]
-
-    def answered(self, keeper: ray.actor.ActorHandle) -> bool:
-        """The keeper has answered a call (a new one may still be starting, and holds nothing yet)."""
-        return keeper._actor_id in self._answered
-
-    def confirm_keepers(self, keepers: list) -> None:
-        self._answered.update(k._actor_id for k in keepers)
-
-    def renew_keeper(self, res: SliceReservation, host: int) -> ray.actor.ActorHandle:
-        """A new, empty keeper for a host whose keeper died (its snapshots died with it)."""
-        old = self._keepers.pop((id(res), host), None)
-        if old is not None:
-            _kill(old)
-        return self.keeper(res, host)
-
-    def _start(self, res: SliceReservation, host: int, for_world: Optional[int] = None) -> Standby:
-        """A new slice process; ``for_world``: the size (slices) of the world it is started for, the
-        only one whose step it then traces ahead (else the likely ones: see ``SliceWorker.prepare``)."""
-        options = {"num_cpus": 0, "scheduling_strategy": res.host_strategy(host)}
-        if self.env:
-            options["runtime_env"] = {"env_vars": self.env}
-        actor = SliceWorker.options(**options).remote(self.task_ref, self.config)  # type: ignore[attr-defined]
-        return Standby(actor, actor.prepare.remote(for_world), actor.traced_ahead.remote())
-
-    def take(self, res: SliceReservation, host: int, for_world: Optional[int] = None) -> tuple[tuple, bool]:
-        """An actor and its prepare ref for (slice, host): the warm standby if there is one, else a
-        new process, started for a world of ``for_world`` slices."""
-        queue = self._standby.get((id(res), host))
-        s, warm = (queue.pop(0), True) if queue else (self._start(res, host, for_world), False)
-        return (s.actor, s.prepared), warm
-
-    def replenish(
-        self,
-        reservations: list[SliceReservation],
-        per_host: Optional[int] = None,
-        at_once: bool = False,
-        for_world: Optional[int] = None,
-    ) -> bool:
-        """Start standbys until every host of these slices has ``config.standby_workers`` of them
-        (``per_host`` instead: a replacement that arrives while others are awaited starts only the
-        process its first world will take, so a second one does not slow it down). True when every
-        host has them all.
-
-        One at a time per host unless ``at_once``: a host whose newest standby is still starting
-        (Python, JAX, data, the trace ahead) gets the next one only when it is done (call again).
-        After faults in quick succession a world may have to take a process still starting; one
-        started beside it shared the CPUs it needed (the bench's cold chain of process kills:
-        4.1-4.5 s kill -> step, 2.0-3.2 s without). ``at_once`` is for a slice that is not yet a
-        member (the newcomers of a grow-back): nothing of the run waits on them while they start,
-        and the grow waits until one is ready on each host. ``for_world``: the processes started
-        now are for a world of that many slices (the first world's), see ``_start``.
-        """
-        want = self.config.standby_workers if per_host is None else per_host
-        queues = {}
-        for res in reservations:
-            for h in range(res.spec.num_hosts):
-                self.keeper(res, h)
-                queues[(res, h)] = self._standby.setdefault((id(res), h), [])
-        busy: set = set()  # the newest standby of hosts still short of ``want``, if still starting
-        if not at_once:
-            newest = [q[-1].traced for q in queues.values() if q and len(q) < want]
-            if newest:
-                busy = set(ray.wait(newest, num_returns=len(newest), timeout=0)[1])
-        for (res, h), queue in queues.items():
-            missing = max(0, want - len(queue))
-            if queue and queue[-1].traced in busy:
-                continue
-            queue.extend(self._start(res, h, for_world) for _ in range(missing if at_once else min(1, missing)))
-        return all(len(q) >= want for q in queues.values())
-
-    def warm(self, reservations: list[SliceReservation], every: bool = False) -> bool:
-        """Every host of these slices has a standby that finished starting (Python, JAX, data) and
-        tracing the step ahead (``every``: all its standbys have, so none of them still uses CPU)."""
-        if not self.config.standby_workers:
-            return True
-        queues = [self._standby.get((id(res), h)) or [] for res in reservations for h in range(res.spec.num_hosts)]
-        if not all(queues):
-            return False
-        refs = [s.traced for q in queues for s in (q if every else q[:1])]  # q[0]: the one ``take`` hands out next
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        return len(done) == len(refs)
-
-    def discard(self, res: SliceReservation) -> None:
-        """The slice left: kill its standbys."""
-        for h in range(res.spec.num_hosts):
-            for s in self._standby.pop((id(res), h), []):
-                _kill(s.actor)
-            keeper = self._keepers.pop((id(res), h), None)
-            if keeper is not None:
-                _kill(keeper)
-
-    def shutdown(self) -> None:
-        for queue in self._standby.values():
-            for s in queue:
-                _kill(s.actor)
-        self._standby.clear()
-        for keeper in self._keepers.values():
-            _kill(keeper)
-        self._keepers.clear()
-        self.relays.shutdown()
 
 
 def _host_labels(reservations: list[SliceReservation]) -> Optional[list[list[dict]]]:
@@ -293,13 +142,6 @@ def _alive(watch: Callable[[], None], deaths: DeathWatch, owners: list[str]) -> 
         watch()
 
     return check
-
-
-def _kill(actor) -> None:
-    try:
-        ray.kill(actor, no_restart=True)
-    except Exception as e:  # already gone
-        logger.debug("kill %s: %s", actor, e)
 
 
 class World:
@@ -456,7 +298,7 @@ class World:
                 deaths.stop()
             for sa in actors:
                 for a in sa:
-                    _kill(a)
+                    kill(a)
             raise
         logger.info("world %d formed in %.2fs: %s", generation, times.total_s, plan.mesh_shape)
         return cls(
@@ -521,7 +363,7 @@ class World:
         """
         self.deaths.stop()
         for w in self.workers:
-            _kill(w)
+            kill(w)
         if confirm_s > 0:
             pings = [w.probe.remote() for w in self.workers]
             ray.wait(pings, num_returns=len(pings), timeout=confirm_s)
