@@ -63,7 +63,8 @@ class FailurePolicy:
             errors=ev.kinds, dead_slices=ev.dead_slices, world_slices=ev.world_slices, error_text=ev.error_text
         )
         if ev.forming and verdict.training_code:
-            return self._stop(verdict, TrainingCodeError(f"forming a world failed in training code: {ev.error_text}"))
+            text = str(error) if error is not None else ev.error_text  # whole: Ray's first line names only the task
+            return self._stop(verdict, TrainingCodeError(f"forming a world failed in training code: {text}"))
         progressed, self._steps_at_failure = ev.steps_run > self._steps_at_failure, ev.steps_run
         self.failures_in_a_row = 1 if progressed else self.failures_in_a_row + 1
         verdict = drop_repeat_offender(
