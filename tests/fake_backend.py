@@ -107,9 +107,8 @@ class FakeStreams:
         self.not_kept_count = 0
 
     def run(self, start_step: int, end_step: int, grow_requested: Callable[[], bool]) -> RunOutcome:
-        start = start_step
         for step in range(start_step, end_step):
-            if step > start and grow_requested():
+            if step > start_step and grow_requested():
                 return RunOutcome(OutcomeKind.GROW, {}, time.time())
             fault = self.backend.faults.pop(step, None)
             if fault is not None:

@@ -124,6 +124,3 @@ class Backend(Protocol):
     def dead_slices(self, slice_nodes: dict[str, list[str]], suspects: set[str]) -> set[str]: ...
 
     def unresponsive(self, world: Any) -> set[int]: ...
-
-
-BackendFactory = Callable[..., Backend]  # ``(task, config, address) -> Backend``, with ``check_task`` on it

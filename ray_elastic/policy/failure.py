@@ -64,7 +64,8 @@ class FailurePolicy:
         )
         if ev.forming and verdict.training_code:
             text = str(error) if error is not None else ev.error_text  # whole: Ray's first line names only the task
-            return self._stop(verdict, TrainingCodeError(f"forming a world failed in training code: {text}"))
+            bug = TrainingCodeError(f"forming a world failed in training code: {text}")
+            return FailureDecision(verdict, self.failures_in_a_row, bug)
         progressed, self._steps_at_failure = ev.steps_run > self._steps_at_failure, ev.steps_run
         self.failures_in_a_row = 1 if progressed else self.failures_in_a_row + 1
         verdict = drop_repeat_offender(
@@ -77,9 +78,6 @@ class FailurePolicy:
         self._last_origin = ev.origin
         stop = self._save_limit(ev) or self._retry_limit(verdict, now, error)
         return FailureDecision(verdict, self.failures_in_a_row, stop)
-
-    def _stop(self, verdict: FailureVerdict, error: ElasticRuntimeError) -> FailureDecision:
-        return FailureDecision(verdict, self.failures_in_a_row, error)
 
     def _save_limit(self, ev: FailureEvidence) -> Optional[ElasticRuntimeError]:
         """Saves that failed ``max_save_failures_in_a_row`` times with none committed in between:
