@@ -38,7 +38,8 @@ def main() -> None:
 
     from ray_elastic import ElasticConfig, SliceSpec
     from ray_elastic.examples.llm import LOGICAL_AXIS_RULES, DecoderLMTask
-    from ray_elastic.slice import jax_world
+    from ray_elastic.slice import compile_cache, jax_world
+    from ray_elastic.slice import mesh as world_mesh
     from ray_elastic.slice.data import StepBatches
 
     task = DecoderLMTask(
@@ -70,7 +71,7 @@ def main() -> None:
             traced = jax_world.trace_ahead(
                 task, plan, 0, config.fsdp_min_size, batches, rules=config.logical_axis_rules
             )
-            compiled, _ = jax_world._lower_and_compile(traced, jax_world._device_grid(plan))
+            compiled, _ = compile_cache.lower_and_compile(traced, world_mesh.device_grid(plan))
             mem = compiled.memory_analysis()
             total = mem.argument_size_in_bytes + mem.temp_size_in_bytes
             per_size[n] = total

@@ -68,13 +68,14 @@ def bare_worker(
 ) -> None:
     """One process of the bare JAX program (no Ray anywhere)."""
     from ray_elastic.decide import plan_world
-    from ray_elastic.slice import jax_world
+    from ray_elastic.slice import compile_cache, jax_world
+    from ray_elastic.slice import mesh as world_mesh
     from ray_elastic.slice.data import StepBatches
 
     settings = layout(model)
     plan = plan_world(0, [f"s{i}" for i in range(processes)], 1, devices, batch, slice_mesh=settings.get("slice_mesh"))
-    jax_world.enable_compilation_cache("/tmp/ray-elastic-jax-cache")
-    jax_world.initialize(coordinator, plan, process_id, 120)
+    compile_cache.enable_compilation_cache("/tmp/ray-elastic-jax-cache")
+    world_mesh.initialize(coordinator, plan, process_id, 120)
     from ray_elastic import ElasticConfig, SliceSpec
 
     fsdp_min_size = ElasticConfig(num_slices=1, global_batch_size=batch, slice=SliceSpec()).fsdp_min_size  # the default
@@ -84,7 +85,7 @@ def bare_worker(
         plan,
         process_id,
         0,
-        jax_world.build_mesh(plan),
+        world_mesh.build_mesh(plan),
         fsdp_min_size,
         StepBatches(t.dataset(), batch, 0),
         rules=settings.get("logical_axis_rules", ()),

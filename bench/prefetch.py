@@ -39,6 +39,7 @@ class SlowDataset:
 def run(task, dataset, prefetch: int, steps: int, batch: int, in_flight: int = 1) -> float:
     from ray_elastic.decide import plan_world
     from ray_elastic.slice import jax_world
+    from ray_elastic.slice import mesh as world_mesh
     from ray_elastic.slice.data import StepBatches
 
     plan = plan_world(0, ["s0"], 1, 4, batch, slice_mesh={"fsdp": -1, "tensor": 2})
@@ -49,7 +50,7 @@ def run(task, dataset, prefetch: int, steps: int, batch: int, in_flight: int = 1
         plan,
         0,
         0,
-        jax_world.build_mesh(plan),
+        world_mesh.build_mesh(plan),
         1,
         StepBatches(dataset, batch, 0),
         rules=LOGICAL_AXIS_RULES,

@@ -107,7 +107,6 @@ def run_mode(
     """One run that fires ``faults`` in order; returns per-fault rows, grow pauses and rewinds."""
     from ray_elastic import ElasticConfig, ElasticTrainer
     from ray_elastic.errors import ElasticRuntimeError
-    from ray_elastic.observe.results import failure_seen_at
 
     arrivals: list[float] = []  # wall time of every finished step
     fired: list[dict] = []
@@ -216,7 +215,7 @@ def run_mode(
         rec = after[0]
         first = min(a for a in arrivals if a > rec.ready_at)
         detected = [
-            (failure_seen_at(e), e.get("drain_s", float("nan")))
+            (e.seen_at, e.get("drain_s", float("nan")))
             for e in events
             if e["kind"] == "failure" and e["ts"] > row["at"]
         ]

@@ -49,7 +49,6 @@ def cluster_point(num_slices: int, hosts: int, steps: int) -> dict:
     from ray_elastic import ElasticConfig, ElasticTrainer
     from ray_elastic.errors import ElasticRuntimeError
     from ray_elastic.examples.char_transformer import CharTransformerTask
-    from ray_elastic.observe.results import failure_seen_at
     from ray_elastic.sim.cluster import SimulatedTPUCluster
 
     bare = overhead.run_bare(steps, "small", 1, processes=num_slices * hosts, devices=1, batch=BATCH)["step_s"]
@@ -114,7 +113,7 @@ def cluster_point(num_slices: int, hosts: int, steps: int) -> dict:
                 rows.append(
                     {
                         "kind": f["kind"],
-                        "detection_s": round(failure_seen_at(fails[0]) - f["at"], 3),
+                        "detection_s": round(fails[0].seen_at - f["at"], 3),
                         "kill_to_step_s": round(first - f["at"], 3),
                         "steps_rewound": recs[0].steps_rewound,
                     }

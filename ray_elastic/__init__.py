@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 _EXPORTS = {
     "ElasticConfig": "ray_elastic.config",
-    "SliceSpec": "ray_elastic.config",
+    "SliceSpec": "ray_elastic.tpu",
     "ElasticTrainer": "ray_elastic.control.controller",
     "FitResult": "ray_elastic.observe.results",
     "RecoveryRecord": "ray_elastic.observe.results",
@@ -26,7 +26,7 @@ __all__ = list(_EXPORTS)
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from ray_elastic.config import ElasticConfig, SliceSpec
+    from ray_elastic.config import ElasticConfig
     from ray_elastic.control.controller import ElasticTrainer
     from ray_elastic.errors import (
         CapacityTimeoutError,
@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     )
     from ray_elastic.observe.results import FitResult, RecoveryRecord
     from ray_elastic.task import TrainTask
+    from ray_elastic.tpu import SliceSpec
 
 
 def __getattr__(name: str):

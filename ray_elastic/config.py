@@ -1,8 +1,7 @@
 """What a run asks for: the slice shape, how many slices, and training settings.
 
-All validation lives here and runs before any Ray resource is taken, so bad input
-fails fast with a message that says what to change. TPU names and topologies are
-checked against Ray's own TPU tables, the ones ``SlicePlacementGroup`` uses.
+All validation lives here (the slice's shape in :mod:`ray_elastic.tpu`) and runs before
+any Ray resource is taken, so bad input fails fast with a message that says what to change.
 """
 
 from __future__ import annotations
@@ -14,105 +13,10 @@ from typing import Optional, Union
 from ray_elastic.decide import WorldPlan, batch_for_world, lr_scale, plan_world
 from ray_elastic.decide.layout import DEFAULT_SLICE_MESH, FSDP_AXIS, normalize_rules, resolve_slice_mesh
 from ray_elastic.policy.scaling import MODES, ScalingPolicy, scaling_policy  # noqa: F401 - MODES: the CLI's choices
+from ray_elastic.tpu import SliceSpec
 
 BATCH_POLICIES = ("constant", "scale")
 LR_RULES = (None, "linear", "sqrt")
-
-
-def _ray_tpu():
-    """Ray's TPU tables (pure functions, no cluster needed)."""
-    from ray._private.accelerators import tpu as ray_tpu
-
-    return ray_tpu
-
-
-# The labels Ray puts on a TPU host's node (``ray.util.tpu``), and what the simulated hosts carry.
-SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
-WORKER_ID_LABEL = "ray.io/tpu-worker-id"
-POD_TYPE_LABEL = "ray.io/tpu-pod-type"
-TOPOLOGY_LABEL = "ray.io/tpu-topology"
-ACCELERATOR_LABEL = "ray.io/accelerator-type"
-
-
-@dataclasses.dataclass(frozen=True)
-class SliceSpec:
-    """The shape of one TPU slice.
-
-    Args:
-        accelerator: TPU generation as Ray names it: v4, v5p, v5litepod, v6e, v7x (``TPU-V4`` also accepted).
-        topology: chip topology, e.g. ``2x2x1`` (v4-8, one host) or ``2x2x2`` (v4-16, two hosts).
-        devices_per_host: JAX devices one host's process sees. ``None`` means one per
-            chip, as on real TPU VMs; the simulated cluster sets it to its CPU device count.
-    """
-
-    accelerator: str = "v4"
-    topology: str = "2x2x1"
-    devices_per_host: Optional[int] = None
-
-    def __post_init__(self):
-        ray_tpu = _ray_tpu()
-        raw = self.accelerator.strip()
-        acc = raw.lower()
-        if acc.startswith("tpu-"):
-            acc = acc[4:]
-        if acc not in ray_tpu.VALID_TPU_TYPES:
-            raise ValueError(
-                f"unknown TPU accelerator {raw!r}: use one of {', '.join(ray_tpu.VALID_TPU_TYPES)} "
-                "(for example accelerator='v4')"
-            )
-        object.__setattr__(self, "accelerator", acc)
-        topo = self.topology.strip().lower()
-        object.__setattr__(self, "topology", topo)
-        if not ray_tpu.TPUAcceleratorManager.is_valid_tpu_accelerator_topology(acc, topo):
-            valid = sorted(ray_tpu.VALID_TPU_TOPOLOGY.get(acc, ()), key=lambda t: (len(t), t))[:8]
-            raise ValueError(f"unknown topology {self.topology!r} for TPU {acc}: use one of {', '.join(valid)}, ...")
-        if self.devices_per_host is not None and self.devices_per_host < 1:
-            raise ValueError(f"devices_per_host must be >= 1 (or None for one per chip), got {self.devices_per_host}")
-
-    @classmethod
-    def for_hosts(cls, accelerator: str, num_hosts: int, devices_per_host: Optional[int] = None) -> "SliceSpec":
-        """The smallest valid topology of ``accelerator`` with ``num_hosts`` hosts."""
-        ray_tpu = _ray_tpu()
-        acc = cls(accelerator=accelerator, topology=_first_topology(accelerator)).accelerator
-        for topo in sorted(ray_tpu.VALID_TPU_TOPOLOGY[acc], key=ray_tpu.get_num_chips_from_topology):
-            spec = cls(acc, topo, devices_per_host)
-            if spec.num_hosts == num_hosts:
-                return spec
-        raise ValueError(f"no {acc} topology has exactly {num_hosts} host(s); try 1, 2, 4 or 8 hosts")
-
-    @property
-    def chips_per_host(self) -> int:
-        return _ray_tpu().get_chips_per_host(self.topology, self.accelerator)
-
-    @property
-    def num_chips(self) -> int:
-        return _ray_tpu().get_num_chips_from_topology(self.topology)
-
-    @property
-    def num_hosts(self) -> int:
-        return max(1, self.num_chips // self.chips_per_host)
-
-    @property
-    def pod_type(self) -> str:
-        """Ray's pod type name, e.g. ``v4-8`` (cores, not chips, for v4/v5p)."""
-        return _ray_tpu().infer_tpu_pod_type_from_topology(self.topology, self.accelerator)
-
-    @property
-    def host_devices(self) -> int:
-        return self.devices_per_host if self.devices_per_host is not None else self.chips_per_host
-
-    @property
-    def devices_per_slice(self) -> int:
-        return self.num_hosts * self.host_devices
-
-
-def _first_topology(accelerator: str) -> str:
-    ray_tpu = _ray_tpu()
-    acc = accelerator.strip().lower().removeprefix("tpu-")
-    topos = ray_tpu.VALID_TPU_TOPOLOGY.get(acc)
-    if not topos:
-        raise ValueError(f"unknown TPU accelerator {accelerator!r}: use one of {', '.join(ray_tpu.VALID_TPU_TYPES)}")
-    return min(topos, key=ray_tpu.get_num_chips_from_topology)
 
 
 _INT_FIELDS = (
@@ -210,8 +114,8 @@ class ElasticConfig:
         async_checkpointing: write in the background; a step only waits for the device-to-host copy.
         worker_niceness: the slice processes' niceness. ``None`` keeps what Ray gives a
             ``num_cpus=0`` actor (``RAY_worker_niceness``, 15), which leaves Ray's own daemons
-            ahead of training: on the 2-core simulated cluster, 0 made a lost node's death reach
-            the controller after 3.3 s instead of well under one. Measured in ``bench/overhead.py``.
+            ahead of training: on a small machine 0 delays the news of a lost node by seconds
+            (``bench/overhead.py`` measures it).
         slice_mesh: the axes of one slice's devices and their sizes, in order, ``fsdp`` first
             (``-1``: whatever is left), e.g. ``{"fsdp": -1, "tensor": 2}``. The world's mesh is
             ``(replica, *slice_mesh)``, ``replica`` across slices. The batch is split over
@@ -277,6 +181,14 @@ class ElasticConfig:
 
     def __post_init__(self):
         self._check_number_types()
+        self._check_world()
+        self._check_state()
+        self._check_timeouts()
+        self._check_model_layout()
+        self._check_batch_splits()
+
+    def _check_world(self) -> None:
+        """The slices, the mode and batch policies, the processes per host."""
         if not isinstance(self.slice, SliceSpec):
             raise ValueError(f"slice must be a SliceSpec, got {type(self.slice).__name__}")
         if not isinstance(self.num_slices, int) or self.num_slices < 1:
@@ -300,6 +212,22 @@ class ElasticConfig:
                 f"standby_workers must be an integer >= 0 (warm processes per host), got {self.standby_workers!r}"
             )
         object.__setattr__(self, "standby_workers", int(self.standby_workers))  # True/False read as 1/0
+        if self.worker_niceness is not None and (
+            isinstance(self.worker_niceness, bool)
+            or not isinstance(self.worker_niceness, int)
+            or not -20 <= self.worker_niceness <= 19
+        ):
+            raise ValueError(
+                f"worker_niceness must be None (as Ray sets it) or an integer from -20 to 19, "
+                f"got {self.worker_niceness!r}"
+            )
+        if self.steps_per_chunk < 1:
+            raise ValueError(f"steps_per_chunk must be >= 1, got {self.steps_per_chunk}")
+        if not isinstance(self.global_batch_size, int) or self.global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be a positive integer, got {self.global_batch_size!r}")
+
+    def _check_state(self) -> None:
+        """Snapshots, checkpoints and the failure limits: something to recover from, kept where it can be."""
         for name in (
             "snapshot_replicas",
             "max_failures",
@@ -326,15 +254,6 @@ class ElasticConfig:
                 "slice would restart training from step 0. Set checkpoint_dir, keep snapshots "
                 "(snapshot_every >= 1), or set allow_restart_from_scratch=True"
             )
-        if self.worker_niceness is not None and (
-            isinstance(self.worker_niceness, bool)
-            or not isinstance(self.worker_niceness, int)
-            or not -20 <= self.worker_niceness <= 19
-        ):
-            raise ValueError(
-                f"worker_niceness must be None (as Ray sets it) or an integer from -20 to 19, "
-                f"got {self.worker_niceness!r}"
-            )
         if self.max_to_keep is not None and self.max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1 (or None to keep every checkpoint), got {self.max_to_keep}")
         if self.checkpoint_dir is not None and (
@@ -345,6 +264,9 @@ class ElasticConfig:
             from ray_elastic.state.checkpoints import resolve
 
             object.__setattr__(self, "checkpoint_dir", resolve(self.checkpoint_dir.strip()))
+
+    def _check_timeouts(self) -> None:
+        """Every bound in seconds is a finite number above 0 (None would mean waiting forever)."""
         for name in (
             "replacement_timeout_s",
             "hang_timeout_min_s",
@@ -373,12 +295,6 @@ class ElasticConfig:
         grace = self.node_death_grace_s
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
             raise ValueError(f"node_death_grace_s must be a number of seconds >= 0, got {grace!r}")
-        if self.steps_per_chunk < 1:
-            raise ValueError(f"steps_per_chunk must be >= 1, got {self.steps_per_chunk}")
-        if not isinstance(self.global_batch_size, int) or self.global_batch_size < 1:
-            raise ValueError(f"global_batch_size must be a positive integer, got {self.global_batch_size!r}")
-        self._check_model_layout()
-        self._check_batch_splits()
 
     def _check_number_types(self) -> None:
         """Whole numbers where a count is meant, finite numbers where seconds or shares are: ``nan``

@@ -239,7 +239,7 @@ class FakeBackend:
         return set()  # the store is the truth here
 
     def drive(
-        self, world, store, on_metrics, step_times, on_interval=None, on_committed=None, on_eval=None, save_seconds=None
+        self, world, store, on_metrics, step_times, on_interval=None, on_committed=None, on_eval=None, save_limit=None
     ) -> FakeStreams:
         return FakeStreams(self, world, store, on_metrics)
 

@@ -9,7 +9,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "ray_elastic"
 # Lowest first. A package may import its own modules and those of the layers below it.
 LAYERS = [
     ["errors"],  # what a caller can catch
-    ["decide", "task"],  # pure decisions; the user's task contract
+    ["decide", "task", "tpu"],  # pure decisions; the user's task contract; a TPU slice's shape
     ["detect", "state", "policy"],  # failure evidence; snapshots and checkpoints; scaling and failure policies
     ["config", "observe", "slice"],  # settings; events and results; the slice process (JAX)
     ["control", "sim", "examples"],  # the controller (Ray effects); the simulated cluster; example tasks
@@ -128,3 +128,24 @@ def test_the_ray_backend_and_the_fake_offer_what_the_backend_protocol_names():
             if extra:
                 problems.append(f"{impl.__name__}.{name} needs {extra}, which the protocol does not pass")
     assert problems == []
+
+
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 66  # "about 60"; longer ones say why in a "# Long:" comment
+
+
+def test_modules_and_functions_stay_small():
+    """No module over 450 lines; no function over about 60 unless a ``# Long:`` comment in it says why."""
+    big, long = [], []
+    for name, path in _modules().items():
+        text = path.read_text()
+        lines = text.splitlines()
+        if len(lines) > MAX_MODULE_LINES:
+            big.append(f"{name}: {len(lines)} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = lines[node.lineno - 1 : node.end_lineno]
+                if len(body) > MAX_FUNCTION_LINES and not any(ln.strip().startswith("# Long:") for ln in body):
+                    long.append(f"{name}.{node.name}: {len(body)} lines")
+    assert not big, f"modules over {MAX_MODULE_LINES} lines (split them by role): {big}"
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines without a '# Long:' reason: {long}"

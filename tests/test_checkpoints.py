@@ -260,7 +260,7 @@ def test_checkpoints_belong_to_their_task_and_another_runs_are_loaded_only_when_
     assert result.steps == list(range(20, 30)) and max_rel_err(result.losses, ref_losses[20:30]) <= 1e-4
     assert (latest_checkpoint(b).step, latest_checkpoint(b).metadata["task"]) == (30, "OtherTask")
     assert latest_checkpoint(a).step == 20
-    # Issue 41 (9): B now holds checkpoints, so resuming from A into it would save among them, and a
+    # B now holds checkpoints, so resuming from A into it would save among them, and a
     # recovery without a snapshot would restore B's newest (another run's step): refused up front.
     with pytest.raises(ValueError, match="already holds checkpoints.*step 30.*empty checkpoint_dir"):
         ElasticTrainer(OtherTask(), cfg_b, progress=False).fit(40, resume_from=a)
@@ -296,7 +296,7 @@ def test_a_slow_synchronous_save_is_not_a_hang(sim_cluster, local_gcs, monkeypat
 
 
 def test_a_save_that_never_ends_is_a_failed_save_not_a_busy_world(sim_cluster, local_gcs, monkeypatch):
-    """Issue 41 (10): a process inside a save was "busy" for the watchdog however long the save took,
+    """A process inside a save was "busy" for the watchdog however long the save took,
     so a hung write kept the world waiting forever. Past ``save_timeout_s`` it is a failed save; with
     ``max_save_failures_in_a_row=1`` the run then stops at once, naming the storage."""
     from ray_elastic.errors import StorageFailingError

@@ -125,7 +125,7 @@ def test_nan_inf_and_fractional_counts_are_refused_before_anything_runs(field, v
 
 
 def test_a_checkpoint_path_with_tilde_or_relative_is_made_absolute_on_the_driver(tmp_path, monkeypatch):
-    """Issue 41 (7): ``~`` was expanded where the path was checked but not where it was written and
+    """``~`` was expanded where the path was checked but not where it was written and
     read, so the slice processes wrote under a literal ``~`` in their own working directory."""
     import os
 

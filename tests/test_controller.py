@@ -544,7 +544,7 @@ def _port_nobody_listens_on() -> int:
 
 
 def test_a_process_lost_while_the_world_grows_back_is_recovered_not_the_end(tmp_path):
-    """Issue 41 (1): resizing -> recovering was not an allowed transition, so a process dying while the
+    """Resizing -> recovering was not an allowed transition, so a process dying while the
     in-flight save committed before a grow-back ended fit with InvalidTransition."""
 
     def grow_and_fail_the_commit(backend, world):
@@ -561,7 +561,7 @@ def test_a_process_lost_while_the_world_grows_back_is_recovered_not_the_end(tmp_
 
 
 def test_replacements_taken_for_a_world_that_never_forms_are_given_back():
-    """Issue 41 (4): a replacement taken for the next world joined the members only once the world
+    """A replacement taken for the next world joined the members only once the world
     formed, so anything raising in between (here ``pre_callback``) left its reservation held."""
     calls = []
 
@@ -589,7 +589,7 @@ def _failing_save(step: int):
 
 @pytest.mark.parametrize("snapshot_every", [0, 4])
 def test_a_save_that_keeps_failing_stops_the_run_naming_the_storage(tmp_path, snapshot_every):
-    """Issue 41 (6): each retry replays a few steps, which counted as progress, so a save failing
+    """Each retry replays a few steps, which counted as progress, so a save failing
     the same way every time was retried until ``max_failures`` (30 an hour). It now stops after
     ``max_save_failures_in_a_row`` with an error that names the storage problem."""
     from ray_elastic.errors import StorageFailingError
@@ -628,7 +628,7 @@ def _once_failing_save(step: int):
 
 
 def test_a_beacon_holds_only_the_drivers_connections_and_a_bounded_number_of_strangers():
-    """Issue 41 (12): the beacon accepted every connection and held it forever, so a port scan or a
+    """The beacon accepted every connection and held it forever, so a port scan or a
     stray client could exhaust its file descriptors. Strangers (no token, a wrong token, silence) are
     closed; their number open at once is bounded; the driver's connection stays and still sees the death."""
     import socket

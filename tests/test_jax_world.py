@@ -17,16 +17,17 @@ def _process(process_id: int, coordinator: str, cache_dir: str) -> None:
     from the same fresh state with the step traced ahead and with the world's own trace."""
     from ray_elastic.decide import plan_world
     from ray_elastic.examples.digits_mlp import DigitsMLPTask
-    from ray_elastic.slice import jax_world
+    from ray_elastic.slice import compile_cache, jax_world
+    from ray_elastic.slice import mesh as world_mesh
     from ray_elastic.slice.data import StepBatches
 
     task = DigitsMLPTask()
     plan = plan_world(0, [f"s{i}" for i in range(NUM_PROCESSES)], 1, DEVICES, BATCH)
     batches = StepBatches(task.dataset(), BATCH, 0)
-    jax_world.enable_compilation_cache(cache_dir)
+    compile_cache.enable_compilation_cache(cache_dir)
     traced = jax_world.trace_ahead(task, plan, 0, 2**20, batches)
-    jax_world.initialize(coordinator, plan, process_id, 60)
-    mesh = jax_world.build_mesh(plan)
+    world_mesh.initialize(coordinator, plan, process_id, 60)
+    mesh = world_mesh.build_mesh(plan)
     out = {}
     for name, ahead in (("ahead", traced), ("own", None)):
         loop = jax_world.TrainLoop(task, plan, process_id, 0, mesh, 2**20, batches)
@@ -69,14 +70,15 @@ def _snapshot_process(process_id: int, coordinator: str) -> None:
 
     from ray_elastic.decide import FSDP_AXIS, REPLICA_AXIS, plan_world
     from ray_elastic.examples.digits_mlp import DigitsMLPTask
-    from ray_elastic.slice import jax_world
+    from ray_elastic.slice import host_blocks, jax_world
+    from ray_elastic.slice import mesh as world_mesh
     from ray_elastic.slice.data import StepBatches
 
     task = DigitsMLPTask()
     plan = plan_world(0, ["s0"], NUM_PROCESSES, DEVICES, BATCH)
     batches = StepBatches(task.dataset(), BATCH, 0)
-    jax_world.initialize(coordinator, plan, process_id, 60)
-    mesh = jax_world.build_mesh(plan)
+    world_mesh.initialize(coordinator, plan, process_id, 60)
+    mesh = world_mesh.build_mesh(plan)
     loop = jax_world.TrainLoop(task, plan, process_id, 0, mesh, 1024, batches)
     snap = loop.snapshot()
     same = jax_world.TrainLoop(task, plan, process_id, 0, mesh, 1024, batches, restore=snap)
@@ -101,7 +103,7 @@ def _snapshot_process(process_id: int, coordinator: str) -> None:
     live.finish(), live.finish()
     after_0 = fresh()
     after_0.run(0, 1, in_flight=0)
-    want, got = after_0.snapshot(), jax_world.host_blocks(copy)
+    want, got = after_0.snapshot(), host_blocks.host_blocks(copy)
     out["copy_ok"] = got["ranges"] == want["ranges"] and all(
         np.array_equal(a, b) for a, b in zip(got["leaves"], want["leaves"])
     )
@@ -127,19 +129,20 @@ def _save_process(process_id: int, coordinator: str, directory: str) -> None:
     from ray_elastic.decide import plan_world
     from ray_elastic.examples.digits_mlp import DigitsMLPTask
     from ray_elastic.slice import jax_world
+    from ray_elastic.slice import mesh as world_mesh
     from ray_elastic.slice.data import StepBatches
     from ray_elastic.state.checkpoints import Checkpointer
 
     task = DigitsMLPTask()
     plan = plan_world(0, ["s0"], NUM_PROCESSES, 1, BATCH)  # one device each: see the test
     batches = StepBatches(task.dataset(), BATCH, 0)
-    jax_world.initialize(coordinator, plan, process_id, 60)
+    world_mesh.initialize(coordinator, plan, process_id, 60)
     loop = jax_world.TrainLoop(
         task,
         plan,
         process_id,
         0,
-        jax_world.build_mesh(plan),
+        world_mesh.build_mesh(plan),
         1024,
         batches,
         checkpointer=Checkpointer(directory, max_to_keep=None),
@@ -184,7 +187,7 @@ def test_a_checkpoint_save_compiles_nothing_and_its_syncs_do_not_queue_behind_de
 def _run_world(args: list, timeout_s: float = 240, devices: int = DEVICES) -> list[dict]:
     """Run this file as NUM_PROCESSES processes of one JAX world on 127.0.0.1, each with ``devices``
     CPU devices; their RESULT lines."""
-    from ray_elastic.slice.jax_world import hold_port
+    from ray_elastic.slice.mesh import hold_port
 
     holder = hold_port("127.0.0.1")
     port = holder.getsockname()[1]

@@ -17,9 +17,9 @@ import time
 import psutil
 import pytest
 
-from ray_elastic.config import SliceSpec
-from ray_elastic.sim.cluster import FAST_HEALTH_CHECKS
 from ray_elastic.sim.hosts import free_port, tpu_host, wait_for_job_server
+from ray_elastic.sim.one_machine import FAST_HEALTH_CHECKS
+from ray_elastic.tpu import SliceSpec
 
 BIN_DIR = os.path.dirname(sys.executable)
 RAY = os.path.join(BIN_DIR, "ray")

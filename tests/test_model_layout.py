@@ -147,6 +147,7 @@ def _train(task_name: str, microbatch: str) -> None:
     """4 devices as one slice of (fsdp 2, tensor 2): 6 steps, metrics per step."""
     from ray_elastic.decide import plan_world
     from ray_elastic.slice import jax_world
+    from ray_elastic.slice import mesh as world_mesh
     from ray_elastic.slice.data import StepBatches
 
     task = {
@@ -157,7 +158,7 @@ def _train(task_name: str, microbatch: str) -> None:
     }[task_name]
     plan = plan_world(0, ["s0"], 1, 4, 16, slice_mesh={"fsdp": 2, "tensor": 2}, microbatch_size=int(microbatch))
     loop = jax_world.TrainLoop(
-        task, plan, 0, 0, jax_world.build_mesh(plan), 1, StepBatches(task.dataset(), 16, 0), rules=LOGICAL_AXIS_RULES
+        task, plan, 0, 0, world_mesh.build_mesh(plan), 1, StepBatches(task.dataset(), 16, 0), rules=LOGICAL_AXIS_RULES
     )
     print(json.dumps({"microbatches": plan.num_microbatches, "steps": loop.run(0, 6)}))
 
@@ -181,13 +182,14 @@ def _checkpoint_of(task, directory: str, steps_done: int = 2) -> None:
     """A committed checkpoint of ``task`` written as a one-process world writes it."""
     from ray_elastic.decide import plan_world
     from ray_elastic.slice import jax_world
+    from ray_elastic.slice import mesh as world_mesh
     from ray_elastic.slice.data import StepBatches
     from ray_elastic.state.checkpoints import Checkpointer
 
     plan = plan_world(0, ["s0"], 1, 1, 16)
     ckpt = Checkpointer(directory, 3)
     loop = jax_world.TrainLoop(
-        task, plan, 0, 0, jax_world.build_mesh(plan), 1, StepBatches(task.dataset(), 16, 0), checkpointer=ckpt
+        task, plan, 0, 0, world_mesh.build_mesh(plan), 1, StepBatches(task.dataset(), 16, 0), checkpointer=ckpt
     )
     loop.run(0, steps_done)
     loop.save_checkpoint(steps_done, {"step": steps_done, "task": task.name(), "seed": 0, "data_stride": 16})
@@ -196,7 +198,7 @@ def _checkpoint_of(task, directory: str, steps_done: int = 2) -> None:
 
 
 def test_a_rerun_with_a_changed_model_is_refused_before_any_slice_is_reserved(tmp_path):
-    """Issue 41 (2): the checkpoint of a narrower model failed to load on every world, was set aside as
+    """The checkpoint of a narrower model failed to load on every world, was set aside as
     a storage fault, and the run trained from step 0 while it said it resumed."""
     directory = str(tmp_path / "ckpt")
     _checkpoint_of(DigitsMLPTask(hidden=32), directory)

@@ -224,7 +224,7 @@ def test_a_death_behind_a_relay_is_seen_by_its_signal(cluster, baseline, monkeyp
 
 
 def test_a_dead_relay_is_replaced_when_the_next_world_forms(cluster, baseline, monkeypatch):
-    """Issue 41 (5): relays are kept for the next worlds; one that died made every later world fail
+    """Relays are kept for the next worlds; one that died made every later world fail
     to form (reused without a check, outside the try that tears a half-formed world down). Killed
     here mid-chunk: its group's chunk fails, and the next world starts a new relay in its place."""
     from ray_elastic.control import relay
@@ -246,7 +246,7 @@ def test_a_dead_relay_is_replaced_when_the_next_world_forms(cluster, baseline, m
 
 @pytest.mark.parametrize("where", ["forming_world", "running", "recovering", "waiting_for_capacity", "resizing"])
 def test_ctrl_c_in_each_state_leaves_nothing_behind(cluster, where):
-    """Issue 41 guard: a KeyboardInterrupt delivered in each controller state (at its entry; in
+    """A KeyboardInterrupt delivered in each controller state (at its entry; in
     ``running`` from a step's callback) ends ``fit`` with it, and no placement group (the pending
     replacement's included), actor or process of the run is left. (``scheduling``: in
     ``test_user_contract.py``; every state with the fake backend: ``test_fault_matrix.py``.)"""
@@ -341,7 +341,7 @@ def _drain_after_process_1_died(late_keep_s=None, node_lost: bool = False, inter
     )
     cfg = ElasticConfig(num_slices=3, global_batch_size=48, snapshot_every=1)
     streams = StepStreams(world, cfg, SnapshotStore(hosts_per_slice=1), lambda m: None, [])
-    streams._reported, streams._intervals = 10, list(intervals)  # step 10 streamed by process 1, which then died
+    streams._reported, streams.cadence.intervals = 10, list(intervals)  # step 10 streamed by process 1, which then died
     stopped = None
     if node_lost:
         streams.store.hold_only("slice-1", 0, {s: SnapshotRef(keepers[1], 0, s) for s in (8, 9, 10)})

@@ -4,6 +4,7 @@ TensorBoard's own reader."""
 import os
 import uuid
 
+from ray_elastic.observe.event_types import Eval
 from ray_elastic.observe.tensorboard import TensorBoardWriter
 
 
@@ -17,7 +18,7 @@ def test_tensorboard_scalars_go_to_a_gcs_bucket(local_gcs, tmp_path):
     writer = TensorBoardWriter(f"gs://{bucket}/runs/r1/tensorboard", events=[])
     for step in range(5):
         writer.on_step({"step": step, "loss": 1.0 / (step + 1), "step_time_s": 0.1, "accuracy": step / 10})
-    writer.on_event({"kind": "eval", "step": 4, "metrics": {"eval/loss": 0.3}})
+    writer.on_event(Eval(step=4, metrics={"eval/loss": 0.3}))
     writer.close()
     blobs = list(client.list_blobs(bucket, prefix="runs/r1/tensorboard/"))
     assert blobs, "nothing written to the bucket"
@@ -31,8 +32,7 @@ def test_tensorboard_scalars_go_to_a_gcs_bucket(local_gcs, tmp_path):
 
 
 def test_a_read_only_bucket_can_be_resumed_from_but_not_checkpointed_to(local_gcs):
-    """Issue 41 (8): resuming from a gs:// location was refused because the location check uploaded
-    a probe object; reading needs only read access. Credentials that may only read: a proxy in front
+    """Resuming from a gs:// location only reads (the location check must not upload a probe). Credentials that may only read: a proxy in front
     of the GCS API that answers every write with 403."""
     import pytest
     from google.cloud import storage

@@ -287,7 +287,7 @@ def test_a_process_lost_during_an_eval_is_recovered_and_the_eval_redone_with_no_
 
 
 def test_ctrl_c_while_slices_are_reserved_leaves_no_placement_group(sim_cluster):
-    """Issue 41 (3): a KeyboardInterrupt while reserving (more slices asked for than exist) left the
+    """A KeyboardInterrupt while reserving (more slices asked for than exist) left the
     groups made so far pending, asking the autoscaler for slices for as long as the driver lived."""
     import ray
 

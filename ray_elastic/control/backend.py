@@ -109,7 +109,7 @@ class Backend(Protocol):
         on_interval: Optional[Callable[[int, int], None]] = None,
         on_committed: Optional[Callable[[list], None]] = None,
         on_eval: Optional[Callable[[dict], bool]] = None,
-        save_seconds: Optional[list] = None,
+        save_limit: Callable[[], float] = lambda: float("inf"),
     ) -> Streams: ...
 
     # evidence

@@ -5,9 +5,9 @@ over typed :class:`~ray_elastic.control.states.RunOutcome` s: a world runs until
 fails, hangs, or stops to grow; every other outcome is taken in (evidence, verdict,
 teardown) and handed to the one path to the next world, which may itself fail while
 forming: that is another turn of the loop, never a recursive call. Decisions are the
-pure functions of ``plan.py``; membership and forming live in ``generations.py``;
-every Ray effect goes through the backend (``ray_backend.py``); observers (progress,
-metrics, user callbacks) listen to the event log (``observers.py``).
+policies' (``policy/``) and pure functions (``decide/``); membership and forming live in
+``generations.py``; every Ray effect goes through the backend (``ray_backend.py``); what
+happened is written down by the recorder (``recorder.py``), and observers listen to it.
 """
 
 from __future__ import annotations
@@ -22,22 +22,23 @@ from ray_elastic.config import ElasticConfig
 from ray_elastic.control.backend import Backend
 from ray_elastic.control.generations import Generations
 from ray_elastic.control.ray_backend import RayBackend
+from ray_elastic.control.recorder import RunRecorder
 from ray_elastic.control.resume import resume_point
 from ray_elastic.control.states import ControllerState, OutcomeKind, RunOutcome, check_transition
-from ray_elastic.decide import Action, NextWorld, RestorePlan, RestoreSource, save_timeout
+from ray_elastic.decide import Action, NextWorld, refuse_fresh_restart
 from ray_elastic.errors import (
     CapacityTimeoutError,
     ElasticRuntimeError,
     ProcessFailed,
-    StateLostError,
     StorageFailingError,
     failed_save,
 )
+from ray_elastic.observe import event_types as ev
 from ray_elastic.observe import goodput, results
 from ray_elastic.observe.events import EventLog
 from ray_elastic.observe.observers import ProgressBar, RayMetricsObserver, StandbyReplenisher, UserCallbacks
-from ray_elastic.observe.results import FitResult, RecoveryRecord, ScaleUpRecord, WorldChange
-from ray_elastic.observe.tensorboard import TensorBoardWriter
+from ray_elastic.observe.results import FitResult, RecoveryRecord, WorldChange
+from ray_elastic.observe.tensorboard import TensorBoardWriter, tensorboard_location
 from ray_elastic.policy.failure import FailureEvidence, FailurePolicy
 from ray_elastic.state import checkpoints
 from ray_elastic.task import TrainTask
@@ -69,8 +70,7 @@ class ElasticTrainer:
             ``config.max_failures`` per ``config.failure_window_s``.
         pre_callback: called before every world is formed, the first one included (as
             pathwaysutils calls it before every attempt).
-        on_event: called with each elastic event (failure, recovered, resize, scale_up,
-            waiting_for_capacity, waiting: slices still being reserved) and each eval, as a dict.
+        on_event: called with each elastic event and eval (:data:`~ray_elastic.observe.event_types.ELASTIC`).
         run_dir: where ``events.jsonl`` is written (``None``: events kept in memory only);
             ``ray-elastic report RUN_DIR`` draws it.
         name: the run's name in Ray metrics (default: the run directory's name, else ``ray-elastic``).
@@ -94,7 +94,7 @@ class ElasticTrainer:
         on_step: Optional[Callable[[dict], None]] = None,
         retry_policy: Optional[Callable[[int, Exception], bool]] = None,
         pre_callback: Optional[Callable[[], None]] = None,
-        on_event: Optional[Callable[[dict], None]] = None,
+        on_event: Optional[Callable[[ev.Event], None]] = None,
         run_dir: Optional[str] = None,
         name: Optional[str] = None,
         tensorboard_dir=None,
@@ -114,17 +114,7 @@ class ElasticTrainer:
         self.task, self.config, self.address, self.progress = task, config, address, progress
         self.retry_policy, self.pre_callback, self.run_dir = retry_policy, pre_callback, run_dir
         self.name = name or (os.path.basename(os.path.normpath(run_dir)) if run_dir else "ray-elastic")
-        if tensorboard_dir is None and run_dir:
-            tensorboard_dir = os.path.join(run_dir, "tensorboard")
-        if (
-            tensorboard_dir is not False
-            and tensorboard_dir is not None
-            and (not isinstance(tensorboard_dir, str) or not tensorboard_dir.strip())
-        ):
-            raise ValueError(
-                f"tensorboard_dir must be a local path, gs://bucket/prefix or False, got {tensorboard_dir!r}"
-            )
-        self.tensorboard_dir = tensorboard_dir or None
+        self.tensorboard_dir = tensorboard_location(tensorboard_dir, run_dir)
         self.state = S.INITIALIZING
 
     @property
@@ -132,6 +122,11 @@ class ElasticTrainer:
         """The current generation's :class:`~ray_elastic.control.world.World` (None before the first)."""
         gens = getattr(self, "gens", None)  # set by each fit
         return gens.world if gens else None
+
+    @property
+    def recoveries(self) -> list[RecoveryRecord]:
+        record = getattr(self, "record", None)
+        return record.recoveries if record else []
 
     @property
     def worlds(self) -> list[results.WorldRecord]:
@@ -146,22 +141,13 @@ class ElasticTrainer:
 
     def _waiting_for_slices(self, ready: int, asked: int) -> None:
         waited = time.perf_counter() - self._scheduling_since
-        self._report_waiting(
-            f"reserving slices: {ready}/{asked} ready after {waited:.0f}s of slice_timeout_s="
-            f"{self.config.slice_timeout_s:.0f}",
-            ready=ready,
-            asked=asked,
-            waited_s=waited,
-        )
+        limit = f"slice_timeout_s={self.config.slice_timeout_s:.0f}"
+        what = f"reserving slices: {ready}/{asked} ready after {waited:.0f}s of {limit}"
+        self._report_waiting(what, ready=ready, asked=asked, waited_s=waited)
 
     def _report_waiting(self, what: str, *, ready: int, asked: int, waited_s: float) -> None:
-        """Say what the run waits for and what is missing: a job waiting minutes for TPU capacity must
-        not look hung. A ``waiting`` event (the progress line shows it) and a log line."""
         demand = self.backend.pending_demand()
-        self.events.emit(
-            "waiting", state=self.state.value, ready=ready, asked=asked, waited_s=round(waited_s, 1), demand=demand
-        )
-        logger.warning("%s; pending slice demand (what the autoscaler sees): %s", what, demand)
+        self.record.waiting(self.state.value, what, ready=ready, asked=asked, waited_s=waited_s, demand=demand)
 
     # --------------------------------------------------------------------- fit
     def fit(self, num_steps: int, *, resume_from: Optional[str] = None) -> FitResult:
@@ -196,24 +182,12 @@ class ElasticTrainer:
                 events=self.events.events,
             )
         try:
-            self.backend.connect()
-            self._add_observers(num_steps)
-            self._enter(S.SCHEDULING)
-            self._scheduling_since = time.perf_counter()
-            first = self.gens.reserve(on_wait=self._waiting_for_slices)
-            change = WorldChange(OutcomeKind.DONE, first, "first world", time.time(), time.time())
-            outcome = self._next_world(change, resume) or self._run(num_steps)
-            startup_s = time.perf_counter() - t_start
-            while outcome.kind is not OutcomeKind.DONE:
-                change = self._intake(outcome, change)
-                outcome = self._next_world(change) or self._run(num_steps)
-            self._enter(S.FINISHED)
-            self.events.emit("run_finished", steps=len(self.ledger.metrics), wall_s=time.perf_counter() - t_start)
+            startup_s = self._loop(num_steps, resume, t_start)
         except BaseException as e:
             failed_in = self.state.value
             if not self.state.is_terminal:
                 self._enter(S.ERRORED)
-            self.events.emit("errored", state=failed_in, error=repr(e))
+            self.events.emit(ev.Errored(state=failed_in, error=repr(e)))
             if isinstance(e, ElasticRuntimeError) or not isinstance(e, Exception):
                 raise  # ours, or KeyboardInterrupt/SystemExit: as they are
             raise ElasticRuntimeError(f"training stopped in state {failed_in}: {e!r}") from e
@@ -226,7 +200,7 @@ class ElasticTrainer:
         return results.summarize(
             ledger=self.ledger,
             worlds=self.worlds,
-            recoveries=self.recoveries,
+            recoveries=self.record.recoveries,
             events=self.events.events,
             num_steps=num_steps,
             first_step=self._first_step,
@@ -236,6 +210,24 @@ class ElasticTrainer:
             gp=gp,
         )
 
+    def _loop(self, num_steps: int, resume: Optional[checkpoints.CheckpointInfo], t_start: float) -> float:
+        """Reserve, form the first world, then run and take in outcomes until the steps are done.
+        Returns the seconds until the first world ran (startup)."""
+        self.backend.connect()
+        self._add_observers(num_steps)
+        self._enter(S.SCHEDULING)
+        self._scheduling_since = time.perf_counter()
+        first = self.gens.reserve(on_wait=self._waiting_for_slices)
+        change = WorldChange(OutcomeKind.DONE, first, "first world", time.time(), time.time())
+        outcome = self._next_world(change, resume) or self._run(num_steps)
+        startup_s = time.perf_counter() - t_start
+        while outcome.kind is not OutcomeKind.DONE:
+            change = self._intake(outcome, change)
+            outcome = self._next_world(change) or self._run(num_steps)
+        self._enter(S.FINISHED)
+        self.events.emit(ev.RunFinished(steps=len(self.ledger.metrics), wall_s=time.perf_counter() - t_start))
+        return startup_s
+
     def _new_run(self, num_steps: int, resume: Optional[checkpoints.CheckpointInfo], resume_dir: Optional[str]) -> None:
         """Everything one run owns starts fresh, so a trainer can ``fit`` again."""
         cfg = self.config
@@ -243,30 +235,12 @@ class ElasticTrainer:
         self.backend = self.backend_cls(self.task, cfg, self.address)
         self.gens = Generations(cfg, self.backend)
         self.gens.resume_dir = resume_dir
-        self.recoveries: list[RecoveryRecord] = []
         self.failures = FailurePolicy(cfg, self.retry_policy)
         self._first_step = resume.step if resume else 0
         self.events = EventLog(self.run_dir, [self.callbacks])
-        self.ledger = results.StepLedger(self.events, cfg.steps_per_chunk)
-        self.events.emit(
-            "run_started",
-            num_steps=num_steps,
-            num_slices=cfg.num_slices,
-            mode=cfg.mode,
-            checkpoint_dir=cfg.checkpoint_dir,
-            resume_from_checkpoint=resume.step if resume else None,
-        )
-        if resume is not None:
-            self.events.emit(
-                "resume",
-                checkpoint_step=resume.step,
-                directory=resume_dir,
-                task=resume.metadata.get("task"),
-                saved_world=resume.metadata.get("world"),
-            )
-            changed = results.resume_changes(resume.metadata, seed=cfg.seed, global_batch_size=cfg.global_batch_size)
-            if changed:
-                self.events.emit("resume_config_changed", changed=changed)
+        self.ledger = results.StepLedger(self.events, cfg.steps_per_chunk, cfg.save_timeout_s)
+        self.record = RunRecorder(self.events, self.ledger)
+        self.record.started(cfg, num_steps, resume, resume_dir)
 
     def _add_observers(self, num_steps: int) -> None:
         listeners = self.events.listeners
@@ -290,10 +264,10 @@ class ElasticTrainer:
             self.gens.store,
             self.ledger.add,
             self.ledger.step_times,
-            self._snapshot_interval,
+            self.record.snapshot_interval,
             self.ledger.saves_committed,
             self.ledger.add_eval,
-            self.ledger.save_seconds,
+            self.ledger.save_limit_s,
         )
         self.ledger.start_world(world.plan.generation, streams.take_snapshot_steps)
         t0 = time.perf_counter()
@@ -302,31 +276,11 @@ class ElasticTrainer:
             t_drain = time.perf_counter()
             streams.drain(DRAIN_S, outcome.errors)
             outcome = dataclasses.replace(outcome, drain_s=time.perf_counter() - t_drain)
-        if streams.not_kept:  # a holder's snapshots are not there: a later recovery may rewind (say why now)
-            self.events.emit(
-                "snapshot_not_kept",
-                generation=world.plan.generation,
-                count=streams.not_kept_count,
-                first=streams.not_kept,
-            )
-        self.ledger.flush()
-        self.events.emit(
-            "chunk_run",
-            generation=world.plan.generation,
-            first_step=start,
-            last_step=self.ledger.last_step,
-            seconds=time.perf_counter() - t0,
-            outcome=outcome.kind,
-        )
+        self.record.world_ran(world, start, time.perf_counter() - t0, outcome, streams)
         if outcome.kind is OutcomeKind.DONE:  # the last checkpoint commits before the run is finished
             outcome = self._final_checkpoint(num_steps)
         return outcome
 
-    def _snapshot_interval(self, step: int, every: int) -> None:
-        """The snapshot interval from ``step`` on (``snapshot_every="auto"`` picks it as the run goes)."""
-        self.events.emit("snapshot_interval", step=step, every=every, max_rewind_steps=max(0, every - 1))
-
-    # ------------------------------------------------------------- the loop's two halves
     def _intake(self, outcome: RunOutcome, previous: WorldChange) -> WorldChange:
         """A world ended early: read the evidence, decide what is lost (the failure policy), then
         execute: tear down, set aside unreadable checkpoints, keep the survivors."""
@@ -340,12 +294,14 @@ class ElasticTrainer:
         chained = outcome.kind is OutcomeKind.FORMING_FAILED and previous.cause is not OutcomeKind.DONE
         detected_at = previous.detected_at if chained else now
         last_progress_at = previous.last_progress_at if chained else outcome.last_progress_at
-        ev = self.gens.evidence(outcome, now)
+        seen = self.gens.evidence(outcome, now)
         first = next(iter(outcome.errors.values()), None) or RuntimeError(outcome.kind.value)
         saves = [e for e in outcome.errors.values() if failed_save(e)]
-        decision = self.failures.decide(self._failure_evidence(ev, outcome, first, saves), time.monotonic(), first)
+        decision = self.failures.decide(self._failure_evidence(seen, outcome, first, saves), time.monotonic(), first)
         classified_at = time.time()
-        self._emit_failure(ev, outcome, decision, first, now, last_progress_at, classified_at)
+        self.record.failure(
+            seen, outcome, decision, first, now=now, last_progress_at=last_progress_at, classified_at=classified_at
+        )
         if decision.stop is not None:
             raise decision.stop from (saves[0] if isinstance(decision.stop, StorageFailingError) else first)
         t0 = time.perf_counter()
@@ -353,13 +309,9 @@ class ElasticTrainer:
             # With checkpoints, wait until the old processes are really gone: nothing of theirs may
             # land in the checkpoint directory once the next world reads and cleans it.
             self.world.teardown(confirm_s=TEARDOWN_CONFIRM_S if self.config.checkpoint_dir else 0.0)
-        for step in sorted(ev.unreadable_checkpoints - self.gens.unreadable_checkpoints):  # its readers are gone
-            self.events.emit(
-                "checkpoint_unreadable",
-                step=step,
-                error=str(first)[:2000],
-                set_aside_to=self.gens.checkpoint_unreadable(step),
-            )
+        for step in sorted(seen.unreadable_checkpoints - self.gens.unreadable_checkpoints):  # its readers are gone
+            aside = self.gens.checkpoint_unreadable(step)
+            self.events.emit(ev.CheckpointUnreadable(step=step, error=str(first)[:2000], set_aside_to=aside))
         verdict = decision.verdict
         survivors = self.gens.split(set(verdict.lost_slices), set(verdict.quarantined))
         reason = verdict.reason if not chained else f"failure while forming a world: {first!r}"[:300]
@@ -392,41 +344,19 @@ class ElasticTrainer:
             teardown_s=time.perf_counter() - t0,
         )
 
-    def _failure_evidence(self, ev, outcome: RunOutcome, first: BaseException, saves: list) -> FailureEvidence:
+    def _failure_evidence(self, seen, outcome: RunOutcome, first: BaseException, saves: list) -> FailureEvidence:
         """What the failure policy decides from: the world's evidence, node health, the run's progress."""
         return FailureEvidence(
-            kinds=ev.kinds,
-            dead_slices=self.backend.dead_slices(ev.slice_nodes, ev.suspects),  # node health first: then blame code
-            world_slices=ev.slices,
+            kinds=seen.kinds,
+            dead_slices=self.backend.dead_slices(seen.slice_nodes, seen.suspects),  # node health first: then blame code
+            world_slices=seen.slices,
             error_text=self.backend.error_text(first),
-            origin=ev.origin,
+            origin=seen.origin,
             forming=outcome.kind is OutcomeKind.FORMING_FAILED,
             steps_run=len(self.ledger.step_times),
             save_failed=self.backend.error_text(saves[0]) if saves else None,
             committed_step=self.ledger.committed_step,
             checkpoint_dir=self.config.checkpoint_dir,
-        )
-
-    def _emit_failure(self, ev, outcome, decision, first, now: float, last_progress_at: float, classified_at: float):
-        verdict = decision.verdict
-        self.events.emit(
-            "failure",
-            generation=ev.generation,
-            cause=outcome.kind,
-            kinds=ev.kinds,
-            world_slices=len(ev.slices),
-            vouched_slices=sorted(ev.vouched),
-            lost_slices=list(verdict.lost_slices),
-            crashed_slices=list(verdict.crashed_slices),
-            quarantined_slices=list(verdict.quarantined),
-            error=str(first)[:2000],
-            last_step=self.ledger.last_step,
-            origin=ev.origin,
-            failures_in_a_row=decision.failures_in_a_row,
-            since_last_progress_s=now - last_progress_at,
-            drain_s=outcome.drain_s,
-            classify_s=classified_at - now,
-            detection_latency_s=classified_at - last_progress_at,
         )
 
     def _next_world(
@@ -439,41 +369,26 @@ class ElasticTrainer:
         members, added = self.gens.take(change.survivors, decision)
         if self.pre_callback is not None:
             self.pre_callback()
-        restore = self._restore_plan(change, resume)
+        restore = self.gens.restore_plan(change.survivors, resume, last_step=self.ledger.last_step)
+        done = max(self.ledger.last_step + 1, self._first_step)  # steps trained here, or resumed from
+        refuse_fresh_restart(restore, done, self.config.allow_restart_from_scratch, change.reason)
         before = self.worlds[-1] if self.worlds else None
         self._enter(S.FORMING_WORLD)
         try:
             record = self.gens.form(members, restore)
         except Exception as e:  # noqa: BLE001 - a failure while forming is another failure
             return RunOutcome(OutcomeKind.FORMING_FAILED, {0: e}, change.last_progress_at)
-        self.events.emit("world_formed", **record.event_fields())
-        if restore.source is RestoreSource.CHECKPOINT:
-            self.events.emit(
-                "checkpoint_restore",
-                step=record.start_step,
-                generation=record.generation,
-                seconds=record.times["state_load_s"],
-                saved_by=self.world.join_infos[0].get("checkpoint_metadata"),
-            )
-        rewound = self.ledger.rewind_to(restore.step)
-        if change.cause is OutcomeKind.GROW:
-            self._record_scale_up(change, record, len(members), restore.step, rewound)
-        elif change.cause is not OutcomeKind.DONE:  # not the first world: a recovery
-            rec = RecoveryRecord.of(
-                change,
-                record,
-                mode=self.config.mode,
-                added=len(added),
-                rewound=rewound,
-                wait_s=wait_s,
-                capacity_ready_at=capacity_ready_at,
-            )
-            self.recoveries.append(rec)
-            self.events.emit("recovered", **dataclasses.asdict(rec))
-            if before is not None and len(before.slices) != len(members):
-                self.events.emit(
-                    "resize", generation=rec.generation, from_slices=len(before.slices), to_slices=len(members)
-                )
+        self.record.world_formed(
+            change,
+            record,
+            restore,
+            before=before,
+            added=len(added),
+            wait_s=wait_s,
+            capacity_ready_at=capacity_ready_at,
+            mode=self.config.mode,
+            saved_by=self.world.join_infos[0].get("checkpoint_metadata"),
+        )
         return None
 
     def _await_capacity(self, change: WorldChange) -> tuple[WorldChange, NextWorld, float]:
@@ -485,7 +400,7 @@ class ElasticTrainer:
         def on_wait(reason: str, waited_s: float) -> None:
             if not waited_s:
                 self._enter(S.WAITING_FOR_CAPACITY)
-                self.events.emit("waiting_for_capacity", reason=reason)
+                self.events.emit(ev.WaitingForCapacity(reason=reason))
                 return
             self._report_waiting(
                 f"{reason}; waited {waited_s:.0f}s of replacement_timeout_s={cfg.replacement_timeout_s:.0f}",
@@ -495,16 +410,7 @@ class ElasticTrainer:
             )
 
         def on_lost(names: list[str]) -> None:  # a survivor's host died while replacements were awaited
-            self.events.emit(
-                "failure",
-                generation=len(self.worlds),
-                cause="lost_while_waiting",
-                lost_slices=names,
-                kinds={n: "node_died" for n in names},
-                last_step=self.ledger.last_step,
-                classify_s=0.0,
-                since_last_progress_s=0.0,
-            )
+            self.record.lost_while_waiting(len(self.worlds), names)
 
         decision, wait_s, survivors = self.gens.await_capacity(
             change.survivors, grow=change.cause is OutcomeKind.GROW, on_wait=on_wait, on_lost=on_lost
@@ -518,42 +424,10 @@ class ElasticTrainer:
             )
         return change, decision, wait_s
 
-    def _restore_plan(self, change: WorldChange, resume: Optional[checkpoints.CheckpointInfo]) -> RestorePlan:
-        """What the next world loads; never fresh parameters once steps were done or the run resumed
-        from a checkpoint (:class:`StateLostError`, unless ``allow_restart_from_scratch``)."""
-        restore = self.gens.restore_plan(change.survivors, resume, last_step=self.ledger.last_step)
-        done = max(self.ledger.last_step + 1, self._first_step)  # steps trained here, or resumed from
-        if restore.source is RestoreSource.FRESH and done > 0 and not self.config.allow_restart_from_scratch:
-            raise StateLostError(
-                f"{change.reason}: every slice holding a snapshot is gone and no checkpoint could be loaded, so "
-                f"going on would restart training from step 0 ({done} steps done or resumed from). "
-                "Set checkpoint_dir, raise snapshot_replicas, or allow_restart_from_scratch=True"
-            )
-        return restore
-
-    def _record_scale_up(self, change: WorldChange, record, size: int, step: int, rewound: int) -> None:
-        ready_at = time.time()
-        self.events.emit(
-            "scale_up",
-            **dataclasses.asdict(
-                ScaleUpRecord(
-                    record.generation,
-                    len(change.survivors),
-                    size,
-                    step,
-                    rewound,
-                    resize_s=ready_at - change.detected_at,
-                    pause_s=ready_at - change.last_progress_at,
-                    ready_at=ready_at,
-                )
-            ),
-        )
-
     def _finish_checkpoints(self, save_step: Optional[int] = None) -> None:
         """Wait for the in-flight save of the current world to commit (first saving ``save_step``)."""
         if self.config.checkpoint_dir and self.world is not None:
-            limit = save_timeout(self.config.save_timeout_s, self.ledger.save_seconds)
-            self.ledger.saves_committed(self.world.finish_checkpoints(limit, save_step))
+            self.ledger.saves_committed(self.world.finish_checkpoints(self.ledger.save_limit_s(), save_step))
 
     def _final_checkpoint(self, num_steps: int) -> RunOutcome:
         """The run's last checkpoint is committed before ``fit`` returns: its in-flight save finishes,

@@ -280,8 +280,8 @@ class Generations:
     def _set_aside_newer(self, directory: Optional[str], step: Optional[int], restore_step: int) -> list[str]:
         """The run goes on from a snapshot of ``restore_step`` though a newer checkpoint committed (see
         :func:`~ray_elastic.decide.choose_restore`): the steps after it run again and save that
-        checkpoint again, which orbax refuses while it exists (``StepAlreadyExistsError``, seen in
-        ``bench/chaos.py``: one more failure, and the next world took the checkpoint after all).
+        checkpoint again, which orbax refuses while it exists (``StepAlreadyExistsError``: one more
+        failure, and the next world would take the checkpoint after all).
         ``step`` in ``directory``: the newest committed one, already read by the caller. Every
         committed step of the run's own directory newer than ``restore_step`` is set aside (kept),
         newest first. Returns where they went."""

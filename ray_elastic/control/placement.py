@@ -19,8 +19,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray.util.tpu import SlicePlacementGroup
 
-from ray_elastic.config import POD_TYPE_LABEL, SLICE_NAME_LABEL, WORKER_ID_LABEL, SliceSpec
 from ray_elastic.errors import CapacityTimeoutError
+from ray_elastic.tpu import POD_TYPE_LABEL, SLICE_NAME_LABEL, WORKER_ID_LABEL, SliceSpec
 
 logger = logging.getLogger(__name__)
 REPORT_EVERY_S = 5.0  # how often a wait for slices says what it still waits for

@@ -111,8 +111,8 @@ class WorkerPool:
         One at a time per host unless ``at_once``: a host whose newest standby is still starting
         (Python, JAX, data, the trace ahead) gets the next one only when it is done (call again).
         After faults in quick succession a world may have to take a process still starting; one
-        started beside it shared the CPUs it needed (the bench's cold chain of process kills:
-        4.1-4.5 s kill -> step, 2.0-3.2 s without). ``at_once`` is for a slice that is not yet a
+        started beside it shared the CPUs it needed (``bench/recovery.py``'s cold chain of process
+        kills shows it). ``at_once`` is for a slice that is not yet a
         member (the newcomers of a grow-back): nothing of the run waits on them while they start,
         and the grow waits until one is ready on each host. ``for_world``: the processes started
         now are for a world of that many slices (the first world's), see ``_start``.

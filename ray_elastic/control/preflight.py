@@ -47,15 +47,7 @@ def check_task(task: TrainTask, config: ElasticConfig, resume=None) -> None:
         )
         return
     try:
-        jax_world.trace_ahead(
-            task,
-            plan,
-            config.seed,
-            config.fsdp_min_size,
-            batches,
-            scale_updates=config.lr_rule is not None,
-            rules=config.logical_axis_rules,
-        )
+        jax_world.trace_for(task, config, plan, batches)
     except TrainingCodeError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's loss or step

@@ -144,10 +144,10 @@ class RayBackend:
         on_interval: Optional[Callable[[int, int], None]] = None,
         on_committed: Optional[Callable[[list], None]] = None,
         on_eval: Optional[Callable[[dict], bool]] = None,
-        save_seconds: Optional[list] = None,
+        save_limit: Callable[[], float] = lambda: float("inf"),
     ) -> StepStreams:
         return StepStreams(
-            world, self.config, store, on_metrics, step_times, on_interval, on_committed, on_eval, save_seconds
+            world, self.config, store, on_metrics, step_times, on_interval, on_committed, on_eval, save_limit
         )
 
     # ------------------------------------------------------------- evidence

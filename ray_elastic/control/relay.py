@@ -2,7 +2,7 @@
 
 A process that keeps no snapshot runs each chunk as one plain task whose only news is its end
 or its error. In a world of a thousand processes, submitting those tasks was most of the
-driver's CPU per step (~0.2-0.4 ms of Ray's Python per submission). A :class:`ChunkRelay`, an
+driver's CPU per step (Ray's Python per submission). A :class:`ChunkRelay`, an
 actor on the driver's node, submits one chunk to a group of them and answers once, when all
 have finished it or with the errors of the first to fail: the driver submits one call per
 group and waits on one ref per group. A death still reaches the driver at once (one hop more).
@@ -16,9 +16,9 @@ from typing import Sequence
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-RELAY_MIN_QUIET = 16  # fewer quiet processes than this: the driver submits their chunks itself (measured:
-# at 64 processes a relay took the driver from 5.2-6.5 to 2.4-2.6 ms per step)
-PROCESSES_PER_RELAY = 128  # a relay is a process: ~1% of a core even idle (measured), so few of them
+RELAY_MIN_QUIET = 16  # fewer quiet processes than this: the driver submits their chunks itself
+# (a relay halves the driver's work per step from a few dozen processes on: bench/scale.py)
+PROCESSES_PER_RELAY = 128  # a relay is a process that costs CPU even idle, so few of them
 RELAY_CONCURRENCY = 4  # chunks a relay has in flight at once (the driver queues two)
 ORDER_TIMEOUT_S = 60.0  # a chunk waits this long for the one before it to be submitted
 

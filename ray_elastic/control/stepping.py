@@ -16,6 +16,7 @@ boundary to grow.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -24,20 +25,14 @@ from typing import Callable, Optional
 import ray
 
 from ray_elastic.config import ElasticConfig
+from ray_elastic.control.first_ready import FirstReady
+from ray_elastic.control.host_watch import HostWatch
+from ray_elastic.control.snapshot_cadence import SnapshotCadence
 from ray_elastic.control.states import OutcomeKind, RunOutcome
 from ray_elastic.control.world import World
-from ray_elastic.decide import (
-    MAX_SNAPSHOT_EVERY,
-    chunk_steps,
-    is_eval_step,
-    newest_due_snapshot,
-    save_timeout,
-    snapshot_cost_in_steps,
-    snapshot_interval,
-    watchdog_timeout,
-)
+from ray_elastic.decide import chunk_steps, is_eval_step, watchdog_timeout
 from ray_elastic.detect import health
-from ray_elastic.errors import ProcessGone, RayletGone, SaveTimedOut
+from ray_elastic.errors import SaveTimedOut
 from ray_elastic.state.snapshot_keeper import ask_keepers
 from ray_elastic.state.snapshots import SnapshotRef, SnapshotStore
 
@@ -47,17 +42,13 @@ POLL_S = 0.25
 # When one quiet chunk has ended, the rest of its batch (processes end a chunk together) is
 # gathered for up to GATHER_S and read in one ``ray.get``.
 GATHER_S = 0.005
-WATCH_S = 1.0  # a FirstReady thread's longest single wait (it waits again on the same refs)
-# A world whose steps stop for SUSPECT_FACTOR step times (at least SUSPECT_MIN_S, past the
-# streams' FLUSH_S) has its hosts' raylets looked at: a refusing one is a lost node, seen before
-# Ray's health checks mark it (until then no call of ours fails: the lost host's tasks wait on
-# its node's death, its peers in a collective). Looked at again after NODE_CHECK_S, doubling up
-# to NODE_CHECK_MAX_S while the stall lasts; a few loopback or LAN connects, no Ray call.
+# A world whose steps stop for SUSPECT_FACTOR step times (at least SUSPECT_MIN_S) has its hosts'
+# raylets looked at (HostWatch); again after NODE_CHECK_S, doubling up to NODE_CHECK_MAX_S while
+# the stall lasts: a few connects, no Ray call.
 SUSPECT_FACTOR, SUSPECT_MIN_S = 1.5, 0.25
 NODE_CHECK_S, NODE_CHECK_MAX_S = 0.05, 1.0
 
 KEEPER_POLL_S = 0.05
-STEP_COST_WINDOW = 10  # snapshot intervals of step times the auto interval reads
 KEEPER_ANSWER_S = 0.3  # a live keeper answers in milliseconds; one on a lost node may never
 OTHER_HOLDERS_S = 1.0  # once a slice whose keepers answer holds the newest step, how long the other holders
 # get to hand it over too (a writer takes milliseconds; one stuck behind a
@@ -81,69 +72,38 @@ class StepStreams:
         on_interval: Optional[Callable[[int, int], None]] = None,
         on_committed: Optional[Callable[[list], None]] = None,
         on_eval: Optional[Callable[[dict], bool]] = None,
-        save_seconds: Optional[list] = None,
+        save_limit: Callable[[], float] = lambda: float("inf"),
     ):
         self.world = world
         self.config = config
         self.store = store
         self.on_metrics = on_metrics
-        self.on_interval = on_interval
         self.on_committed = on_committed
         self.on_eval = on_eval  # an eval's metrics; asked with {"step": s} alone, says whether s's eval is known
         self.step_times = step_times
-        self.save_seconds = save_seconds if save_seconds is not None else []  # committed saves' durations (grows)
+        self.save_limit = save_limit  # how long a save may run (save_timeout_s, or the automatic bound)
+        self.cadence = SnapshotCadence(config, step_times, on_interval)
         self.steps_per_chunk = config.steps_per_chunk  # the last chunk's length (chunk_steps)
         # Per channel (World.channels: a process, or a relay's group of quiet ones): its chunks in flight.
         self.channels = world.channels
         self.queues: list[collections.deque] = [collections.deque() for _ in self.channels]
         self.streaming = [len(ch) == 1 and world.plan.takes_snapshots(ch[0]) for ch in self.channels]
         self._snapshot_steps: list[int] = []  # steps newly kept by some holder, not yet reported
-        self.snapshot_seconds: list[float] = []  # what each snapshot cost its process (host copy + hand-over)
         self.not_kept: list[
             dict
         ] = []  # the first few snapshots a holder's keeper did not take: {"slice", "step", "why"}
         self.not_kept_count = 0  # and how many in all (a dead keeper misses every step)
-        self._intervals: list[tuple[int, int]] = []  # (first step, snapshot interval) per change
-        self._timed: list[tuple[int, float]] = []  # (step, seconds) of this world's steps, first run only
-        self._step_cost: Optional[float] = None  # a snapshot's cost read from the step times (auto interval)
         self._reported = self._snapshot_reported = -1
         self._submitted = False  # a world's first chunk redoes an eval a failure lost
-        self._raylets: Optional[dict] = None  # node id -> where its raylet listens (_learn_raylets)
-        self._learning: Optional[threading.Thread] = None
+        self.hosts = HostWatch(world)
 
     def take_snapshot_steps(self) -> list[int]:
         """Steps snapshotted since the last call (for the event log)."""
         out, self._snapshot_steps = self._snapshot_steps, []
         return out
 
-    def _next_interval(self, step: int) -> int:
-        c = self.config
-        if c.snapshot_every != "auto":
-            every = int(c.snapshot_every)
-        else:
-            current = self._intervals[-1][1] if self._intervals else 1
-            if self._intervals:  # what the snapshots cost the steps run at the current interval
-                since = self._intervals[-1][0]
-                timed = [t for t in self._timed[-STEP_COST_WINDOW * current :] if t[0] >= since]
-                measured = snapshot_cost_in_steps(timed, current)
-                self._step_cost = self._step_cost if measured is None else measured  # held across a change
-            every = snapshot_interval(
-                self.snapshot_seconds[-20:],
-                self.step_times[-20:],
-                c.snapshot_budget,
-                current,
-                step_cost=self._step_cost,
-            )
-        if not self._intervals or self._intervals[-1][1] != every:
-            self._intervals.append((step, every))
-            if self.on_interval is not None:
-                self.on_interval(step, every)
-        return every
-
     def run(self, start_step: int, end_step: int, grow_requested: Callable[[], bool]) -> RunOutcome:
-        if self._learning is None:
-            self._learning = threading.Thread(target=self._learn_raylets, name="ray-elastic-raylets", daemon=True)
-            self._learning.start()
+        self.hosts.start()
         wake = threading.Event()
         waiters = FirstReady(wake), FirstReady(wake)  # snapshot holders' streams, the others' results
         self.world.deaths.notify(wake.set)
@@ -160,148 +120,137 @@ class StepStreams:
         end_step: int,
         grow_requested: Callable[[], bool],
         wake: threading.Event,
-        stream_waiter: "FirstReady",
-        quiet_waiter: "FirstReady",
+        stream_waiter: FirstReady,
+        quiet_waiter: FirstReady,
     ) -> RunOutcome:
-        submitted = start_step
+        """Keep chunks queued and read what comes back until the steps are done, a check finds a
+        failure, or a requested grow has drained the queues."""
         self._reported = self._snapshot_reported = start_step - 1
-        draining = stopped = False
-        last_progress = time.monotonic()
-        last_progress_wall = time.time()
-        probed = -1  # the newest step a health probe found finished
-        node_check_every, next_node_check = NODE_CHECK_S, 0.0
+        run = _Progress(submitted=start_step)
         holders = [c for c in range(len(self.queues)) if self.streaming[c]]
         quiet = [c for c in range(len(self.queues)) if not self.streaming[c]]
         while True:
-            if not draining and grow_requested():
-                draining = True  # finish what is queued, then stop at that step boundary
-            heads_changed = False
-            while not draining and submitted < end_step and max(map(len, self.queues)) < CHUNKS_IN_FLIGHT:
-                self.steps_per_chunk = chunk_steps(
-                    self.config.steps_per_chunk, len(self.world.workers), self.step_times[-20:]
-                )
-                n = min(self.steps_per_chunk, end_step - submitted)
-                heads_changed |= not all(self.queues)
-                self._submit(submitted, n, end_step - 1)
-                submitted += n
-            if draining and not stopped:
-                heads_changed |= not all(self.queues)
-                self._submit(submitted, 0, end_step - 1)  # no steps: the processes finish the one in flight
-                stopped = True
-            if heads_changed:
+            if self._fill(run, end_step, grow_requested):
                 stream_waiter.watch(self._heads(holders))
                 quiet_waiter.watch(self._heads(quiet))
             if not any(self.queues):
-                kind = OutcomeKind.GROW if draining and submitted < end_step else OutcomeKind.DONE
+                kind = OutcomeKind.GROW if run.draining and run.submitted < end_step else OutcomeKind.DONE
                 if kind is OutcomeKind.GROW:
                     self.sync_with_keepers()  # the bigger world restores from what they hold
-                return RunOutcome(kind, {}, last_progress_wall)
-            limit = watchdog_timeout(self.step_times, self.config.hang_timeout_factor, self.config.hang_timeout_min_s)
+                return RunOutcome(kind, {}, run.wall)
             suspect = watchdog_timeout(self.step_times, SUSPECT_FACTOR, SUSPECT_MIN_S)
-            check_at = max(last_progress + suspect, next_node_check)
-            wake.wait(min(POLL_S, max(0.0, check_at - time.monotonic())))
+            wake.wait(min(POLL_S, max(0.0, max(run.at + suspect, run.next_node_check) - time.monotonic())))
             wake.clear()
-            gone = self.world.deaths.dead()
-            if gone:  # before Ray has said so (its signal comes through the GCS, late on a loaded host)
-                return RunOutcome(OutcomeKind.FAILURE, self._gone(gone), last_progress_wall)
-            if quiet_waiter.fired():
-                # Quiet chunks ended (or one failed): every one that has, in one batch.
-                heads = {self.queues[c][0]: c for c in quiet if self.queues[c]}
-                done, _ = ray.wait(list(heads), num_returns=len(heads), timeout=GATHER_S)
-                failed = self._consume_results([heads[r] for r in done])
-                quiet_waiter.watch(self._heads(quiet))
-                if failed:
-                    return RunOutcome(OutcomeKind.FAILURE, failed, last_progress_wall)
-            if stream_waiter.fired():
-                heads = {self.queues[c][0]: c for c in holders if self.queues[c]}
-                ready, _ = ray.wait(list(heads), num_returns=len(heads), timeout=0)
-                for gen in ready:
-                    c = heads[gen]
-                    try:
-                        progressed = self._consume(c)
-                    except Exception as e:  # noqa: BLE001 - any error of a slice process is an event
-                        return RunOutcome(OutcomeKind.FAILURE, {self.channels[c][0]: e}, last_progress_wall)
-                    if progressed:
-                        last_progress, last_progress_wall = time.monotonic(), time.time()
-                        node_check_every, next_node_check = NODE_CHECK_S, 0.0
-                stream_waiter.watch(self._heads(holders))
-            now = time.monotonic()
-            if now - last_progress > suspect and now >= next_node_check:
-                lost = self._lost_hosts()
-                if lost:
-                    return RunOutcome(OutcomeKind.FAILURE, lost, last_progress_wall)
-                next_node_check = now + node_check_every
-                node_check_every = min(2 * node_check_every, NODE_CHECK_MAX_S)
-            if time.monotonic() - last_progress > limit:
-                answers = health.probe(self.world.workers, self.config.probe_timeout_s)
-                save_limit = save_timeout(self.config.save_timeout_s, self.save_seconds)
-                stuck = health.stuck_saves(answers, save_limit)
-                if stuck:
-                    return RunOutcome(
-                        OutcomeKind.FAILURE,
-                        {
-                            p: SaveTimedOut(
-                                f"a checkpoint save of process {p} has run {s:.0f}s, over save_timeout_s={save_limit:.0f}: "
-                                f"the storage ({self.config.checkpoint_dir}) does not answer"
-                            )
-                            for p, s in stuck.items()
-                        },
-                        last_progress_wall,
+            for check in (
+                lambda: self._read(run, quiet, quiet_waiter, holders, stream_waiter),
+                lambda: self._check_nodes(run, suspect),
+                lambda: self._check_hang(run),
+            ):
+                outcome = check()
+                if outcome is not None:
+                    return outcome
+
+    def _fill(self, run: "_Progress", end_step: int, grow_requested: Callable[[], bool]) -> bool:
+        """Queue chunks up to ``CHUNKS_IN_FLIGHT`` (or, once a grow is requested, the empty chunk
+        that stops the processes at the next boundary); True when a queue's head changed."""
+        if not run.draining and grow_requested():
+            run.draining = True  # finish what is queued, then stop at that step boundary
+        heads_changed = False
+        while not run.draining and run.submitted < end_step and max(map(len, self.queues)) < CHUNKS_IN_FLIGHT:
+            self.steps_per_chunk = chunk_steps(
+                self.config.steps_per_chunk, len(self.world.workers), self.step_times[-20:]
+            )
+            n = min(self.steps_per_chunk, end_step - run.submitted)
+            heads_changed |= not all(self.queues)
+            self._submit(run.submitted, n, end_step - 1)
+            run.submitted += n
+        if run.draining and not run.stopped:
+            heads_changed |= not all(self.queues)
+            self._submit(run.submitted, 0, end_step - 1)  # no steps: the processes finish the one in flight
+            run.stopped = True
+        return heads_changed
+
+    def _read(
+        self,
+        run: "_Progress",
+        quiet: list[int],
+        quiet_waiter: FirstReady,
+        holders: list[int],
+        stream_waiter: FirstReady,
+    ) -> Optional[RunOutcome]:
+        """Deaths the beacons saw, then the quiet chunks that ended, then the holders' streams."""
+        gone = self.world.deaths.dead()
+        if gone:  # before Ray has said so (its signal comes through the GCS, late on a loaded host)
+            return RunOutcome(OutcomeKind.FAILURE, self.hosts.gone(gone), run.wall)
+        if quiet_waiter.fired():
+            # Quiet chunks ended (or one failed): every one that has, in one batch.
+            heads = {self.queues[c][0]: c for c in quiet if self.queues[c]}
+            done, _ = ray.wait(list(heads), num_returns=len(heads), timeout=GATHER_S)
+            failed = self._consume_results([heads[r] for r in done])
+            quiet_waiter.watch(self._heads(quiet))
+            if failed:
+                return RunOutcome(OutcomeKind.FAILURE, failed, run.wall)
+        if stream_waiter.fired():
+            heads = {self.queues[c][0]: c for c in holders if self.queues[c]}
+            ready, _ = ray.wait(list(heads), num_returns=len(heads), timeout=0)
+            for gen in ready:
+                c = heads[gen]
+                try:
+                    progressed = self._consume(c)
+                except Exception as e:  # noqa: BLE001 - any error of a slice process is an event
+                    return RunOutcome(OutcomeKind.FAILURE, {self.channels[c][0]: e}, run.wall)
+                if progressed:
+                    run.progressed()
+            stream_waiter.watch(self._heads(holders))
+        return None
+
+    def _check_nodes(self, run: "_Progress", suspect: float) -> Optional[RunOutcome]:
+        """Steps stalled past ``suspect``: a host whose raylet refuses is a lost node (backing off)."""
+        now = time.monotonic()
+        if now - run.at <= suspect or now < run.next_node_check:
+            return None
+        lost = self.hosts.lost()
+        if lost:
+            return RunOutcome(OutcomeKind.FAILURE, lost, run.wall)
+        run.next_node_check = now + run.node_check_every
+        run.node_check_every = min(2 * run.node_check_every, NODE_CHECK_MAX_S)
+        return None
+
+    def _check_hang(self, run: "_Progress") -> Optional[RunOutcome]:
+        """No progress past the watchdog's limit: probe every process. A save running past its bound
+        is a failed save, silence with nothing busy a hang; a slow but busy world is watched again."""
+        c = self.config
+        if time.monotonic() - run.at <= watchdog_timeout(self.step_times, c.hang_timeout_factor, c.hang_timeout_min_s):
+            return None
+        answers = health.probe(self.world.workers, c.probe_timeout_s)
+        save_limit = self.save_limit()
+        stuck = health.stuck_saves(answers, save_limit)
+        if stuck:
+            return RunOutcome(
+                OutcomeKind.FAILURE,
+                {
+                    p: SaveTimedOut(
+                        f"a checkpoint save of process {p} has run {s:.0f}s, over save_timeout_s={save_limit:.0f}: "
+                        f"the storage ({c.checkpoint_dir}) does not answer"
                     )
-                if not health.busy(answers, max(self._reported, probed)):
-                    silent: dict[int, BaseException] = {
-                        p: TimeoutError("no answer to the health probe") for p, a in enumerate(answers) if a is None
-                    }
-                    return RunOutcome(OutcomeKind.HANG, silent, last_progress_wall)
-                probed = max(probed, health.newest_step(answers))
-                last_progress = time.monotonic()  # slow, not hung: watch again from now
-
-    def _learn_raylets(self) -> None:
-        """Where the world's raylets listen, each connected to once (off the step loop, once per
-        world: nodes do not move during a world): only a raylet this driver has reached can later
-        prove its node dead by refusing (``health.refusing``), so reach them before any dies."""
-        try:
-            addresses = health.raylet_addresses({i["node_id"] for i in self.world.host_infos})
-        except Exception as e:  # noqa: BLE001 - the GCS unreachable for a moment: no evidence this world
-            logger.debug("raylet addresses: %r", e)
-            addresses = {}
-        health.answering(addresses)
-        self._raylets = addresses
-
-    def _gone(self, processes: set[int]) -> dict[int, BaseException]:
-        """Processes whose liveness connection closed, by process: with its host (a refusing raylet:
-        the node died, every process there is gone) or alone (the node check decides later)."""
-        errors = self._lost_hosts(processes)  # every process of such a host, not only the closed ones
-        for p in processes & set(errors):
-            errors[p] = RayletGone(f"{errors[p]} (and the liveness connection of its process {p} closed)")
-        for p in sorted(processes - set(errors)):
-            errors[p] = ProcessGone(
-                f"process {p} of slice {self.world.slice_of(p)} "
-                f"(pid {self.world.host_infos[p]['pid']}) is gone: its liveness connection closed"
+                    for p, s in stuck.items()
+                },
+                run.wall,
             )
-        return errors
-
-    def _lost_hosts(self, of: Optional[set[int]] = None) -> dict[int, BaseException]:
-        """The processes (of ``of``, default all) whose host's raylet refuses connections (its Ray
-        node is dead), by process: every process on such a host, not only those of ``of``."""
-        if not self._raylets:  # not learnt yet (the world's first moments) or none reachable
-            return {}
-        nodes = None if of is None else {self.world.host_infos[p]["node_id"] for p in of}
-        gone = health.refusing({n: a for n, a in self._raylets.items() if nodes is None or n in nodes})
-        return {
-            p: RayletGone(
-                f"the raylet of host {p % self.world.plan.hosts_per_slice} of slice "
-                f"{self.world.slice_of(p)} (node {info['node_id'][:12]}) refuses connections: its node is gone"
-            )
-            for p, info in enumerate(self.world.host_infos)
-            if info["node_id"] in gone
-        }
+        if not health.busy(answers, max(self._reported, run.probed)):
+            silent: dict[int, BaseException] = {
+                p: TimeoutError("no answer to the health probe") for p, a in enumerate(answers) if a is None
+            }
+            return RunOutcome(OutcomeKind.HANG, silent, run.wall)
+        run.probed = max(run.probed, health.newest_step(answers))
+        run.at = time.monotonic()  # slow, not hung: watch again from now
+        return None
 
     def _heads(self, channels: list[int]) -> list:
         return [self.queues[c][0] for c in channels if self.queues[c]]
 
     def _submit(self, first: int, n: int, final_step: int) -> None:
-        every = self._next_interval(first)
+        every = self.cadence.interval_from(first)
         eval_before = not self._submitted and self._eval_lost(first - 1, final_step)
         self._submitted = True
         for c, ref in enumerate(self.world.run_chunk(first, n, final_step, every, eval_before)):
@@ -369,7 +318,7 @@ class StepStreams:
                 self._snapshot_steps.append(step)
         if item["kept"]:  # the keeper holds on to what we know of until we say we know of newer
             self.world.keepers[p].ack.remote(plan.generation, max(item["kept"]))
-        self.snapshot_seconds.extend(item["snapshot_s"])
+        self.cadence.snapshot_seconds.extend(item["snapshot_s"])
         for step, why in item.get("not_kept", ()):
             self.not_kept_count += 1
             if len(self.not_kept) < NOT_KEPT_LISTED:
@@ -380,9 +329,7 @@ class StepStreams:
         for metrics in item["steps"]:
             if metrics["step"] > self._reported:
                 self._reported = metrics["step"]
-                self._timed.append((metrics["step"], metrics["step_time_s"]))
-                if len(self._timed) > 2 * STEP_COST_WINDOW * MAX_SNAPSHOT_EVERY:  # more than any window reads
-                    del self._timed[: STEP_COST_WINDOW * MAX_SNAPSHOT_EVERY]
+                self.cadence.step_done(metrics["step"], metrics["step_time_s"])
                 self.on_metrics(metrics)
                 progressed = True
             elif metrics.get("checkpoints_committed") and self.on_committed is not None:
@@ -395,24 +342,15 @@ class StepStreams:
         """After a failure, collect what surviving processes already streamed, then what their
         keepers hold.
 
-        Reads streams until nothing more comes within ``timeout_s``. Then, until the keeper of
-        every holder process that did not fail (and whose keeper answers) holds the snapshot
-        of the newest reported step, asks them again, for up to ``newest_s``: a holder's writer
-        thread hands it over even while the process's step loop is stuck in a collective with
-        the dead peer, and that snapshot is what lets the next world lose no step. One holder
-        is not enough: the world that restores it may fail while it forms and lose that holder
-        too, and the processes of this world are torn down right after (seen in
-        ``bench/chaos.py``: a second slice lost while the next world formed, 1 step rewound
-        though a survivor had kept that step a moment after the first holder had). Steps a
-        keeper holds beyond the newest reported one are not taken: the run has no metrics for
-        them, so they are run again (never counted as kept).
-
-        Once some slice whose keepers answer holds the newest step, the other holders get only
-        ``OTHER_HOLDERS_S``: a survivor whose copy of that step has not reached its keeper by then
-        most likely never will (its copy waits behind the next step, stuck in a collective with
-        the dead peer). In ``bench/recovery.py`` a process kill reached the recovery 3.1 s after
-        it, this whole bound, where every other kill took 0.1-0.6 s (``drain_s`` in the failure
-        event tells). A keeper on a lost node does not answer and its slice does not count.
+        Reads streams until nothing more comes within ``timeout_s``. Then asks every holder's
+        keeper what it holds, again for up to ``newest_s``, until each live holder holds its part
+        of the newest reported step: a holder's writer thread hands a snapshot over even while its
+        step loop is stuck in a collective with the dead peer, and more than one holder matters
+        because the next world may lose one while it forms. Once some slice whose keepers answer
+        holds the newest step, the others get only ``OTHER_HOLDERS_S`` (a copy not handed over by
+        then waits behind a step that never ends). Steps beyond the newest reported one have no
+        metrics in the run and are run again. A keeper on a lost node does not answer and its
+        slice does not count.
         """
         start = time.monotonic()
         while True:
@@ -434,9 +372,9 @@ class StepStreams:
                     errors[self.channels[c][0]] = e
         # Every holder's keeper, a failed process's too: its host may live, and its keeper with it;
         # not one on a host whose raylet refuses (its keeper died with it and would only be waited for).
-        lost = self._lost_hosts(set(errors))
+        lost = self.hosts.lost(set(errors))
         holders = [p for p in self._holder_processes() if p not in lost]
-        newest = newest_due_snapshot(self._reported, self._intervals)
+        newest = self.cadence.newest_due(self._reported)
         deadline = time.monotonic() + newest_s
         while holders:
             dead: set[int] = set()
@@ -493,53 +431,19 @@ class StepStreams:
         return [processes[i] for i in answers]
 
 
-class FirstReady:
-    """Waits on a thread of its own for the first of some refs (or streams) to be ready, then sets
-    ``wake`` and stays idle until given the next refs to wait on.
+@dataclasses.dataclass
+class _Progress:
+    """The step loop's state for one run of a world."""
 
-    The driver's round then waits on an event, and ``ray.wait`` over a world's refs runs once per
-    thing that happens instead of once per round: it costs ~1.4 us per ref, and over every
-    process in every round it made the driver's work per step grow with the world (~4.5 ms per
-    step at 1024 processes, most of the total). ``ray.wait`` lets go of the GIL while it blocks.
-    """
+    submitted: int  # the first step not yet queued
+    draining: bool = False  # a grow was requested: no more chunks
+    stopped: bool = False  # the empty chunk that stops the processes is queued
+    at: float = dataclasses.field(default_factory=time.monotonic)  # the last progress
+    wall: float = dataclasses.field(default_factory=time.time)  # the same, wall clock (for the outcome)
+    probed: int = -1  # the newest step a health probe found finished
+    node_check_every: float = NODE_CHECK_S
+    next_node_check: float = 0.0
 
-    def __init__(self, wake: threading.Event):
-        self._wake = wake
-        self._cond = threading.Condition()
-        self._refs: list = []
-        self._fired = False
-        self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="ray-elastic-first-ready", daemon=True)
-        self._thread.start()
-
-    def watch(self, refs: list) -> None:
-        """From now on wait for the first of ``refs`` (what the queues now start with)."""
-        with self._cond:
-            self._refs, self._fired = list(refs), False
-            self._cond.notify()
-
-    def fired(self) -> bool:
-        with self._cond:
-            return self._fired
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopped and (not self._refs or self._fired):
-                    self._cond.wait()
-                if self._stopped:
-                    return
-                refs = self._refs
-            try:
-                done, _ = ray.wait(refs, num_returns=1, timeout=WATCH_S)
-            except Exception:  # noqa: BLE001 - shutting down, or a ref gone: the round finds out which
-                done = refs
-            with self._cond:
-                if done and self._refs is refs and not self._stopped:
-                    self._fired = True
-                    self._wake.set()
+    def progressed(self) -> None:
+        self.at, self.wall = time.monotonic(), time.time()
+        self.node_check_every, self.next_node_check = NODE_CHECK_S, 0.0

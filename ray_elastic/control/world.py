@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import ray
 
-from ray_elastic.config import SLICE_NAME_LABEL, WORKER_ID_LABEL, ElasticConfig
+from ray_elastic.config import ElasticConfig
 from ray_elastic.control.placement import SliceReservation, slice_name
 from ray_elastic.control.pool import WorkerPool, kill
 from ray_elastic.decide import WorldPlan
@@ -24,6 +24,7 @@ from ray_elastic.detect import health
 from ray_elastic.detect.liveness import DeathWatch
 from ray_elastic.errors import FormingError, HostLost, ProcessFailed, ProcessGone, RayletGone
 from ray_elastic.state.snapshots import SnapshotRef
+from ray_elastic.tpu import SLICE_NAME_LABEL, WORKER_ID_LABEL
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,112 @@ def _alive(watch: Callable[[], None], deaths: DeathWatch, owners: list[str]) -> 
     return check
 
 
+class _Hosts:
+    """The processes taken for a world, per slice and host, and the phases of joining them."""
+
+    def __init__(self, reservations: list[SliceReservation], taken: list[list], num_hosts: int):
+        self.reservations, self.num_hosts = reservations, num_hosts
+        self.actors = [[a for (a, _), _ in sa] for sa in taken]  # as taken; ``workers``: in host order
+        self.prepared = [[p for (_, p), _ in sa] for sa in taken]
+        self.standbys_used = sum(warm for sa in taken for _, warm in sa)
+        flat = [p for sp in self.prepared for p in sp]
+        started, _ = ray.wait(flat, num_returns=len(flat), timeout=0)
+        self.starting = len(flat) - len(started)
+        self.workers: list[list] = []
+        self.keepers: list[list] = []
+        self.names: list[str] = []
+
+    @classmethod
+    def take(cls, pool: WorkerPool, reservations: list[SliceReservation], num_hosts: int) -> "_Hosts":
+        """One process per host of each slice: a warm standby where there is one."""
+        taken = [[pool.take(res, h, len(reservations)) for h in range(num_hosts)] for res in reservations]
+        return cls(reservations, taken, num_hosts)
+
+    @property
+    def owners(self) -> list[str]:
+        """The slice of each process, in plan order."""
+        return [n for n in self.names for _ in range(self.num_hosts)]
+
+    def order(self, pool: WorkerPool, timeout_s: float) -> None:
+        """Name the slices and order each one's hosts by TPU worker id (process ids follow the hardware).
+
+        The names and ids come from the nodes' TPU labels when Ray has them, so a process that is
+        still starting does not hold the others back; else from the processes' own reports."""
+        labels = _host_labels(self.reservations)
+        if labels is None:
+            known = [slice_name(res, i) for i, res in enumerate(self.reservations)]
+            flat = [p for sp in self.prepared for p in sp]
+            infos = _gather(
+                flat,
+                [n for n in known for _ in range(self.num_hosts)],
+                timeout_s,
+                watch=_placed(self.reservations, known),
+            )
+            labels = [
+                [
+                    {"slice_name": i["slice_name"], "tpu_worker_id": i["tpu_worker_id"]}
+                    for i in infos[s * self.num_hosts : (s + 1) * self.num_hosts]
+                ]
+                for s in range(len(known))
+            ]
+        prepared = []
+        for res, sa, sp, sl in zip(self.reservations, self.actors, self.prepared, labels):
+            order = sorted(range(len(sa)), key=lambda i: int(sl[i]["tpu_worker_id"] or i))
+            self.workers.append([sa[i] for i in order])
+            prepared.append([sp[i] for i in order])
+            self.keepers.append([pool.keeper(res, i) for i in order])  # each process's own host's
+        self.prepared = prepared
+        self.names = [sl[0]["slice_name"] or f"slice-{i}" for i, sl in enumerate(labels)]
+        for res, name in zip(self.reservations, self.names):
+            res.slice_name = name
+
+    def join(
+        self,
+        plan: WorldPlan,
+        pool: WorkerPool,
+        timeout_s: float,
+        watch: Callable[[], None],
+        *,
+        start_step: int,
+        restore: Optional[Callable[[str], Optional[list[SnapshotRef]]]],
+        checkpoint_step: Optional[int],
+        checkpoint_dir: Optional[str],
+    ) -> list[dict]:
+        """Every process joins the JAX world and loads its state; returns what each reported."""
+        # Steps from start_step on are run again: what earlier worlds kept of them is dropped.
+        begun = [k.begin.remote(plan.generation, start_step) for ks in self.keepers for k in ks]
+        first = self.workers[0][0]
+        (coordinator,) = _gather([first.reserve_coordinator_port.remote()], self.names[:1], timeout_s, watch=watch)
+        joins = []
+        for s, sw in enumerate(self.workers):
+            refs = restore(self.names[s]) if restore is not None else None
+            for h, w in enumerate(sw):
+                joins.append(
+                    w.join_world.remote(
+                        plan,
+                        slice_index=s,
+                        host_index=h,
+                        coordinator_address=coordinator,
+                        timeout_s=timeout_s,
+                        snapshot=refs[h] if refs is not None else None,
+                        checkpoint_step=checkpoint_step,
+                        checkpoint_dir=checkpoint_dir,
+                        keeper=self.keepers[s][h],
+                    )
+                )
+        _gather(begun, self.owners, timeout_s, watch=watch)
+        pool.confirm_keepers([k for ks in self.keepers for k in ks])
+        return _gather(joins, self.owners, timeout_s * 2, watch=watch)
+
+    def compile(self, start_step: int, timeout_s: float, watch: Callable[[], None], times: FormationTimes) -> None:
+        """Every process compiles its step (or loads it from the persistent cache); the slowest counts."""
+        flat = [w for sw in self.workers for w in sw]
+        compiles = _gather([w.compile.remote(start_step) for w in flat], self.owners, timeout_s * 2, watch=watch)
+        for phase in ("trace_s", "lower_s", "load_s", "compile_s"):
+            setattr(times, phase, max(c[phase] for c in compiles))
+        times.compiled_from_cache = sum(bool(c.get("from_cache")) for c in compiles)
+
+
 class World:
     """The actors of one generation, in process-id order, and their plan."""
 
@@ -194,98 +301,36 @@ class World:
             checkpoint_step: every process loads this committed checkpoint instead (steps completed),
                 from ``checkpoint_dir`` when given (else the run's own).
         """
-        spec = config.slice
         t0 = time.perf_counter()
-        taken = [[pool.take(res, h, len(reservations)) for h in range(spec.num_hosts)] for res in reservations]
-        actors = [[a for (a, _), _ in sa] for sa in taken]
-        prepared = [[p for (_, p), _ in sa] for sa in taken]
-        flat_prepared = [p for sp in prepared for p in sp]
-        started, _ = ray.wait(flat_prepared, num_returns=len(flat_prepared), timeout=0)
-        times = FormationTimes(
-            standbys_used=sum(warm for sa in taken for _, warm in sa),
-            processes_starting=len(flat_prepared) - len(started),
-        )
+        hosts = _Hosts.take(pool, reservations, config.slice.num_hosts)
+        times = FormationTimes(standbys_used=hosts.standbys_used, processes_starting=hosts.starting)
         deaths: Optional[DeathWatch] = None
         try:
-            # Slice names and host order come from the nodes' TPU labels when Ray has them, so a
-            # new process that is still starting does not hold the others back: they begin
-            # joining the JAX world at once and it catches up.
-            labels = _host_labels(reservations)
-            if labels is None:
-                known = [slice_name(res, i) for i, res in enumerate(reservations)]
-                infos = _gather(
-                    flat_prepared,
-                    [n for n in known for _ in range(spec.num_hosts)],
-                    config.jax_init_timeout_s,
-                    watch=_placed(reservations, known),
-                )
-                labels = [
-                    [
-                        {"slice_name": i["slice_name"], "tpu_worker_id": i["tpu_worker_id"]}
-                        for i in infos[s * spec.num_hosts : (s + 1) * spec.num_hosts]
-                    ]
-                    for s in range(len(known))
-                ]
-            # Order hosts inside a slice by TPU worker id: process ids follow the hardware.
-            workers, host_prepared, keepers = [], [], []
-            for res, sa, sp, sl in zip(reservations, actors, prepared, labels):
-                order = sorted(range(len(sa)), key=lambda i: int(sl[i]["tpu_worker_id"] or i))
-                workers.append([sa[i] for i in order])
-                host_prepared.append([sp[i] for i in order])
-                keepers.append([pool.keeper(res, i) for i in order])  # each process's own host's
-            names = [sl[0]["slice_name"] or f"slice-{i}" for i, sl in enumerate(labels)]
-            for res, name in zip(reservations, names):
-                res.slice_name = name
-            plan = config.world_plan(generation, names)
+            hosts.order(pool, config.jax_init_timeout_s)
+            plan = config.world_plan(generation, hosts.names)
             times.start_actors_s = time.perf_counter() - t0
-
-            # Steps from start_step on are run again: what earlier worlds kept of them is dropped.
-            begun = [k.begin.remote(generation, start_step) for ks in keepers for k in ks]
-            watch = _placed(reservations, names)
-            (coordinator,) = _gather(
-                [workers[0][0].reserve_coordinator_port.remote()], names[:1], config.jax_init_timeout_s, watch=watch
+            watch = _placed(reservations, hosts.names)
+            joins = hosts.join(
+                plan,
+                pool,
+                config.jax_init_timeout_s,
+                watch,
+                start_step=start_step,
+                restore=restore,
+                checkpoint_step=checkpoint_step,
+                checkpoint_dir=checkpoint_dir,
             )
-            joins = []
-            for s, sw in enumerate(workers):
-                refs = restore(names[s]) if restore is not None else None
-                for h, w in enumerate(sw):
-                    joins.append(
-                        w.join_world.remote(
-                            plan,
-                            slice_index=s,
-                            host_index=h,
-                            coordinator_address=coordinator,
-                            timeout_s=config.jax_init_timeout_s,
-                            snapshot=refs[h] if refs is not None else None,
-                            checkpoint_step=checkpoint_step,
-                            checkpoint_dir=checkpoint_dir,
-                            keeper=keepers[s][h],
-                        )
-                    )
-            owners = [n for n in names for _ in range(spec.num_hosts)]  # slice of each process, plan order
-            _gather(begun, owners, config.jax_init_timeout_s, watch=watch)
-            pool.confirm_keepers([k for ks in keepers for k in ks])
-            joins = _gather(joins, owners, config.jax_init_timeout_s * 2, watch=watch)
-            host_infos = [ray.get(sp, timeout=config.jax_init_timeout_s) for sp in host_prepared]
-            flat_infos = [i for hi in host_infos for i in hi]
+            host_infos = [i for sp in hosts.prepared for i in ray.get(sp, timeout=config.jax_init_timeout_s)]
             deaths = DeathWatch(
                 [
                     (i["ip"], i["beacon_port"], bytes.fromhex(i["beacon_token"])) if i.get("beacon_port") else None
-                    for i in flat_infos
+                    for i in host_infos
                 ]
             )
             times.jax_init_s = max(j["init_s"] for j in joins)
             times.state_load_s = max(j["snapshot_fetch_s"] + j["state_s"] for j in joins)
-            flat = [w for sw in workers for w in sw]
-            compiles = _gather(
-                [w.compile.remote(start_step) for w in flat],
-                owners,
-                config.jax_init_timeout_s * 2,
-                watch=_alive(watch, deaths, owners),
-            )
-            for phase in ("trace_s", "lower_s", "load_s", "compile_s"):
-                setattr(times, phase, max(c[phase] for c in compiles))
-            times.compiled_from_cache = sum(bool(c.get("from_cache")) for c in compiles)
+            flat = [w for sw in hosts.workers for w in sw]
+            hosts.compile(start_step, config.jax_init_timeout_s, _alive(watch, deaths, hosts.owners), times)
             chans, relays = pool.relays.reach(
                 generation,
                 len(flat),
@@ -296,23 +341,13 @@ class World:
         except BaseException:
             if deaths is not None:
                 deaths.stop()
-            for sa in actors:
+            for sa in hosts.actors:
                 for a in sa:
                     kill(a)
             raise
         logger.info("world %d formed in %.2fs: %s", generation, times.total_s, plan.mesh_shape)
-        return cls(
-            plan,
-            flat,
-            flat_infos,
-            times,
-            joins,
-            list(reservations),
-            [k for ks in keepers for k in ks],
-            chans,
-            relays,
-            deaths,
-        )
+        keepers = [k for ks in hosts.keepers for k in ks]
+        return cls(plan, flat, host_infos, times, joins, list(reservations), keepers, chans, relays, deaths)
 
     def slice_of(self, process_id: int) -> str:
         return self.plan.slice_names[process_id // self.plan.hosts_per_slice]

@@ -28,7 +28,7 @@ from ray_elastic.decide.layout import (
     spec_sizes,
 )
 from ray_elastic.decide.next_world import Action, NextWorld
-from ray_elastic.decide.restore import RestorePlan, RestoreSource, choose_restore
+from ray_elastic.decide.restore import RestorePlan, RestoreSource, choose_restore, refuse_fresh_restart
 from ray_elastic.decide.schedule import (
     MAX_CHUNK_S,
     MAX_SNAPSHOT_EVERY,
@@ -90,4 +90,5 @@ __all__ = [
     "RestoreSource",
     "RestorePlan",
     "choose_restore",
+    "refuse_fresh_restart",
 ]

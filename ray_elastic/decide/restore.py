@@ -6,6 +6,8 @@ import dataclasses
 import enum
 from typing import Optional
 
+from ray_elastic.errors import StateLostError
+
 
 class RestoreSource(enum.StrEnum):
     SNAPSHOT = "snapshot"  # in-memory, from living slices
@@ -50,8 +52,7 @@ def choose_restore(
     newest step the run has the metrics of. A checkpoint is saved when its step is dispatched, so
     it can commit although the world failed before that step's loss reached the driver; a
     snapshot of ``last_step`` beats such a checkpoint (else that step's loss would be missing
-    from the run's record: seen twice in ``bench/chaos.py --faults 100``, a process killed right
-    after a save started). Without that snapshot the checkpoint is still taken: a hole in the
+    from the run's record, when a process is killed right after a save started). Without that snapshot the checkpoint is still taken: a hole in the
     losses costs less than rewinding to the checkpoint before.
     """
     best = max(snapshot_steps.values()) if snapshot_steps else -1
@@ -61,3 +62,14 @@ def choose_restore(
     if not snapshot_steps:
         return RestorePlan(-1, RestoreSource.FRESH)
     return RestorePlan(best, RestoreSource.SNAPSHOT, tuple(s for s, st in snapshot_steps.items() if st == best))
+
+
+def refuse_fresh_restart(plan: RestorePlan, steps_done: int, allowed: bool, reason: str) -> None:
+    """Going on from fresh parameters once steps were done (or resumed from) would silently restart
+    training from step 0: :class:`StateLostError`, unless ``allow_restart_from_scratch``."""
+    if plan.source is RestoreSource.FRESH and steps_done > 0 and not allowed:
+        raise StateLostError(
+            f"{reason}: every slice holding a snapshot is gone and no checkpoint could be loaded, so "
+            f"going on would restart training from step 0 ({steps_done} steps done or resumed from). "
+            "Set checkpoint_dir, raise snapshot_replicas, or allow_restart_from_scratch=True"
+        )

@@ -115,7 +115,7 @@ def save_timeout(configured: Optional[float], save_seconds: Sequence[float]) -> 
     return max(SAVE_TIMEOUT_MIN_S, SAVE_TIMEOUT_FACTOR * max(save_seconds, default=0.0))
 
 
-# Each process costs the driver one task submission per chunk (~0.2 ms of CPU in Ray 2.60): a chunk
+# Each process costs the driver one task submission per chunk (a fraction of a millisecond): a chunk
 # is at least processes / PROCESSES_PER_CHUNK_STEP steps, so that cost per step stays flat as the
 # world grows, but lasts at most MAX_CHUNK_S by the recent step time (a grow-back waits for the
 # chunks already queued, and with slow steps the submissions are cheap per step anyway).

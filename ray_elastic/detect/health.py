@@ -102,10 +102,9 @@ def answering(addresses: dict[str, tuple[str, int]], timeout_s: float = ANSWER_S
 
 
 def _raylet_replies(node_id: str, address: tuple[str, int], timeout_s: float) -> bool:
-    """The raylet answers a request (its cheapest RPC, ``GetSystemConfig``, ~1-2 ms). Stronger than
-    a connection accepted: the kernel accepts connections on a killed raylet's port until its last
-    thread has exited (probed on busy cores: accepted 1-5 ms after the SIGKILL, refused from 12-19
-    ms; no request answered), and a slice process's death is seen sooner than that
+    """The raylet answers a request (its cheapest RPC, ``GetSystemConfig``). Stronger than a
+    connection accepted: the kernel accepts connections on a killed raylet's port until its last
+    thread has exited (for milliseconds after the SIGKILL, answering no request), and a slice process's death is seen sooner than that
     (``liveness``): a lost host would read as a process crash on a live host."""
     try:  # Ray's own channel (TLS and token auth as the cluster has them); private, so guarded
         from ray._private.grpc_utils import init_grpc_channel
@@ -190,8 +189,7 @@ def busy(answers: list, last_seen_step: int) -> bool:
 
     Some process finished a step the driver has not seen (its report is still on the way): every
     process took part in that step's collectives, so one that did not answer in time is starved,
-    not stopped (seen in ``bench/chaos.py``: a world beside three processes starting on 2 cores
-    was taken for hung and recovered for 11 s). Or every process answered and one is inside a
+    not stopped (a world beside processes still starting on few cores). Or every process answered and one is inside a
     checkpoint save (a synchronous save, a slow bucket). The caller passes the newest step seen
     by earlier probes too, so a world that stops for good is found at the next watch."""
     answered = [a for a in answers if a is not None]

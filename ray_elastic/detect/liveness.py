@@ -5,8 +5,8 @@ tiny child that dies with it) and never writes or closes what it accepts. The dr
 every process of a world once (:class:`DeathWatch`) and waits for its connections to become
 readable: one that does is at its end, because the process that held it is gone (the kernel
 closes every socket of a process that exits, however it dies). Ray says the same through the
-actor's death, but only after the raylet, the GCS and the owner have passed it on: 0.03-0.1 s on an idle machine,
-0.4-1 s measured on 2 loaded cores (``bench/recovery.py``, cold process kills). A stopped
+actor's death, but only after the raylet, the GCS and the owner have passed it on: a tenth of a
+second on an idle machine, up to a second on loaded cores (``bench/recovery.py`` reports it). A stopped
 (SIGSTOP) or hung process keeps its connections open: hangs stay the watchdog's. A host
 that vanishes without closing anything (a VM gone) closes nothing either: that is the
 raylets' and Ray's health checks' to see (:mod:`ray_elastic.detect.health`).
@@ -103,8 +103,8 @@ class Beacon:
 class DeathWatch:
     """The driver's side, for one world: ``addresses[p]`` is process ``p``'s beacon as ``(host, port,
     token)`` (None: it has none). Connects to each from a thread of its own, started while the world forms so that it is
-    connected before the first step (a process killed then was seen through Ray, 0.5-0.9 s later,
-    when the watch only started with the steps); :meth:`dead` lists the processes whose connection
+    connected before the first step (a process killed then would otherwise be seen only through
+    Ray, later); :meth:`dead` lists the processes whose connection
     ended, and the callback given to :meth:`notify` is called at each."""
 
     def __init__(self, addresses: list[Optional[tuple[str, int, bytes]]]):

@@ -12,6 +12,8 @@ import dataclasses
 import math
 from typing import Optional
 
+from ray_elastic.observe import event_types as ev
+
 BADPUT = (
     "startup",  # reserving slices, starting processes, jax.distributed, first state
     "compilation",  # compiling the step (every world, from the persistent cache when warm)
@@ -57,29 +59,28 @@ class Goodput:
 Span = tuple[float, float]  # (start, end), wall-clock seconds
 
 
-def kept_and_rewound(events: list[dict]) -> tuple[dict[int, tuple[float, float]], float]:
+def kept_and_rewound(events: list) -> tuple[dict[int, tuple[float, float]], float]:
     """Per step the (loss, step time) of its last run, and the seconds of runs later recomputed."""
     kept: dict[int, tuple[float, float]] = {}
     rewound = 0.0
-    for s, loss, t, _, _ in _step_runs(events):
+    for s, loss, t, _, _ in _step_runs(ev.parse_all(events)):
         if s in kept:
             rewound += kept[s][1]
         kept[s] = (loss, t)
     return kept, rewound
 
 
-def _step_runs(events: list[dict]) -> list[tuple[int, float, float, Optional[float], Optional[int]]]:
+def _step_runs(events: list[ev.Event]) -> list[tuple[int, float, float, Optional[float], Optional[int]]]:
     """Every step run in log order: (step, loss, step time, finished at (wall clock) or None, world)."""
-    runs = []
+    runs: list = []
     for e in events:
-        if e["kind"] == "steps":
-            ends = e.get("finished_at") or [None] * len(e["steps"])
-            gens = [e.get("generation")] * len(e["steps"])
-            runs.extend(zip(e["steps"], e["losses"], e["step_time_s"], ends, gens))
+        if isinstance(e, ev.Steps):
+            ends = e.finished_at or [None] * len(e.steps)
+            runs.extend(zip(e.steps, e.losses, e.step_time_s, ends, [e.generation] * len(e.steps)))
     return runs
 
 
-def _step_spans(events: list[dict]) -> tuple[list[Span], list[Span]]:
+def _step_spans(events: list[ev.Event]) -> tuple[list[Span], list[Span]]:
     """Kept and rewound step runs as disjoint spans of wall time.
 
     A step's time is the interval since the previous step finished on the process that
@@ -108,7 +109,7 @@ def _step_spans(events: list[dict]) -> tuple[list[Span], list[Span]]:
     return kept, rewound
 
 
-def account(events: list[dict]) -> Goodput:
+def account(events: list) -> Goodput:
     """Goodput of the last run in ``events`` (a run directory may hold several, one per restart).
 
     Each second is counted once: steps first, then each phase whose place in time the log
@@ -118,11 +119,11 @@ def account(events: list[dict]) -> Goodput:
     events = last_run(events)
     if not events:
         return Goodput(0.0, 0.0, {k: 0.0 for k in BADPUT})
-    t0 = events[0]["ts"]
-    end = next((e for e in reversed(events) if e["kind"] in ("run_finished", "errored")), events[-1])
-    total = max(0.0, end["ts"] - t0)
+    t0 = events[0].ts
+    end = next((e for e in reversed(events) if isinstance(e, (ev.RunFinished, ev.Errored))), events[-1])
+    total = max(0.0, end.ts - t0)
     bad = {k: 0.0 for k in BADPUT}
-    timeline = _Timeline(t0, end["ts"])
+    timeline = _Timeline(t0, end.ts)
     kept, rewound = _step_spans(events)
     if kept or rewound:
         productive = timeline.claim(kept)
@@ -130,27 +131,25 @@ def account(events: list[dict]) -> Goodput:
     else:  # a log without finishing times (older runs): step times as they are
         times, bad["rewound_work"] = kept_and_rewound(events)
         productive = sum(t for _, t in times.values())
-    formed = [e for e in events if e["kind"] == "world_formed"]
+    formed = [e for e in events if isinstance(e, ev.WorldFormed)]
     for i, w in enumerate(formed):
-        bad["compilation"] += timeline.claim([(w["ts"] - w.get("compile_s", 0.0), w["ts"])])
+        compile_s = w.times.get("compile_s", 0.0)
+        bad["compilation"] += timeline.claim([(w.ts - compile_s, w.ts)])
         if i > 0:
-            bad["world_reformation"] += timeline.claim(
-                [(w["ts"] - w.get("total_s", 0.0), w["ts"] - w.get("compile_s", 0.0))]
-            )
+            bad["world_reformation"] += timeline.claim([(w.ts - w.times.get("total_s", 0.0), w.ts - compile_s)])
     for e in events:
-        k = e["kind"]
-        if k == "checkpoint_save":  # the save's blocking part lies inside a step's interval
-            blocking = min(e.get("blocking_s", 0.0), productive)
+        if isinstance(e, ev.CheckpointSave):  # the save's blocking part lies inside a step's interval
+            blocking = min(e.blocking_s or 0.0, productive)
             bad["checkpoint_blocking"] += blocking
             productive -= blocking
-        elif k == "failure":
-            detection = e.get("since_last_progress_s", 0.0) + e.get("classify_s", 0.0)
-            bad["failure_detection"] += timeline.claim([(e["ts"] - detection, e["ts"])])
-        elif k == "recovered":  # between the failure and the next world's formation: no steps run
-            bad["waiting_for_capacity"] += e.get("wait_for_capacity_s", 0.0)
-            bad["world_reformation"] += e.get("teardown_s", 0.0)
+        elif isinstance(e, ev.FailureEvent):
+            detection = (e.since_last_progress_s or 0.0) + (e.classify_s or 0.0)
+            bad["failure_detection"] += timeline.claim([(e.ts - detection, e.ts)])
+        elif isinstance(e, ev.Recovered):  # between the failure and the next world's formation: no steps run
+            bad["waiting_for_capacity"] += e.wait_for_capacity_s or 0.0
+            bad["world_reformation"] += e.teardown_s or 0.0
     if formed:
-        bad["startup"] += timeline.claim([(t0, formed[0]["ts"] - formed[0].get("compile_s", 0.0))])
+        bad["startup"] += timeline.claim([(t0, formed[0].ts - formed[0].times.get("compile_s", 0.0))])
     bad["other"] = max(0.0, total - productive - sum(v for k, v in bad.items() if k != "other"))
     return Goodput(total, productive, bad)
 
@@ -191,7 +190,8 @@ def _overlap(xs: list[Span], ys: list[Span]) -> float:
     return total
 
 
-def last_run(events: list[dict]) -> list[dict]:
-    """The events of the last ``run_started`` (a rerun appends to the same log)."""
-    starts = [i for i, e in enumerate(events) if e["kind"] == "run_started"]
+def last_run(events: list) -> list[ev.Event]:
+    """The events of the last ``run_started`` (a rerun appends to the same log), typed."""
+    events = ev.parse_all(events)
+    starts = [i for i, e in enumerate(events) if isinstance(e, ev.RunStarted)]
     return events[starts[-1] :] if starts else list(events)

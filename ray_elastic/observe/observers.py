@@ -10,13 +10,11 @@ import time
 import warnings
 from typing import Callable, Optional
 
+from ray_elastic.observe import event_types as ev
 from ray_elastic.observe import goodput
 from ray_elastic.observe.events import EventListener
 from ray_elastic.observe.results import STEP_FIELDS
 
-# Events passed to the user's ``on_event``: the elastic ones, waits for slices and evaluations, not
-# per-chunk bookkeeping.
-ELASTIC_EVENTS = ("failure", "recovered", "resize", "scale_up", "waiting_for_capacity", "waiting", "eval")
 GOODPUT_EVERY_S = 10.0
 
 
@@ -56,16 +54,16 @@ class ProgressBar(EventListener):
         self.state = new
         self.bar.set_postfix_str(self.postfix(), refresh=True)
 
-    def on_event(self, event: dict) -> None:
-        if event["kind"] == "world_formed":
-            self.slices, self.waiting = len(event["slices"]), None
-        elif event["kind"] == "waiting":
-            self.waiting = f"slices ready {event['ready']}/{event['asked']} ({event['waited_s']:.0f}s)"
+    def on_event(self, event: ev.Event) -> None:
+        if isinstance(event, ev.WorldFormed):
+            self.slices, self.waiting = len(event.slices), None
+        elif isinstance(event, ev.Waiting):
+            self.waiting = f"slices ready {event.ready}/{event.asked} ({event.waited_s:.0f}s)"
             self.bar.set_postfix_str(self.postfix(), refresh=True)
-        elif event["kind"] in ("recovered", "scale_up") and event["steps_rewound"]:
-            self.bar.update(-event["steps_rewound"])
-        elif event["kind"] == "eval":
-            self.values.update((k, v) for k, v in event["metrics"].items() if k in self.shown)
+        elif isinstance(event, (ev.Recovered, ev.ScaleUp)) and event.steps_rewound:
+            self.bar.update(-event.steps_rewound)
+        elif isinstance(event, ev.Eval):
+            self.values.update((k, v) for k, v in event.metrics.items() if k in self.shown)
 
     def close(self) -> None:
         self.bar.close()
@@ -74,7 +72,7 @@ class ProgressBar(EventListener):
 class RayMetricsObserver(EventListener):
     """Feeds :class:`~ray_elastic.observe.metrics.RunMetrics`: step and loss (throttled), slices, recoveries, goodput."""
 
-    def __init__(self, metrics, events: list[dict]):
+    def __init__(self, metrics, events: list[ev.Event]):
         self.metrics = metrics
         self.events = events  # the log's own list, for goodput so far
         self._goodput_at = 0.0
@@ -84,20 +82,19 @@ class RayMetricsObserver(EventListener):
         self._last = m
         self.metrics.on_step(m["step"], m["loss"], metrics=own_metrics(m))
 
-    def on_event(self, event: dict) -> None:
-        kind = event["kind"]
-        if kind == "world_formed":
-            self.metrics.on_world(len(event["slices"]))
-        elif kind == "failure" and "world_slices" in event:
-            self.metrics.on_world(event["world_slices"] - len(event["lost_slices"]))
-        elif kind == "recovered":
+    def on_event(self, event: ev.Event) -> None:
+        if isinstance(event, ev.WorldFormed):
+            self.metrics.on_world(len(event.slices))
+        elif isinstance(event, ev.Failure):
+            self.metrics.on_world(event.world_slices - len(event.lost_slices))
+        elif isinstance(event, ev.Recovered):
             self.metrics.on_recovery()
-        elif kind == "steps" and time.monotonic() - self._goodput_at > GOODPUT_EVERY_S:
+        elif isinstance(event, ev.Steps) and time.monotonic() - self._goodput_at > GOODPUT_EVERY_S:
             self._goodput_at = time.monotonic()
             self.metrics.on_goodput(goodput.account(self.events).goodput)
-        elif kind == "eval":
-            self.metrics.on_metrics(event["metrics"])
-        elif kind == "run_finished" and self._last is not None:
+        elif isinstance(event, ev.Eval):
+            self.metrics.on_metrics(event.metrics)
+        elif isinstance(event, ev.RunFinished) and self._last is not None:
             self.metrics.on_step(self._last["step"], self._last["loss"], force=True, metrics=own_metrics(self._last))
 
     def close(self) -> None:
@@ -135,9 +132,9 @@ class UserCallbacks(EventListener):
         if self.on_chunk_cb is not None:
             self.on_chunk_cb([metrics])
 
-    def on_event(self, event: dict) -> None:
-        if self.on_event_cb is not None and event["kind"] in ELASTIC_EVENTS:
-            self.on_event_cb(dict(event))
+    def on_event(self, event: ev.Event) -> None:
+        if self.on_event_cb is not None and isinstance(event, ev.ELASTIC):
+            self.on_event_cb(event)
 
 
 class StandbyReplenisher(EventListener):
@@ -152,8 +149,8 @@ class StandbyReplenisher(EventListener):
         self._pending = False
         self._next = 0.0
 
-    def on_event(self, event: dict) -> None:
-        if event["kind"] == "world_formed":
+    def on_event(self, event: ev.Event) -> None:
+        if isinstance(event, ev.WorldFormed):
             self._pending, self._next = True, 0.0
 
     def on_step(self, metrics: dict) -> None:

@@ -12,6 +12,7 @@ import json
 import os
 from typing import Optional
 
+from ray_elastic.observe import event_types as ev
 from ray_elastic.observe.goodput import BADPUT, Goodput, account, kept_and_rewound, last_run
 
 
@@ -32,19 +33,20 @@ class Timeline:
     evals: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (step, eval loss)
 
 
-def load_events(run_dir: str) -> list[dict]:
+def load_events(run_dir: str) -> list[ev.Event]:
+    """The run's ``events.jsonl``, typed (logs of earlier versions load too)."""
     path = os.path.join(run_dir, "events.jsonl")
     if not os.path.exists(path):
         raise ValueError(f"no events.jsonl in {run_dir!r}: pass the --run-dir of a run (ElasticTrainer(run_dir=...))")
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [ev.parse(json.loads(line)) for line in f if line.strip()]
 
 
-def timeline(events: list[dict]) -> Timeline:
+def timeline(events: list) -> Timeline:
     events = last_run(events)
     if not events:
         raise ValueError("the event log is empty")
-    t0 = events[0]["ts"]
+    t0 = events[0].ts
     start = events[0]
     alive: list[tuple[float, int]] = [(0.0, 0)]
     rate, fails, recs, waits, grows, ckpts, evals = [], [], [], [], [], [], {}
@@ -55,30 +57,29 @@ def timeline(events: list[dict]) -> Timeline:
             alive.append((t, n))
 
     for e in events:
-        t = e["ts"] - t0
-        k = e["kind"]
-        if k == "world_formed":
-            set_alive(t, len(e["slices"]))
-            prev_ts = e["ts"]
-        elif k == "failure":
-            n = alive[-1][1] - len(e.get("lost_slices", []))
-            set_alive(t, max(0, n))
-            fails.append((t, list(e.get("lost_slices", []))))
-        elif k == "recovered":
-            recs.append((e["detected_at"] - t0, e["ready_at"] - t0))
-            if e.get("wait_for_capacity_s", 0) > 0:
-                waits.append((e["capacity_ready_at"] - t0 - e["wait_for_capacity_s"], e["capacity_ready_at"] - t0))
-        elif k == "scale_up" and "pause_s" in e:
-            grows.append((e["ready_at"] - e["pause_s"] - t0, e["ready_at"] - t0))
-        elif k == "steps":
-            if prev_ts is not None and e["ts"] > prev_ts:
-                rate.append((t, len(e["steps"]) / (e["ts"] - prev_ts)))
-            prev_ts = e["ts"]
-        elif k == "checkpoint_committed" and e.get("step") is not None:
-            ckpts.append((t, e["step"]))
-        elif k == "eval" and "eval/loss" in e.get("metrics", {}):
-            evals[e["step"]] = e["metrics"]["eval/loss"]
-        elif k in ("run_finished", "errored"):
+        t = e.ts - t0
+        if isinstance(e, ev.WorldFormed):
+            set_alive(t, len(e.slices))
+            prev_ts = e.ts
+        elif isinstance(e, ev.FailureEvent):
+            lost = list(e.lost_slices or [])
+            set_alive(t, max(0, alive[-1][1] - len(lost)))
+            fails.append((t, lost))
+        elif isinstance(e, ev.Recovered):
+            recs.append((e.detected_at - t0, e.ready_at - t0))
+            if (e.wait_for_capacity_s or 0) > 0:
+                waits.append((e.capacity_ready_at - t0 - e.wait_for_capacity_s, e.capacity_ready_at - t0))
+        elif isinstance(e, ev.ScaleUp) and e.pause_s is not None:
+            grows.append((e.ready_at - e.pause_s - t0, e.ready_at - t0))
+        elif isinstance(e, ev.Steps):
+            if prev_ts is not None and e.ts > prev_ts:
+                rate.append((t, len(e.steps) / (e.ts - prev_ts)))
+            prev_ts = e.ts
+        elif isinstance(e, ev.CheckpointCommitted) and e.step is not None:
+            ckpts.append((t, e.step))
+        elif isinstance(e, ev.Eval) and "eval/loss" in (e.metrics or {}):
+            evals[e.step] = e.metrics["eval/loss"]
+        elif isinstance(e, (ev.RunFinished, ev.Errored)):
             set_alive(t, 0)
     kept, _ = kept_and_rewound(events)
     losses = [(s, kept[s][0]) for s in sorted(kept)]
@@ -92,7 +93,7 @@ def timeline(events: list[dict]) -> Timeline:
         grows,
         ckpts,
         account(events),
-        start.get("num_slices", 0),
+        start.num_slices if isinstance(start, ev.RunStarted) else 0,
         sorted(evals.items()),
     )
 
@@ -111,7 +112,18 @@ def render(run_dir: str, out: Optional[str] = None, tl: Optional[Timeline] = Non
     out = out or os.path.join(run_dir, "report.png")
     fig, axes = plt.subplots(4, 1, figsize=(11, 10), gridspec_kw={"height_ratios": [1, 1, 1, 0.55]})
     ax_sl, ax_rate, ax_loss, ax_gp = axes
+    _draw_slices_and_rate(ax_sl, ax_rate, tl)
+    _draw_losses(ax_loss, tl)
+    _draw_goodput(ax_gp, tl.goodput)
+    fig.suptitle(f"ray-elastic run: {os.path.abspath(run_dir)}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
 
+
+def _draw_slices_and_rate(ax_sl, ax_rate, tl: Timeline) -> None:
+    """Slices training and the step rate over time, failures, recoveries, waits and checkpoints marked."""
     xs = [t for t, _ in tl.slices_alive]
     ys = [n for _, n in tl.slices_alive]
     ax_sl.step(xs, ys, where="post", color="tab:blue", linewidth=2)
@@ -148,6 +160,9 @@ def render(run_dir: str, out: Optional[str] = None, tl: Optional[Timeline] = Non
         "cyan: growing back, gray: checkpoint)",
         fontsize=8,
     )
+
+
+def _draw_losses(ax_loss, tl: Timeline) -> None:
     if tl.losses:
         ax_loss.plot([s for s, _ in tl.losses], [v for _, v in tl.losses], color="tab:blue", label="train loss")
     if tl.evals:
@@ -156,7 +171,9 @@ def render(run_dir: str, out: Optional[str] = None, tl: Optional[Timeline] = Non
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss")
 
-    gp = tl.goodput
+
+def _draw_goodput(ax_gp, gp: Goodput) -> None:
+    """One bar: productive time and every badput category, in seconds."""
     names = ["productive"] + list(BADPUT)
     secs = [gp.productive_s] + [gp.badput_s[k] for k in BADPUT]
     colors = [
@@ -179,8 +196,3 @@ def render(run_dir: str, out: Optional[str] = None, tl: Optional[Timeline] = Non
     ax_gp.set_xlabel("seconds")
     ax_gp.set_title(f"goodput {gp.goodput:.1%} of {gp.total_s:.1f}s", fontsize=10)
     ax_gp.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=5, fontsize=8, frameon=False)
-    fig.suptitle(f"ray-elastic run: {os.path.abspath(run_dir)}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out

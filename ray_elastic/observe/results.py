@@ -12,6 +12,8 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
+from ray_elastic.decide import save_timeout
+from ray_elastic.observe import event_types as ev
 from ray_elastic.observe import goodput
 from ray_elastic.task import RESERVED_METRICS
 
@@ -31,113 +33,45 @@ class WorldChange:
     teardown_s: float = 0.0
 
 
-@dataclasses.dataclass(frozen=True)
-class WorldRecord:
-    """One generation: its slices, layout, where its state came from and how long forming took."""
-
-    generation: int
-    slices: list[str]
-    mesh: dict[str, int]
-    global_batch_size: int
-    start_step: int
-    restore_source: str
-    snapshot_donors: dict[str, str]
-    times: dict[str, float]  # FormationTimes as a dict: start_actors_s, jax_init_s, state_load_s, ...
-    # What the restore was chosen from: the newest complete snapshot step per slice as the streams
-    # reported them and as the keepers still held them, the steps keepers had let go of, the
-    # newest committed checkpoint's step. A rewind is explained by it, or is a bug.
-    restore_evidence: dict = dataclasses.field(default_factory=dict)
-
-    def event_fields(self) -> dict:
-        """The ``world_formed`` event (times flattened, as ``events.jsonl`` has always had them)."""
-        return {
-            "generation": self.generation,
-            "slices": self.slices,
-            "mesh": self.mesh,
-            "global_batch_size": self.global_batch_size,
-            "restored_from_step": self.start_step - 1,
-            "restore_source": self.restore_source,
-            "snapshot_donors": self.snapshot_donors,
-            "restore_evidence": self.restore_evidence,
-            **self.times,
-        }
+# The records a run keeps are the events it logs.
+WorldRecord = ev.WorldFormed
+RecoveryRecord = ev.Recovered
+ScaleUpRecord = ev.ScaleUp
 
 
-@dataclasses.dataclass(frozen=True)
-class RecoveryRecord:
-    """One recovery: the new world and the seconds of every phase from detection to ready."""
-
-    generation: int
-    reason: str
-    mode: str
-    slices: int
-    added_slices: int
-    restored_from_step: int
-    restore_source: str
-    steps_rewound: int
-    since_last_progress_s: float
-    classify_s: float
-    teardown_s: float
-    wait_for_capacity_s: float
-    world_formation_s: float
-    state_load_s: float
-    compile_s: float
-    recovery_s: float
-    detected_at: float
-    capacity_ready_at: float
-    ready_at: float
-
-    @classmethod
-    def of(
-        cls,
-        change: WorldChange,
-        world: WorldRecord,
-        *,
-        mode: str,
-        added: int,
-        rewound: int,
-        wait_s: float,
-        capacity_ready_at: float,
-    ) -> "RecoveryRecord":
-        """The record of a recovery that ``change`` started and ``world`` ended (now)."""
-        t, now = world.times, time.time()
-        return cls(
-            generation=world.generation,
-            reason=change.reason,
-            mode=mode,
-            slices=len(world.slices),
-            added_slices=added,
-            restored_from_step=world.start_step - 1,
-            restore_source=world.restore_source,
-            steps_rewound=rewound,
-            since_last_progress_s=change.detected_at - change.last_progress_at,
-            classify_s=change.classify_s,
-            teardown_s=change.teardown_s,
-            wait_for_capacity_s=wait_s,
-            # everything of forming but loading state and compiling: actors, waiting for processes
-            # still starting, jax.distributed
-            world_formation_s=t["total_s"] - t["state_load_s"] - t["compile_s"],
-            state_load_s=t["state_load_s"],
-            compile_s=t["compile_s"],
-            recovery_s=now - change.detected_at,
-            detected_at=change.detected_at,
-            capacity_ready_at=capacity_ready_at,
-            ready_at=now,
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class ScaleUpRecord:
-    """Capacity returned and the world grew at a step boundary."""
-
-    generation: int
-    from_slices: int
-    to_slices: int
-    restored_from_step: int
-    steps_rewound: int
-    resize_s: float  # the smaller world stopped -> the bigger one is ready
-    pause_s: float  # the smaller world's last step -> the bigger one is ready: training paused this long
-    ready_at: float
+def recovery_record(
+    change: WorldChange,
+    world: WorldRecord,
+    *,
+    mode: str,
+    added: int,
+    rewound: int,
+    wait_s: float,
+    capacity_ready_at: float,
+) -> RecoveryRecord:
+    """The record of a recovery that ``change`` started and ``world`` ended (now)."""
+    t, now = world.times, time.time()
+    return RecoveryRecord(
+        generation=world.generation,
+        reason=change.reason,
+        mode=mode,
+        slices=len(world.slices),
+        added_slices=added,
+        restored_from_step=world.start_step - 1,
+        restore_source=world.restore_source,
+        steps_rewound=rewound,
+        since_last_progress_s=change.detected_at - change.last_progress_at,
+        classify_s=change.classify_s,
+        teardown_s=change.teardown_s,
+        wait_for_capacity_s=wait_s,
+        world_formation_s=t["total_s"] - t["state_load_s"] - t["compile_s"],
+        state_load_s=t["state_load_s"],
+        compile_s=t["compile_s"],
+        recovery_s=now - change.detected_at,
+        detected_at=change.detected_at,
+        capacity_ready_at=capacity_ready_at,
+        ready_at=now,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +115,7 @@ class FitResult:
     step_times_s: list[float]
     recoveries: list[RecoveryRecord]
     summary: dict[str, Any]
-    events: list[dict]
+    events: list[ev.Event]
     metrics: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # what the loss returned, per step
     evals: dict[int, dict] = dataclasses.field(default_factory=dict)  # step -> its eval's ``eval/...`` metrics
 
@@ -206,9 +140,10 @@ class StepLedger:
     """The metrics of every kept step, and their way into the event log: one ``steps`` line per
     chunk, plus the checkpoint saves and commits the workers report with their steps."""
 
-    def __init__(self, events, steps_per_chunk: int):
+    def __init__(self, events, steps_per_chunk: int, save_timeout_s: Optional[float] = None):
         self.events = events
         self.steps_per_chunk = steps_per_chunk
+        self.save_timeout_s = save_timeout_s  # as configured (None: automatic)
         self.metrics: dict[int, dict] = {}
         self.step_times: list[float] = []  # every step run, for the watchdog (rewound ones too)
         self._buffer: list[dict] = []
@@ -227,7 +162,7 @@ class StepLedger:
             return step in self.evals
         metrics = {k: v for k, v in item.items() if k != "step"}
         self.evals[step] = metrics
-        self.events.emit("eval", step=step, metrics=metrics)
+        self.events.emit(ev.Eval(step=step, metrics=metrics))
         return True
 
     def start_world(self, generation: int, snapshot_steps: Callable[[], list[int]]) -> None:
@@ -238,7 +173,7 @@ class StepLedger:
         self.metrics[m["step"]] = m
         self.step_times.append(m["step_time_s"])
         if "checkpoint_step" in m:
-            self.events.emit("checkpoint_save", step=m["checkpoint_step"], blocking_s=m["checkpoint_blocking_s"])
+            self.events.emit(ev.CheckpointSave(step=m["checkpoint_step"], blocking_s=m["checkpoint_blocking_s"]))
         self.saves_committed(m.get("checkpoints_committed", []))
         self._buffer.append(m)
         if len(self._buffer) >= self.steps_per_chunk:
@@ -250,14 +185,15 @@ class StepLedger:
         buf, self._buffer = self._buffer, []
         if buf:
             self.events.emit(
-                "steps",
-                generation=self._generation,
-                steps=[m["step"] for m in buf],
-                losses=[m["loss"] for m in buf],
-                step_time_s=[m["step_time_s"] for m in buf],
-                finished_at=[m.get("finished_at") for m in buf],
-                snapshot_steps=self._snapshot_steps(),
-                metrics=user_metrics(buf),
+                ev.Steps(
+                    generation=self._generation,
+                    steps=[m["step"] for m in buf],
+                    losses=[m["loss"] for m in buf],
+                    step_time_s=[m["step_time_s"] for m in buf],
+                    finished_at=[m.get("finished_at") for m in buf],
+                    snapshot_steps=self._snapshot_steps(),
+                    metrics=user_metrics(buf),
+                )
             )
 
     def saves_committed(self, finished: list) -> None:
@@ -269,7 +205,12 @@ class StepLedger:
             self.committed_step = max(self.committed_step, step)
             if total_s is not None:
                 self.save_seconds.append(total_s)
-            self.events.emit("checkpoint_committed", step=step, total_s=total_s)
+            self.events.emit(ev.CheckpointCommitted(step=step, total_s=total_s))
+
+    def save_limit_s(self) -> float:
+        """How long a save may run before it counts as failed: ``save_timeout_s``, or the automatic
+        bound from the saves committed so far (the step loop's watchdog and the commit waits)."""
+        return save_timeout(self.save_timeout_s, self.save_seconds)
 
     @property
     def last_step(self) -> int:
@@ -288,7 +229,7 @@ def summarize(
     ledger: StepLedger,
     worlds: list[WorldRecord],
     recoveries: list[RecoveryRecord],
-    events: list[dict],
+    events: list[ev.Event],
     num_steps: int,
     first_step: int,
     startup_s: float,
@@ -303,13 +244,13 @@ def summarize(
     steady = sorted(times[1:]) or times
     last = worlds[-1]
 
-    def count(kind: str) -> int:
-        return sum(1 for e in events if e["kind"] == kind)
+    def count(kind: type) -> int:
+        return sum(1 for e in events if isinstance(e, kind))
 
-    intervals = [e["every"] for e in events if e["kind"] == "snapshot_interval"]
+    intervals = [e.every for e in events if isinstance(e, ev.SnapshotInterval)]
     # Steps run twice, by recoveries and by grow-backs alike (a grow-back should rewind none).
     rewound = sum(r.steps_rewound for r in recoveries) + sum(
-        e["steps_rewound"] for e in events if e["kind"] == "scale_up"
+        e.steps_rewound for e in events if isinstance(e, ev.ScaleUp)
     )
 
     summary = RunSummary(
@@ -325,12 +266,12 @@ def summarize(
         first_loss=losses[0],
         final_loss=losses[-1],
         generations=len(worlds),
-        failures=count("failure"),
+        failures=count(ev.FailureEvent),
         recoveries=len(recoveries),
-        scale_ups=count("scale_up"),
-        checkpoints_saved=count("checkpoint_save"),
-        checkpoints_committed=count("checkpoint_committed"),
-        checkpoint_restores=count("checkpoint_restore"),
+        scale_ups=count(ev.ScaleUp),
+        checkpoints_saved=count(ev.CheckpointSave),
+        checkpoints_committed=count(ev.CheckpointCommitted),
+        checkpoint_restores=count(ev.CheckpointRestore),
         steps_rewound=rewound,
         max_recovery_s=round(max((r.recovery_s for r in recoveries), default=0.0), 3),
         startup_s=round(startup_s, 3),
@@ -351,13 +292,7 @@ def summarize(
     )
 
 
-def failure_seen_at(event: dict) -> float:
-    """Wall time the controller saw the failure of a ``failure`` event: before it drained what the
-    survivors streamed and their keepers hold, and before it classified (the event's own time)."""
-    return event["ts"] - event["classify_s"] - event.get("drain_s", 0.0)
-
-
-def unexplained_rewinds(events: list[dict], replicas: int) -> int:
+def unexplained_rewinds(events: list, replicas: int) -> int:
     """Steps rewound although a snapshot holder of the newest step survived, read from a run's events
     (``replicas``: its ``snapshot_replicas``; the holders are the first slices of each world).
 
@@ -369,27 +304,26 @@ def unexplained_rewinds(events: list[dict], replicas: int) -> int:
     process ever had that state); a planned grow-back never rewinds."""
     holders, chain_holders, gone, in_chain, unexplained = [], [], set(), False, 0
     unfinished: set[int] = set()  # steps whose snapshot failed in the step's own collective
-    for e in events:
-        k = e["kind"]
-        if k == "world_formed":
-            formed = e["slices"][:replicas]
+    for e in ev.parse_all(events):
+        if isinstance(e, ev.WorldFormed):
+            formed = e.slices[:replicas]
             if not in_chain:
                 holders = formed
-        elif k == "snapshot_not_kept":
-            unfinished |= {n["step"] for n in e["first"] if "JaxRuntimeError" in n["why"]}
-        elif k == "failure":
+        elif isinstance(e, ev.SnapshotNotKept):
+            unfinished |= {n["step"] for n in e.first if "JaxRuntimeError" in n["why"]}
+        elif isinstance(e, ev.FailureEvent):
             if not in_chain:
                 chain_holders, gone, in_chain = holders, set(), True
-            gone |= set(e["lost_slices"]) | set(e["crashed_slices"])
-        elif k in ("recovered", "scale_up"):
-            rewound = range(e["restored_from_step"] + 1, e["restored_from_step"] + 1 + e["steps_rewound"])
+            gone |= e.gone_slices
+        elif isinstance(e, (ev.Recovered, ev.ScaleUp)):
+            rewound = range(e.restored_from_step + 1, e.restored_from_step + 1 + e.steps_rewound)
             if (not in_chain or not set(chain_holders) <= gone) and not set(rewound) <= unfinished:
-                unexplained += e["steps_rewound"]
+                unexplained += e.steps_rewound
             holders, in_chain, unfinished = formed, False, set()
     return unexplained
 
 
-def already_done(*, checkpoint_step: int, num_steps: int, wall_s: float, events: list[dict]) -> FitResult:
+def already_done(*, checkpoint_step: int, num_steps: int, wall_s: float, events: list[ev.Event]) -> FitResult:
     """The checkpoint already covers ``num_steps``: nothing was trained."""
     summary = RunSummary(
         steps=0,

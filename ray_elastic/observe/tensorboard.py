@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import time
+from typing import Optional
 
+from ray_elastic.observe import event_types as ev
 from ray_elastic.observe import goodput
 from ray_elastic.observe.events import EventListener
 from ray_elastic.observe.observers import GOODPUT_EVERY_S, own_metrics
@@ -42,7 +45,7 @@ class TensorBoardWriter(EventListener):
     the run's elastic state under ``elastic/``. A step recomputed after a rewind is written again:
     TensorBoard shows the newest value of a step."""
 
-    def __init__(self, logdir: str, events: list[dict], flush_s: float = 10.0):
+    def __init__(self, logdir: str, events: list[ev.Event], flush_s: float = 10.0):
         from tensorboardX import SummaryWriter, record_writer
 
         if logdir.startswith("gs://"):
@@ -61,22 +64,31 @@ class TensorBoardWriter(EventListener):
             self.writer.add_scalar(f"train/{k}", v, step)
         self.writer.add_scalar("elastic/step_time_s", m["step_time_s"], step)
 
-    def on_event(self, event: dict) -> None:
-        kind = event["kind"]
-        if kind == "eval":
-            for k, v in event["metrics"].items():
-                self.writer.add_scalar(k, v, event["step"])
-        elif kind == "world_formed":
-            self.writer.add_scalar("elastic/slices_alive", len(event["slices"]), self._step)
-        elif kind in ("recovered", "scale_up"):
-            if kind == "recovered":
+    def on_event(self, event: ev.Event) -> None:
+        if isinstance(event, ev.Eval):
+            for k, v in event.metrics.items():
+                self.writer.add_scalar(k, v, event.step)
+        elif isinstance(event, ev.WorldFormed):
+            self.writer.add_scalar("elastic/slices_alive", len(event.slices), self._step)
+        elif isinstance(event, (ev.Recovered, ev.ScaleUp)):
+            if isinstance(event, ev.Recovered):
                 self._recoveries += 1
                 self.writer.add_scalar("elastic/recoveries", self._recoveries, self._step)
-            self.writer.add_scalar("elastic/steps_rewound", event.get("steps_rewound", 0), self._step)
-        elif kind == "steps" and time.monotonic() - self._goodput_at > GOODPUT_EVERY_S:
+            self.writer.add_scalar("elastic/steps_rewound", event.steps_rewound, self._step)
+        elif isinstance(event, ev.Steps) and time.monotonic() - self._goodput_at > GOODPUT_EVERY_S:
             self._goodput_at = time.monotonic()
             self.writer.add_scalar("elastic/goodput", goodput.account(self.events).goodput, self._step)
 
     def close(self) -> None:
         self.writer.add_scalar("elastic/goodput", goodput.account(self.events).goodput, self._step)
         self.writer.close()
+
+
+def tensorboard_location(given, run_dir: Optional[str]) -> Optional[str]:
+    """Where a run's scalars go: ``given`` (a local path or ``gs://``), else ``RUN_DIR/tensorboard``
+    with a run directory; ``False``: nowhere."""
+    if given is None and run_dir:
+        given = os.path.join(run_dir, "tensorboard")
+    if given is not False and given is not None and (not isinstance(given, str) or not given.strip()):
+        raise ValueError(f"tensorboard_dir must be a local path, gs://bucket/prefix or False, got {given!r}")
+    return given or None

@@ -23,9 +23,7 @@ import threading
 import time
 from typing import Optional
 
-import psutil
-
-from ray_elastic.config import SliceSpec
+from ray_elastic.sim.faults import SliceFaults
 from ray_elastic.sim.hosts import (
     SimulatedHost,
     SimulatedSlice,
@@ -40,64 +38,21 @@ from ray_elastic.sim.node_provider import (
     read_events,
     write_knobs,
 )
+from ray_elastic.sim.one_machine import (
+    FAST_HEALTH_CHECKS,
+    HEAD_INSTANCE_ID,
+    LOOPBACK,
+    ONE_MACHINE_FLAG,
+    allow_nodes_from_any_thread,
+    one_machine,
+)
 from ray_elastic.sim.provisioner import Provisioner
+from ray_elastic.tpu import SliceSpec
 
 logger = logging.getLogger(__name__)
 
-# Fast failure detection: a killed host (its raylet refuses connections) is declared
-# dead after 3 checks 200 ms apart, ~0.6 s instead of ~14 s. A host that is only slow
-# gets 1.5 s per check: on a loaded machine a 200 ms timeout declares live hosts dead.
-# A hung (SIGSTOPped) host takes 3 timeouts, ~5 s; the controller's watchdog may see it first.
-# On a real cluster the same keys go into `ray start --system-config` (see cluster/).
-FAST_HEALTH_CHECKS = {
-    "health_check_initial_delay_ms": 0,
-    "health_check_period_ms": 200,
-    "health_check_timeout_ms": 1500,
-    "health_check_failure_threshold": 3,
-}
 
-
-def _allow_nodes_from_any_thread() -> None:
-    """Let Ray nodes be started off the main thread.
-
-    Each ``ray._private.node.Node`` installs a SIGTERM handler, which Python only
-    permits on the main thread. Off the main thread we skip that one call; the
-    node's atexit hook and reaper process still clean it up, and
-    :meth:`SimulatedTPUCluster.shutdown` stops it explicitly.
-    """
-    import ray._private.utils as ray_utils
-
-    original = ray_utils.set_sigterm_handler
-    if getattr(original, "_ray_elastic_wrapped", False):
-        return
-
-    def set_sigterm_handler(handler):
-        if threading.current_thread() is threading.main_thread():
-            original(handler)
-
-    set_sigterm_handler._ray_elastic_wrapped = True
-    ray_utils.set_sigterm_handler = set_sigterm_handler
-
-
-LOOPBACK = "127.0.0.1"
-HEAD_INSTANCE_ID = "sim-head-00000"  # the head's cloud instance id, as the autoscaler knows it
-# Every simulated node's address is LOOPBACK: nothing of a local run listens on or sends to the
-# machine's network address. Ray turns a loopback address given to ray.init (or a job driver's
-# RAY_ADDRESS) into the machine's "reachable" address unless it is told the cluster is one machine,
-# which is what this flag (named for Windows and macOS, where it is the default) says. Processes
-# Ray starts read it from the environment; this process read it when it imported Ray.
-ONE_MACHINE_FLAG = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-
-
-def _one_machine(on: bool) -> bool:
-    """Tell this process's Ray whether the cluster is one machine; returns what it said before."""
-    from ray._private import ray_constants
-
-    before, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, not on
-    return not before
-
-
-class SimulatedTPUCluster:
+class SimulatedTPUCluster(SliceFaults):
     """A Ray head plus one Ray node per simulated TPU slice host.
 
     Use as a context manager; :meth:`shutdown` stops only the processes it started.
@@ -143,6 +98,7 @@ class SimulatedTPUCluster:
         idle_timeout_s: float = 3600.0,
         pool_slices: Optional[int] = None,
     ):
+        # Long: the head's parameters are one long keyword list; the rest is one call per step.
         self.slice_spec = SliceSpec.for_hosts(accelerator, hosts_per_slice, devices_per_host)
         self.devices_per_host = devices_per_host
         self.autoscaler = autoscaler
@@ -161,34 +117,16 @@ class SimulatedTPUCluster:
         import ray  # noqa: F401  (import here so the module can be inspected without Ray)
         from ray.cluster_utils import Cluster
 
-        _allow_nodes_from_any_thread()
+        allow_nodes_from_any_thread()
 
         # A private temp dir: never touch other Ray instances on this machine.
         self.temp_dir = tempfile.mkdtemp(prefix="rel-", dir="/tmp")
         os.makedirs(os.path.join(self.temp_dir, "ray"), exist_ok=True)
-        # Ray reads these from the environment of every process it starts (raylets, workers, job
-        # drivers, the autoscaler's monitor), so they are set here and given back at shutdown.
-        env = {"RAY_TMPDIR": self.temp_dir, ONE_MACHINE_FLAG: "0"}
         gcs_port = free_port()
-        head_env = {}
-        if autoscaler:
-            self.state_dir = os.path.join(self.temp_dir, "autoscaler")
-            os.makedirs(self.state_dir)
-            self.autoscaling_config_path = os.path.join(self.state_dir, "autoscaling.json")
-            self._write_autoscaling_config(f"{LOOPBACK}:{gcs_port}", num_slices, idle_timeout_s, pool_slices)
-
-            write_knobs(self.state_dir, max_slices=max_slices, launch_delay_s=0.0)  # the first slices: no delay
-            env.update(
-                {
-                    "RAY_enable_autoscaler_v2": "1",  # GCS stores it; the head then starts the v2 monitor
-                    "AUTOSCALER_UPDATE_INTERVAL_S": "1",  # one reconcile round a second (the floor)
-                    "AUTOSCALER_METRIC_PORT": str(free_port()),  # the default port is one per machine
-                }
-            )
-            head_env = {"RAY_CLOUD_INSTANCE_ID": HEAD_INSTANCE_ID, "RAY_NODE_TYPE_NAME": "ray.head.default"}
+        env = self._environment(gcs_port, num_slices, max_slices, idle_timeout_s, pool_slices)
         self._old_env = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
-        self._was_one_machine = _one_machine(True)
+        self._was_one_machine = one_machine(True)
         self.dashboard_port = free_port()
         head_args = dict(
             num_cpus=1,
@@ -204,6 +142,7 @@ class SimulatedTPUCluster:
             _system_config=dict(FAST_HEALTH_CHECKS) if fast_health_checks else {},
         )
         if autoscaler:
+            head_env = {"RAY_CLOUD_INSTANCE_ID": HEAD_INSTANCE_ID, "RAY_NODE_TYPE_NAME": "ray.head.default"}
             head_args.update(autoscaling_config=self.autoscaling_config_path, env_vars=head_env)
         t0 = time.monotonic()
         self._cluster = Cluster(initialize_head=True, head_node_args=head_args, shutdown_at_exit=True)
@@ -220,6 +159,27 @@ class SimulatedTPUCluster:
         except BaseException:
             self.shutdown()
             raise
+
+    def _environment(
+        self, gcs_port: int, num_slices: int, max_slices: Optional[int], idle_timeout_s: float, pool_slices
+    ) -> dict[str, str]:
+        """What Ray reads from the environment of every process it starts (raylets, workers, job
+        drivers, the autoscaler's monitor): set by the caller, given back at shutdown. With the
+        autoscaler, its config and knobs are written first."""
+        env = {"RAY_TMPDIR": self.temp_dir, ONE_MACHINE_FLAG: "0"}
+        if not self.autoscaler:
+            return env
+        self.state_dir = os.path.join(self.temp_dir, "autoscaler")
+        os.makedirs(self.state_dir)
+        self.autoscaling_config_path = os.path.join(self.state_dir, "autoscaling.json")
+        self._write_autoscaling_config(f"{LOOPBACK}:{gcs_port}", num_slices, idle_timeout_s, pool_slices)
+        write_knobs(self.state_dir, max_slices=max_slices, launch_delay_s=0.0)  # the first slices: no delay
+        return {
+            **env,
+            "RAY_enable_autoscaler_v2": "1",  # GCS stores it; the head then starts the v2 monitor
+            "AUTOSCALER_UPDATE_INTERVAL_S": "1",  # one reconcile round a second (the floor)
+            "AUTOSCALER_METRIC_PORT": str(free_port()),  # the default port is one per machine
+        }
 
     # ------------------------------------------------------------------ basics
     @property
@@ -403,71 +363,6 @@ class SimulatedTPUCluster:
         logger.info("simulated slice %s added (%d host(s))", name, len(hosts))
         return sl
 
-    def processes(self) -> list[psutil.Process]:
-        """Every live process of the cluster: the head's and each live slice host's, with children."""
-        head = SimulatedHost(node_id=self._cluster.head_node.node_id, node=self._cluster.head_node)
-        table = process_children()
-        return [p for h in [head] + [h for sl in self.alive_slices() for h in sl.hosts] for p in h.processes(table)]
-
-    def kill_slice(self, name: str) -> float:
-        """A lost slice: SIGKILL every process of its hosts (and remove the nodes this process started).
-        Returns the wall time of the first SIGKILL: when the loss happened, for whoever times its detection."""
-        sl = self.slice_by_name(name)
-        killed_at = self._kill_hosts(sl.hosts, name)
-        sl.alive = False
-        logger.info("simulated slice %s killed", name)
-        return killed_at
-
-    def kill_host(self, name: str, worker_id: int) -> float:
-        """One host of a multi-host slice lost (the slice is unusable; ``reap_dead_slices`` clears the rest).
-        Returns the wall time of the first SIGKILL."""
-        killed_at = self._kill_hosts([self.slice_by_name(name).hosts[worker_id]], name)
-        logger.info("simulated host %d of slice %s killed", worker_id, name)
-        return killed_at
-
-    def _kill_hosts(self, hosts: list[SimulatedHost], name: str) -> float:
-        """SIGKILL these hosts' processes, all found first (one read of the process table) so the
-        kills follow each other at once, as in a real host or slice loss; then remove the nodes this
-        process started. Returns when the first SIGKILL went out: on loaded cores that can be long
-        after the caller asked (once ~1.5 s in ``bench/recovery.py``, which timed detection from the
-        asking until it used this)."""
-        table = process_children()
-        procs = [p for host in hosts for p in host.processes(table)]
-        killed_at = time.time()
-        send_signal(procs, signal.SIGKILL)
-        for host in hosts:
-            if host.node is None:
-                continue  # an autoscaled host: the autoscaler retires its instance
-            try:
-                self._cluster.remove_node(host.node, allow_graceful=False)
-            except Exception as e:  # already dead processes make remove_node's checks noisy
-                logger.debug("remove_node(%s): %s", name, e)
-                self._cluster.worker_nodes.discard(host.node)
-        return killed_at
-
-    def reap_dead_slices(self) -> list[str]:
-        """Kill and remove slices that Ray has declared dead (for example hung ones); returns their names."""
-        import ray
-
-        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        dead = [s.name for s in self.alive_slices() if any(nid not in alive for nid in s.node_ids)]
-        for name in dead:
-            self.kill_slice(name)
-        return dead
-
-    def hang_slice(self, name: str) -> None:
-        """A hung slice: SIGSTOP its hosts' processes (raylet and workers)."""
-        self._signal_slice(self.slice_by_name(name), signal.SIGSTOP)
-
-    def resume_slice(self, name: str) -> None:
-        """Undo :meth:`hang_slice`."""
-        self._signal_slice(self.slice_by_name(name), signal.SIGCONT)
-
-    @staticmethod
-    def _signal_slice(sl: SimulatedSlice, sig: int) -> None:
-        table = process_children()
-        send_signal([p for host in sl.hosts for p in host.processes(table)], sig)
-
     def _stop_autoscaled_nodes(self, cluster) -> None:
         """No new launches (capacity 0), wait for the ones in flight (a node half-started when the
         monitor dies would be orphaned), stop the monitor, then SIGKILL every node it launched by the
@@ -487,21 +382,6 @@ class SimulatedTPUCluster:
         head = {p.pid for p in SimulatedHost(node_id="", node=cluster.head_node).processes(table)}
         procs += [p for p in self.stray_processes() if p.pid not in head]  # missed by the records
         send_signal(procs, signal.SIGKILL)
-
-    def stray_processes(self) -> list[psutil.Process]:
-        """Processes of this cluster's slice hosts that are still running: their environment has our
-        private ``RAY_TMPDIR`` and a ``TPU_NAME`` (what every host's raylet, agents and workers
-        inherit). After :meth:`shutdown` this is empty. Found by environment because Ray's agents
-        retitle themselves (``ray::DashboardAgent``) and outlive a SIGKILLed raylet."""
-        out = []
-        for p in psutil.process_iter(["pid"]):
-            try:
-                env = p.environ()
-            except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-                continue
-            if p.pid != os.getpid() and env.get("RAY_TMPDIR") == self.temp_dir and "TPU_NAME" in env:
-                out.append(p)
-        return out
 
     def provisioner(self, delay_s: float = 0.0, poll_s: float = 0.2, max_slices: Optional[int] = None) -> Provisioner:
         """Start a :class:`Provisioner` bound to this cluster (stopped by :meth:`shutdown`)."""
@@ -544,7 +424,7 @@ class SimulatedTPUCluster:
                 logger.warning("cluster shutdown: %s", e)
             self._cluster = None
         self._starter.shutdown(wait=False)
-        _one_machine(self._was_one_machine)
+        one_machine(self._was_one_machine)
         for k, v in self._old_env.items():
             if v is None:
                 os.environ.pop(k, None)

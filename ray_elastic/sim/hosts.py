@@ -10,7 +10,7 @@ from typing import Optional
 
 import psutil
 
-from ray_elastic.config import ACCELERATOR_LABEL, POD_TYPE_LABEL, SLICE_NAME_LABEL, TOPOLOGY_LABEL, WORKER_ID_LABEL
+from ray_elastic.tpu import ACCELERATOR_LABEL, POD_TYPE_LABEL, SLICE_NAME_LABEL, TOPOLOGY_LABEL, WORKER_ID_LABEL
 
 
 def free_port() -> int:

@@ -129,6 +129,7 @@ class FlakyEndpoint:
     def __init__(
         self, upstream: LocalGCS, fail_every: int = 4, status: int = 503, delay_s: float = 0.0, read_only: bool = False
     ):
+        # Long: the request handler is defined here, over this endpoint's settings.
         import http.client
         import http.server
         import threading

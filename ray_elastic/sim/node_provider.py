@@ -57,8 +57,8 @@ from ray.autoscaler.tags import (  # noqa: E402
     TAG_RAY_USER_NODE_TYPE,
 )
 
-from ray_elastic.config import SLICE_NAME_LABEL  # noqa: E402
 from ray_elastic.sim.hosts import SimulatedHost, TPUHost, free_port, send_signal, tpu_host  # noqa: E402
+from ray_elastic.tpu import SLICE_NAME_LABEL  # noqa: E402
 
 HEAD_NODE_TYPE = "ray.head.default"  # the name FakeMultiNodeProvider gives the head
 EVENTS_FILE = "events.jsonl"
@@ -118,7 +118,7 @@ class TPUSliceProvider(FakeMultiNodeProvider):
 
     def __init__(self, provider_config: dict, cluster_name: str):
         super().__init__(provider_config, cluster_name)
-        from ray_elastic.config import SliceSpec
+        from ray_elastic.tpu import SliceSpec
 
         c = provider_config
         self._state_dir = c["state_dir"]
@@ -175,6 +175,7 @@ class TPUSliceProvider(FakeMultiNodeProvider):
         return {name for name, node in hosts if node is None or node.live_processes()}
 
     def _start_host(self, node_type: str, tags: dict, slice_name: str, worker_id: int) -> None:
+        # Long: a Ray node's parameters are one long keyword list.
         import ray
         from ray._private import ray_constants
 
@@ -290,6 +291,7 @@ def autoscaling_config(
 ) -> dict:
     """Ray's cluster config for the autoscaler with this provider: the head, and the TPU slice node
     types (multi-host: a pool of ``slices`` pre-named slices)."""
+    # Long: one literal, the cluster config Ray's autoscaler reads.
 
     def node_type(host: TPUHost, max_workers: int, static_name: bool) -> dict:
         labels = dict(host.labels)

@@ -1,4 +1,4 @@
-"""The JAX side of a slice process: join the world, build the mesh, train.
+"""The JAX side of a slice process: the train state and compiled step on a world's mesh.
 
 Nothing here imports Ray. The slice actor (``worker.py``) calls it, and so does
 the bare multi-process baseline in ``bench/overhead.py``: both run exactly the
@@ -8,8 +8,6 @@ same step function.
 from __future__ import annotations
 
 import collections
-import os
-import socket
 import time
 from typing import Optional
 
@@ -21,158 +19,9 @@ from jax.sharding import AbstractMesh, Mesh
 from ray_elastic.decide import WorldPlan
 from ray_elastic.errors import StorageError, TrainingCodeError
 from ray_elastic.slice import step_program as sp
+from ray_elastic.slice.compile_cache import cache_hits, lower_and_compile
 from ray_elastic.slice.data import BatchPrefetcher, StepBatches
-
-
-def enable_compilation_cache(cache_dir: Optional[str]) -> None:
-    """Persistent compilation cache: a new generation recompiles from disk, not from scratch."""
-    if not cache_dir:
-        return
-    os.makedirs(cache_dir, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    _share_cpu_cache_entries()
-    _count_cache_hits()
-
-
-def _share_cpu_cache_entries() -> None:
-    """Let every process of a multi-process CPU world hit the entry process 0 wrote.
-
-    JAX writes persistent-cache entries from process 0 only and expects the other
-    processes to compute the same key. On TPU they do (the key hashes the slice's
-    topology); on CPU the topology fingerprint is per process, so processes 1.. miss
-    every time and recompile after each re-formation (measured: 0.9-1.1 s against 0.05 s
-    for process 0, 3 processes). For CPU devices the key hashes what is the same
-    everywhere (device kinds and count) instead; other platforms keep JAX's own key.
-    """
-    from jax._src import cache_key
-
-    original = cache_key._hash_accelerator_config
-    if getattr(original, "_ray_elastic", False):
-        return
-
-    def hash_accelerator_config(hash_obj, accelerators):
-        devices = list(accelerators.flat)
-        if devices and all(d.platform == "cpu" for d in devices):
-            hash_obj.update(f"cpu:{len(devices)}:{devices[0].device_kind}".encode())
-        else:
-            original(hash_obj, accelerators)
-
-    hash_accelerator_config._ray_elastic = True
-    cache_key._hash_accelerator_config = hash_accelerator_config
-
-
-def initialize(coordinator_address: str, plan: WorldPlan, process_id: int, timeout_s: float) -> None:
-    """Join the multi-controller JAX world of ``plan`` (gloo collectives on CPU).
-
-    A process that connects before process 0 has started the coordination service is
-    retried after about a second, and holds the whole world back that long (measured:
-    ~1 s vs ~0.01 s for 3 processes); so every other process first waits until the
-    coordinator's port accepts connections.
-    """
-    if process_id != 0:
-        _wait_for_port(coordinator_address, timeout_s)
-    jax.distributed.initialize(
-        coordinator_address=coordinator_address,
-        num_processes=plan.num_processes,
-        process_id=process_id,
-        initialization_timeout=int(timeout_s),
-        # The coordination service listens on the node's address only, not on every interface.
-        coordinator_bind_address=coordinator_address if process_id == 0 else None,
-    )
-    expected = plan.num_processes * plan.devices_per_host
-    if jax.device_count() != expected:
-        raise RuntimeError(
-            f"JAX world has {jax.device_count()} devices, plan expects {expected} "
-            f"({plan.num_processes} processes x {plan.devices_per_host}); check devices_per_host"
-        )
-
-
-def hold_port(host: str) -> socket.socket:
-    """A free port on ``host``, held until the coordination service binds it: the socket is bound
-    with SO_REUSEPORT and never listens, so gRPC (which sets SO_REUSEPORT) can bind the same port
-    while any other process is refused. Picking a port and closing it would leave a window in
-    which something else takes it. Close it once ``initialize`` has returned."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    s.bind((host, 0))
-    return s
-
-
-def _wait_for_port(address: str, timeout_s: float, poll_s: float = 0.005) -> None:
-    """Until ``host:port`` accepts a TCP connection (or the timeout: initialize then says why)."""
-    host, port = address.rsplit(":", 1)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, int(port)), timeout=0.1):
-                return
-        except OSError:
-            time.sleep(poll_s)
-
-
-def build_mesh(plan: WorldPlan) -> Mesh:
-    """A (replica, *slice axes) mesh: one row per slice, that slice's devices along its own axes.
-
-    On real multi-slice TPUs the devices carry ``slice_index`` and the hybrid
-    (ICI x DCN) helper lays them out; on CPU processes are grouped by process id,
-    which ``plan`` numbers slice-major.
-    """
-    return Mesh(_device_grid(plan), tuple(plan.mesh_shape))
-
-
-def _device_grid(plan: WorldPlan):
-    """The devices of ``plan``'s mesh, laid out (replica, *slice axes), from this world's first
-    ``plan.num_slices`` slices: all of them for this world's own plan; for a smaller layout,
-    the devices (and so the device ids) a world of that many slices will have."""
-    sizes = tuple(plan.mesh_shape.values())
-    inner = sizes[1:]
-    devices = jax.devices()
-    if devices[0].platform == "tpu" and plan.num_slices > 1:
-        from jax.experimental import mesh_utils
-
-        devices = [d for d in devices if getattr(d, "slice_index", 0) < plan.num_slices]
-        return mesh_utils.create_hybrid_device_mesh(
-            (1,) + inner, (plan.num_slices,) + (1,) * len(inner), devices=devices
-        )
-    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))[: int(np.prod(sizes))]
-    return np.array(ordered).reshape(sizes)
-
-
-def compile_ahead(traced: jax.stages.Traced, plan: WorldPlan) -> None:
-    """Compile the step traced for a smaller layout (``plan``) for the devices a world of that
-    layout will have, so that the persistent cache holds it before that world exists: its
-    first forming then loads the executable instead of compiling it (measured on CPU, the
-    digits MLP: 0.07-0.11 s against 0.6 s cold). Run in process 0 (JAX writes cache entries
-    from process 0 only); with no persistent cache it would be wasted work."""
-    _lower_and_compile(traced, _device_grid(plan))
-
-
-def _lower_and_compile(traced: jax.stages.Traced, grid) -> tuple:
-    """Lower a step traced ahead for the devices of ``grid`` and compile (or load) it: the one
-    definition for a forming world and for :func:`compile_ahead`, whose persistent-cache keys must
-    be the same. Returns the executable and the seconds of each phase (and whether it was a hit)."""
-    t0 = time.perf_counter()
-    lowered = traced.lower(lowering_platforms=(grid.flat[0].platform,))
-    t1 = time.perf_counter()
-    hits = _cache_hits[0]
-    executable = lowered.compile(device_assignment=tuple(grid.flat))
-    return executable, {"lower_s": t1 - t0, "load_s": time.perf_counter() - t1, "from_cache": _cache_hits[0] > hits}
-
-
-_cache_hits = [0]  # persistent-cache hits in this process (jax.monitoring), for :meth:`TrainLoop.compile`
-
-
-def _count_cache_hits() -> None:
-    if getattr(_count_cache_hits, "registered", False):
-        return
-    jax.monitoring.register_event_listener(
-        lambda event, **kw: (
-            _cache_hits.__setitem__(0, _cache_hits[0] + 1) if event == "/jax/compilation_cache/cache_hits" else None
-        )
-    )
-    _count_cache_hits.registered = True
+from ray_elastic.slice.host_blocks import block_range, host_blocks
 
 
 def _programs(task, plan: WorldPlan, seed: int, fsdp_min_size: int, mesh, rules, scale_updates: bool):
@@ -209,6 +58,19 @@ def trace_ahead(
     return step.trace(state, batch)
 
 
+def trace_for(task, config, plan: WorldPlan, batches: StepBatches) -> jax.stages.Traced:
+    """:func:`trace_ahead` with the run's settings (``config``: its ElasticConfig)."""
+    return trace_ahead(
+        task,
+        plan,
+        config.seed,
+        config.fsdp_min_size,
+        batches,
+        scale_updates=config.lr_rule is not None,
+        rules=config.logical_axis_rules,
+    )
+
+
 class NonFiniteLossError(TrainingCodeError):
     """A step's loss was NaN or infinite: the run stops before that state replaces the last good one."""
 
@@ -223,46 +85,6 @@ class NonFiniteLossError(TrainingCodeError):
 def _host_metrics(metrics: dict) -> dict:
     """A step's replicated scalar metrics as Python floats."""
     return {k: float(np.asarray(v.addressable_shards[0].data)) for k, v in metrics.items()}
-
-
-def block_range(indices, shape) -> tuple:
-    """The global (start, stop) per dimension of the block a process's shards (``indices``: their
-    index tuples) form; raises when they do not tile it (a block with holes cannot be restored)."""
-    keys = {
-        tuple((sl.start or 0, dim if sl.stop is None else sl.stop) for sl, dim in zip(index, shape))
-        for index in indices
-    }
-    rng = tuple((min(k[d][0] for k in keys), max(k[d][1] for k in keys)) for d in range(len(shape)))
-    volume = lambda k: int(np.prod([b - a for a, b in k]))  # noqa: E731
-    if sum(volume(k) for k in keys) != volume(rng):
-        raise ValueError(f"this process's shards {sorted(keys)} do not form one block of an array of shape {shape}")
-    return rng
-
-
-def host_blocks(leaves: list[jax.Array]) -> dict:
-    """This process's block of every leaf, and its global index range (see :func:`local_block`)."""
-    blocks = [local_block(x) for x in leaves]
-    return {"leaves": [b for b, _ in blocks], "ranges": [r for _, r in blocks]}
-
-
-def local_block(arr: jax.Array) -> tuple[np.ndarray, tuple]:
-    """This process's part of a global array, as one numpy block, and the block's global index range.
-
-    A process's devices are whole rows of its slice's fsdp axis (the axes after fsdp fit in a
-    host), so its shards of a sharded array are one contiguous slab, and of a replicated array the
-    whole array. This is what ``make_array_from_process_local_data`` takes back; the
-    range says where the block belongs, so a restore can refuse one that would land elsewhere.
-    """
-    if arr.ndim == 0:
-        return np.asarray(arr.addressable_shards[0].data), ()
-    if arr.is_fully_replicated:  # the whole array on each device: one shard is the block
-        return np.array(arr.addressable_shards[0].data), tuple((0, d) for d in arr.shape)
-    rng = block_range([sh.index for sh in arr.addressable_shards], arr.shape)
-    block = np.empty([b - a for a, b in rng], dtype=arr.dtype)
-    for sh in arr.addressable_shards:
-        key = [(sl.start or 0, dim if sl.stop is None else sl.stop) for sl, dim in zip(sh.index, arr.shape)]
-        block[tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(key, rng))] = np.asarray(sh.data)
-    return block, rng
 
 
 class TrainLoop:
@@ -322,41 +144,46 @@ class TrainLoop:
         self.spec, self.state_shardings, self.batch_sharding, self._step = _programs(
             task, plan, seed, fsdp_min_size, mesh, rules, scale_updates
         )
-        abstract = self.spec.abstract
         self.sharded_params = sum(1 for sh in jax.tree.leaves(self.state_shardings) if any(sh.spec))
-
         self.checkpointer = checkpointer
         self.restored_metadata: Optional[dict] = None
         if checkpoint_step is not None:
-            target = jax.tree.map(
-                lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, self.state_shardings
-            )
-            try:
-                self.state, self.restored_metadata = (restore_from or checkpointer).restore(checkpoint_step, target)
-            except Exception as e:  # storage, not the task: another world may read it
-                raise StorageError(f"restoring checkpoint {checkpoint_step} failed: {e!r}", checkpoint_step) from e
+            self.state = self._from_checkpoint(restore_from or checkpointer, checkpoint_step)
         elif restore is None:
             self.state = sp.init_program(self.spec, self.state_shardings)()
         else:
-            leaves, treedef = jax.tree.flatten(abstract)
-            shardings = jax.tree.leaves(self.state_shardings)
-            blocks, ranges = restore["leaves"], restore["ranges"]
-            if len(blocks) != len(leaves):
-                raise ValueError(f"snapshot has {len(blocks)} arrays, the model's state has {len(leaves)}")
-            for i, (sh, a, got) in enumerate(zip(shardings, leaves, ranges)):
-                want = block_range(sh.addressable_devices_indices_map(a.shape).values(), a.shape) if a.ndim else ()
-                if tuple(map(tuple, got)) != want:
-                    raise ValueError(
-                        f"snapshot block of state leaf {i} {a.shape} holds {got}, but this process "
-                        f"of the new world needs {want}: refusing to place it by position"
-                    )
-            self.state = jax.tree.unflatten(
-                treedef,
-                [
-                    jax.make_array_from_process_local_data(sh, np.asarray(blk, dtype=a.dtype), a.shape)
-                    for sh, blk, a in zip(shardings, blocks, leaves)
-                ],
-            )
+            self.state = self._from_blocks(restore)
+
+    def _from_checkpoint(self, source, step: int):
+        """The state of committed checkpoint ``step``, laid out for this world."""
+        target = jax.tree.map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), self.spec.abstract, self.state_shardings
+        )
+        try:
+            state, self.restored_metadata = source.restore(step, target)
+        except Exception as e:  # storage, not the task: another world may read it
+            raise StorageError(f"restoring checkpoint {step} failed: {e!r}", step) from e
+        return state
+
+    def _from_blocks(self, restore: dict):
+        """The state from this process's snapshot blocks, each checked to land where it belongs."""
+        leaves, treedef = jax.tree.flatten(self.spec.abstract)
+        shardings = jax.tree.leaves(self.state_shardings)
+        blocks, ranges = restore["leaves"], restore["ranges"]
+        if len(blocks) != len(leaves):
+            raise ValueError(f"snapshot has {len(blocks)} arrays, the model's state has {len(leaves)}")
+        for i, (sh, a, got) in enumerate(zip(shardings, leaves, ranges)):
+            want = block_range(sh.addressable_devices_indices_map(a.shape).values(), a.shape) if a.ndim else ()
+            if tuple(map(tuple, got)) != want:
+                raise ValueError(
+                    f"snapshot block of state leaf {i} {a.shape} holds {got}, but this process "
+                    f"of the new world needs {want}: refusing to place it by position"
+                )
+        arrays = [
+            jax.make_array_from_process_local_data(sh, np.asarray(blk, dtype=a.dtype), a.shape)
+            for sh, blk, a in zip(shardings, blocks, leaves)
+        ]
+        return jax.tree.unflatten(treedef, arrays)
 
     def global_batch_array(self, step: int) -> dict:
         """This process's rows of step ``step`` (prepared ahead by the reader thread), assembled into
@@ -383,13 +210,13 @@ class TrainLoop:
             self._copy = self._copy_program().lower(self.state).compile()
         t0 = time.perf_counter()
         if traced is not None:
-            self._step, phases = _lower_and_compile(traced, self.mesh.devices)
+            self._step, phases = lower_and_compile(traced, self.mesh.devices)
             return {"trace_s": 0.0, **phases, "compile_s": time.perf_counter() - t0, "traced_ahead": True}
         traced = self._step.trace(self.state, self.global_batch_array(step))
         t1 = time.perf_counter()
         lowered = traced.lower()
         t2 = time.perf_counter()
-        hits = _cache_hits[0]
+        hits = cache_hits()
         self._step = lowered.compile()
         t3 = time.perf_counter()
         return {
@@ -398,7 +225,7 @@ class TrainLoop:
             "load_s": t3 - t2,
             "compile_s": t3 - t0,
             "traced_ahead": False,
-            "from_cache": _cache_hits[0] > hits,
+            "from_cache": cache_hits() > hits,
         }
 
     def dispatch(self, step: int) -> None:

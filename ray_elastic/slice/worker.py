@@ -24,7 +24,9 @@ import ray
 
 from ray_elastic.decide import WorldPlan, is_checkpoint_step, is_eval_step, is_snapshot_step
 from ray_elastic.detect.liveness import Beacon
-from ray_elastic.errors import SliceDownError
+from ray_elastic.slice.process import block_until_ready, jax_world_host_blocks, set_niceness, world_errors
+from ray_elastic.slice.step_reports import StepReports
+from ray_elastic.state.checkpoints import checkpoint_metadata
 from ray_elastic.state.snapshot_keeper import SnapshotWriter
 from ray_elastic.state.snapshots import SnapshotRef
 
@@ -32,56 +34,6 @@ logger = logging.getLogger(__name__)
 TRACE_AHEAD_WORLDS = 3  # world sizes a standby traces the step for: full size and the next smaller ones
 IN_FLIGHT = 1  # steps dispatched beyond the one whose loss is being read
 FLUSH_S = 0.2  # a snapshot-keeping process streams its finished steps at most this often (and at chunk ends)
-
-
-def set_niceness(niceness: Optional[int]) -> None:
-    """Give every thread of this process ``niceness`` (``ElasticConfig.worker_niceness``; None: leave
-    Ray's ``RAY_worker_niceness``, 15 by default). On Linux niceness is per thread, and threads
-    started later inherit their creator's. Lowering it needs root or CAP_SYS_NICE."""
-    if niceness is None or not os.path.isdir("/proc/self/task"):
-        return
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
-        except OSError as e:
-            logger.warning("could not set niceness %d: %r", niceness, e)
-            return
-
-
-def _block_until_ready(leaves) -> None:
-    import jax
-
-    jax.block_until_ready(leaves)
-
-
-def jax_world_host_blocks(leaves) -> dict:
-    """The host copy of a snapshot (JAX side; imported here only when a snapshot is written)."""
-    from ray_elastic.slice.jax_world import host_blocks
-
-    return host_blocks(leaves)
-
-
-@contextlib.contextmanager
-def _world_errors(what: str, everything: bool = False):
-    """Raise what fails here as :class:`SliceDownError` when it is the world's fault, not the task's:
-    JAX's slice-down errors (a peer died mid-collective) always; any error with ``everything``
-    (steps that run no task code). The controller then recovers instead of calling it a bug."""
-    import jax
-
-    try:
-        yield
-    except SliceDownError:
-        raise
-    except jax.errors.JaxRuntimeError as e:
-        from pathwaysutils.elastic.elastic import is_error_due_to_slice_down
-
-        if everything or is_error_due_to_slice_down(e, log_traceback=False):
-            raise SliceDownError(f"{what}: {e}") from e
-        raise
-    except Exception as e:
-        if everything:
-            raise SliceDownError(f"{what}: {e!r}") from e
-        raise
 
 
 @ray.remote(max_restarts=0, max_task_retries=0, concurrency_groups={"health": 1, "ahead": 1})
@@ -116,9 +68,7 @@ class SliceWorker:
         )
         self._port_holder = None  # process 0: the coordinator's port, held until JAX binds it
         self.writer: Optional[SnapshotWriter] = None  # snapshot holders: hands snapshots to the keeper
-        self._finished: list[dict] = []  # metrics of finished steps not yet streamed
-        self._reported = -1  # the newest step streamed
-        self._kept_early: list[int] = []  # steps kept whose metrics are not streamed yet
+        self.reports = StepReports()  # finished steps and kept snapshots, until streamed
         self._snapshot_step = -1  # the newest step handed to the writer
         self._compiled_ahead = False  # once per world, after its first chunk (process 0)
 
@@ -130,24 +80,18 @@ class SliceWorker:
         t0 = time.perf_counter()
         try:
             from ray_elastic.slice import jax_world
+            from ray_elastic.slice.compile_cache import enable_compilation_cache
             from ray_elastic.slice.data import EvalBatches, StepBatches
 
             c = self.config
-            jax_world.enable_compilation_cache(c.compilation_cache_dir)
+            enable_compilation_cache(c.compilation_cache_dir)
             self.batches = StepBatches(self.task.dataset(), c.global_batch_size, c.seed)
             if c.eval_every:
                 self.eval_batches = EvalBatches(self.task.eval_dataset(), c.eval_batch)
             tracer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trace-ahead")
             for plan in self._likely_plans(for_world):
                 self.traced[jax_world.program_key(plan)] = tracer.submit(
-                    jax_world.trace_ahead,
-                    self.task,
-                    plan,
-                    c.seed,
-                    c.fsdp_min_size,
-                    self.batches,
-                    scale_updates=c.lr_rule is not None,
-                    rules=c.logical_axis_rules,
+                    jax_world.trace_for, self.task, c, plan, self.batches
                 )
             self._tracing = list(self.traced.values())
             tracer.shutdown(wait=False)
@@ -195,11 +139,11 @@ class SliceWorker:
 
     def reserve_coordinator_port(self) -> str:
         """Process 0 hosts the JAX coordination service: a free port on its node's address, held
-        until ``join_world`` has initialised JAX (see ``jax_world.hold_port``)."""
-        from ray_elastic.slice import jax_world as jw
+        until ``join_world`` has initialised JAX (see ``mesh.hold_port``)."""
+        from ray_elastic.slice.mesh import hold_port
 
         ip = ray.util.get_node_ip_address()
-        self._port_holder = jw.hold_port(ip)
+        self._port_holder = hold_port(ip)
         return f"{ip}:{self._port_holder.getsockname()[1]}"
 
     def join_world(
@@ -223,7 +167,9 @@ class SliceWorker:
         directory, read only) else the run's own. ``keeper``: this host's
         :class:`~ray_elastic.state.snapshot_keeper.SnapshotKeeper`, for a process that keeps snapshots.
         """
+        # Long: its keyword arguments (here and to TrainLoop); each phase of the join is one call.
         from ray_elastic.slice import jax_world as jw
+        from ray_elastic.slice import mesh as world_mesh
 
         c = self.config
         if self.batches is None:
@@ -236,34 +182,12 @@ class SliceWorker:
             if key != ours:
                 ahead.cancel()  # one world per process: the other layouts' traces would only take CPU from the join
         self.process_id = plan.process_id(slice_index, host_index)
-        t0 = time.perf_counter()
-        try:
-            with _world_errors("jax.distributed.initialize", everything=True):  # a peer or the coordinator
-                jw.initialize(coordinator_address, plan, self.process_id, timeout_s)
-        finally:
-            if self._port_holder is not None:
-                self._port_holder.close()
-                self._port_holder = None
-        t_init = time.perf_counter() - t0
-        from ray_elastic.state.checkpoints import Checkpointer
-
-        checkpointer = (
-            Checkpointer(c.checkpoint_dir, c.max_to_keep, c.async_checkpointing) if c.checkpoint_dir else None
-        )
-        source = checkpointer
-        if checkpoint_step is not None and checkpoint_dir not in (None, c.checkpoint_dir):
-            source = Checkpointer(checkpoint_dir, None, read_only=True)
-        blocks, t_fetch = None, 0.0
-        if snapshot is not None:
-            t1 = time.perf_counter()
-            with _world_errors("fetching the snapshot from its donor", everything=True):  # the donor died
-                snap = ray.get(snapshot.keeper.fetch.remote(snapshot.generation, snapshot.step))
-            blocks = {"leaves": snap["leaves"], "ranges": snap["ranges"]}
-            self.last_step = snap["step"]
-            t_fetch = time.perf_counter() - t1
+        t_init = self._initialize(coordinator_address, timeout_s)
+        checkpointer, source = self._checkpointers(checkpoint_step, checkpoint_dir)
+        blocks, t_fetch = self._fetch(snapshot)
         t2 = time.perf_counter()
-        mesh = jw.build_mesh(plan)
-        with _world_errors("building the train state"):  # runs the task's code: only JAX's slice-down errors
+        mesh = world_mesh.build_mesh(plan)
+        with world_errors("building the train state"):  # runs the task's code: only JAX's slice-down errors
             self.loop = jw.TrainLoop(
                 self.task,
                 plan,
@@ -297,6 +221,41 @@ class SliceWorker:
             "sharded_params": self.loop.sharded_params,
         }
 
+    def _initialize(self, coordinator_address: str, timeout_s: float) -> float:
+        """Join the JAX world (process 0's held port is let go once the service has bound it)."""
+        from ray_elastic.slice import mesh as world_mesh
+
+        t0 = time.perf_counter()
+        try:
+            with world_errors("jax.distributed.initialize", everything=True):  # a peer or the coordinator
+                world_mesh.initialize(coordinator_address, self.plan, self.process_id, timeout_s)
+        finally:
+            if self._port_holder is not None:
+                self._port_holder.close()
+                self._port_holder = None
+        return time.perf_counter() - t0
+
+    def _checkpointers(self, checkpoint_step: Optional[int], checkpoint_dir: Optional[str]) -> tuple:
+        """The run's checkpointer (None without ``checkpoint_dir``), and the one to restore from:
+        the same, or another run's directory, read only."""
+        from ray_elastic.state.checkpoints import Checkpointer
+
+        c = self.config
+        own = Checkpointer(c.checkpoint_dir, c.max_to_keep, c.async_checkpointing) if c.checkpoint_dir else None
+        if checkpoint_step is not None and checkpoint_dir not in (None, c.checkpoint_dir):
+            return own, Checkpointer(checkpoint_dir, None, read_only=True)
+        return own, own
+
+    def _fetch(self, snapshot: Optional[SnapshotRef]) -> tuple[Optional[dict], float]:
+        """This host's part of ``snapshot`` from the keeper holding it, and the seconds it took."""
+        if snapshot is None:
+            return None, 0.0
+        t0 = time.perf_counter()
+        with world_errors("fetching the snapshot from its donor", everything=True):  # the donor died
+            snap = ray.get(snapshot.keeper.fetch.remote(snapshot.generation, snapshot.step))
+        self.last_step = snap["step"]
+        return {"leaves": snap["leaves"], "ranges": snap["ranges"]}, time.perf_counter() - t0
+
     def compile(self, step: int) -> dict:
         from ray_elastic.slice import jax_world as jw
 
@@ -307,7 +266,7 @@ class SliceWorker:
                 traced = ahead.result()
             except Exception as e:  # noqa: BLE001 - the world's own trace raises it where it counts
                 logger.warning("tracing ahead failed: %r", e)
-        with _world_errors("compiling the step"):
+        with world_errors("compiling the step"):
             return self.loop.compile(step, traced, snapshots=self.writer is not None)
 
     @ray.method(num_returns="streaming")
@@ -345,19 +304,7 @@ class SliceWorker:
         if eval_before:
             yield from self._evaluate(start_step - 1, streams, every)
         for step in range(start_step, end):
-            with _world_errors(f"step {step}"):
-                self.loop.dispatch(step)
-                if c.checkpoint_dir and is_checkpoint_step(step, c.checkpoint_every, final_step):
-                    while self.loop.in_flight():  # a non-finite loss stops the run before the save
-                        self._finish_one()
-                    with self._saving():
-                        blocking = self.loop.save_checkpoint(step + 1, self._metadata(step + 1))
-                    # The step has finished (above): its metrics, not yet streamed, carry the save.
-                    self._finished[-1].update(checkpoint_step=step + 1, checkpoint_blocking_s=blocking)
-                if self.writer is not None and is_snapshot_step(step, every):
-                    self._snapshot(step)
-                while self.loop.in_flight() > IN_FLIGHT:
-                    self._finish_one()
+            self._step(step, final_step, every)
             if c.eval_every and is_eval_step(step, c.eval_every, final_step):
                 yield from self._evaluate(step, streams, every)
             if streams and time.monotonic() >= flush_at:
@@ -366,28 +313,45 @@ class SliceWorker:
                 if item:
                     yield item
         if num_steps == 0 or end - 1 >= final_step:
-            with _world_errors(f"step {end - 1}"):
-                while self.loop.in_flight():
-                    self._finish_one()
-                if (
-                    num_steps == 0
-                    and start_step <= final_step
-                    and self.writer is not None
-                    and self.last_step > self._snapshot_step
-                ):
-                    # A planned stop (the world grows at this boundary): the bigger world starts from
-                    # this very step, not from the interval's last snapshot (``snapshot_every`` > 1).
-                    self._snapshot(self.last_step)
-                if self.writer is not None:
-                    self.writer.wait()
+            self._finish_all(end - 1, planned_stop=num_steps == 0 and start_step <= final_step)
         if num_steps and not self._compiled_ahead:
             self._compile_ahead()
         yield self._report()
 
+    def _step(self, step: int, final_step: int, every: int) -> None:
+        """Dispatch ``step``; after it, a checkpoint or a snapshot when due; keep ``IN_FLIGHT`` steps in flight."""
+        c = self.config
+        with world_errors(f"step {step}"):
+            self.loop.dispatch(step)
+            if c.checkpoint_dir and is_checkpoint_step(step, c.checkpoint_every, final_step):
+                while self.loop.in_flight():  # a non-finite loss stops the run before the save
+                    self._finish_one()
+                with self._saving():
+                    metadata = checkpoint_metadata(self.task.name(), self.plan, c, step + 1)
+                    blocking = self.loop.save_checkpoint(step + 1, metadata)
+                # The step has finished (above): its metrics, not yet streamed, carry the save.
+                self.reports.last.update(checkpoint_step=step + 1, checkpoint_blocking_s=blocking)
+            if self.writer is not None and is_snapshot_step(step, every):
+                self._snapshot(step)
+            while self.loop.in_flight() > IN_FLIGHT:
+                self._finish_one()
+
+    def _finish_all(self, step: int, planned_stop: bool) -> None:
+        """Finish every step in flight and let the writer hand over what it holds. At a planned stop
+        (the world grows at this boundary) the newest step is snapshotted too: the bigger world
+        starts from this very step, not from the interval's last snapshot."""
+        with world_errors(f"step {step}"):
+            while self.loop.in_flight():
+                self._finish_one()
+            if planned_stop and self.writer is not None and self.last_step > self._snapshot_step:
+                self._snapshot(self.last_step)
+            if self.writer is not None:
+                self.writer.wait()
+
     def _evaluate(self, step: int, streams: bool, every: int):
         """Finish and stream the steps up to ``step`` (kept, when snapshots are due), then evaluate the
         state after ``step``; streaming processes yield ``{"eval": {"step": step, "eval/...": ...}}``."""
-        with _world_errors(f"step {step}"):
+        with world_errors(f"step {step}"):
             while self.loop.in_flight():
                 self._finish_one()
         if self.writer is not None:
@@ -398,7 +362,7 @@ class SliceWorker:
             item = self._report()
             if item:
                 yield item
-        with _world_errors(f"evaluating after step {step}"):
+        with world_errors(f"evaluating after step {step}"):
             metrics = self.loop.evaluate(self.config.eval_steps)
         if streams:
             yield {"steps": [], "kept": [], "snapshot_s": [], "eval": {"step": step, **metrics}}
@@ -406,8 +370,8 @@ class SliceWorker:
     def _compile_ahead(self) -> None:
         """After this world's first chunk, process 0 compiles the step of the next smaller world
         the run may form into the persistent cache, in the background: a replica-resize recovery
-        then loads it instead of compiling a layout never seen (5 s for the transformer demo's
-        first recovery here). Once per world; nothing to do without a persistent cache."""
+        then loads it instead of compiling a layout never seen. Once per world; nothing to do
+        without a persistent cache."""
         c, plan = self.config, self.plan
         smaller = plan.num_slices - 1
         self._compiled_ahead = True
@@ -416,19 +380,11 @@ class SliceWorker:
 
         def run():
             from ray_elastic.slice import jax_world
+            from ray_elastic.slice.compile_cache import compile_ahead
 
             target = c.world_plan(plan.generation + 1, plan.slice_names[:smaller])
             try:
-                traced = jax_world.trace_ahead(
-                    self.task,
-                    target,
-                    c.seed,
-                    c.fsdp_min_size,
-                    self.batches,
-                    scale_updates=c.lr_rule is not None,
-                    rules=c.logical_axis_rules,
-                )
-                jax_world.compile_ahead(traced, target)
+                compile_ahead(jax_world.trace_for(self.task, c, target, self.batches), target)
             except Exception as e:  # noqa: BLE001 - an optimisation: the world that needs it compiles it
                 logger.warning("compiling ahead for %d slices failed: %r", smaller, e)
 
@@ -439,7 +395,7 @@ class SliceWorker:
         now, to the host and the keeper in the writer's thread."""
         copy = self.loop.snapshot_copy()
         self.writer.submit(
-            step, functools.partial(jax_world_host_blocks, copy), functools.partial(_block_until_ready, copy)
+            step, functools.partial(jax_world_host_blocks, copy), functools.partial(block_until_ready, copy)
         )
         self._snapshot_step = step
 
@@ -458,31 +414,15 @@ class SliceWorker:
 
     def _finish_one(self) -> None:
         metrics = self.loop.finish()
-        metrics["finished_at"] = time.time()  # streamed later: benchmarks time steps by this, not by arrival
         if self.loop.checkpointer is not None:
             finished = self.loop.checkpointer.finished_saves()
             if finished:
                 metrics["checkpoints_committed"] = finished
         self.last_step = metrics["step"]
-        self._finished.append(metrics)
+        self.reports.finished(metrics)
 
     def _report(self) -> dict:
-        """Finished steps to stream (those before the step whose snapshot is still being written),
-        and the steps kept since the last report with the seconds each snapshot cost."""
-        pending = self.writer.pending() if self.writer is not None else None
-        kept, seconds, not_kept = self.writer.take_kept() if self.writer is not None else ([], [], [])
-        cut = len(self._finished) if pending is None else sum(m["step"] < pending for m in self._finished)
-        ready, self._finished = self._finished[:cut], self._finished[cut:]
-        if ready:
-            self._reported = ready[-1]["step"]
-        # A step is named kept only once its metrics are streamed too (its loss may be read later).
-        kept = self._kept_early + kept
-        self._kept_early = [k for k in kept if k > self._reported]
-        kept = [k for k in kept if k <= self._reported]
-        item = {"steps": ready, "kept": kept, "snapshot_s": seconds}
-        if not_kept:
-            item["not_kept"] = not_kept
-        return item if ready or kept or seconds or not_kept else {}
+        return self.reports.take(self.writer)
 
     @contextlib.contextmanager
     def _saving(self):
@@ -493,28 +433,6 @@ class SliceWorker:
         finally:
             self.saving_since = None
 
-    def _metadata(self, steps_done: int) -> dict:
-        """Saved with every checkpoint: where the data stands and the shape of the world that wrote it."""
-        p, c = self.plan, self.config
-        return {
-            "step": steps_done,
-            "task": self.task.name(),  # checkpoints belong to a task: another one's are not resumed silently
-            "data_position": steps_done * p.stride,
-            "data_stride": p.stride,
-            "seed": c.seed,
-            "world": {
-                "generation": p.generation,
-                "slices": list(p.slice_names),
-                "num_slices": p.num_slices,
-                "hosts_per_slice": p.hosts_per_slice,
-                "mesh": p.mesh_shape,
-                "global_batch_size": p.global_batch_size,
-                "batch_policy": c.batch_policy,
-                "lr_scale": p.lr_scale,
-            },
-            "saved_at": time.time(),
-        }
-
     def finish_checkpoints(self, save_step: Optional[int] = None) -> list:
         """Wait until the in-flight save is committed (before a planned teardown or the end); with
         ``save_step``, save the current state as that checkpoint first (the run's last one, when the
@@ -524,6 +442,8 @@ class SliceWorker:
             return []
         with self._saving():
             if save_step is not None:
-                self.loop.save_checkpoint(save_step, self._metadata(save_step))
+                self.loop.save_checkpoint(
+                    save_step, checkpoint_metadata(self.task.name(), self.plan, self.config, save_step)
+                )
             self.loop.checkpointer.wait()
         return self.loop.checkpointer.finished_saves()

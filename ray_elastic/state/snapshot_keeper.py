@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 KEEP_STEPS = 3  # per host: the newest three, so the hosts of one slice (in lockstep, but handing over
 # in the background) always share one step
 MAX_UNACKED = 64  # per host: at most this many snapshots newer than the driver's last word are held
-# (a stream goes out every ~0.2 s: at 5 ms a step that is ~40 steps)
+# (a stream goes out every FLUSH_S: more than that many fast steps)
 
 
 def evictable(
@@ -42,19 +42,11 @@ def evictable(
     received), and every key after it (up to ``max_unacked``).
 
     The driver restores only a step it has the metrics of, and it takes a step's metrics from
-    whichever snapshot holder streams them first. Holders stream every ~0.2 s, each on its own
-    clock, so when one holder dies the driver may know of a step the others have not streamed
-    yet, while they have kept several more: every step after the driver's last word may be the
-    one it restores, and must still be held. Seen twice: in ``bench/chaos.py`` (a peer hung, the
-    newest three all lay beyond what was streamed: 17 steps rewound to a checkpoint) and, most
-    likely, in a CI run of ``test_second_failure_during_recovery`` (1 step rewound: the dead
-    holder had streamed a step the survivor had kept but then let go).
-
-    The pin is what the driver acknowledged, not what the process streamed: a streamed item may
-    never reach the driver (the process is killed with it in flight, or the driver is too slow to
-    read it before it tears the world down). Pinning on the process's own word lost steps in
-    ``bench/chaos.py``: a starved world was taken for hung, every keeper had let go of the newest
-    step the driver knew, and the next world restored a checkpoint two steps beyond the record.
+    whichever snapshot holder streams them first, each on its own clock: when one holder dies, the
+    driver may know of a step the others have not streamed yet while they kept several more, so
+    every step after the driver's last word may be the one it restores. The pin is what the driver
+    acknowledged, not what the process streamed: a streamed item may never reach the driver (the
+    process killed with it in flight, or the world torn down before it was read).
     """
     newest = set(sorted(keys)[-keep_steps:] if keep_steps > 0 else [])
     pinned = max((k for k in keys if k <= acked), default=None)

@@ -1,0 +1,182 @@
+"""What a run did, as events: the controller says what happened, the recorder writes it down.
+
+The controller decides and executes; every event it logs about a world, a failure or a
+recovery is built here, from the controller's own records, so the loop reads as decisions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+from ray_elastic.config import ElasticConfig
+from ray_elastic.control.states import OutcomeKind, RunOutcome
+from ray_elastic.decide import RestorePlan, RestoreSource
+from ray_elastic.observe import event_types as ev
+from ray_elastic.observe import results
+from ray_elastic.observe.events import EventLog
+from ray_elastic.observe.results import RecoveryRecord, StepLedger, WorldChange, WorldRecord
+
+logger = logging.getLogger(__name__)
+
+
+class RunRecorder:
+    """The event log, the step ledger and the recoveries of one run."""
+
+    def __init__(self, events: EventLog, ledger: StepLedger):
+        self.events, self.ledger = events, ledger
+        self.recoveries: list[RecoveryRecord] = []
+
+    def started(self, config: ElasticConfig, num_steps: int, resume, resume_dir: Optional[str]) -> None:
+        """The run starts (from ``resume``, a checkpoint, when given)."""
+        self.events.emit(
+            ev.RunStarted(
+                num_steps=num_steps,
+                num_slices=config.num_slices,
+                mode=config.mode,
+                checkpoint_dir=config.checkpoint_dir,
+                resume_from_checkpoint=resume.step if resume else None,
+            )
+        )
+        if resume is None:
+            return
+        meta = resume.metadata
+        self.events.emit(
+            ev.Resume(
+                checkpoint_step=resume.step, directory=resume_dir, task=meta.get("task"), saved_world=meta.get("world")
+            )
+        )
+        changed = results.resume_changes(meta, seed=config.seed, global_batch_size=config.global_batch_size)
+        if changed:
+            self.events.emit(ev.ResumeConfigChanged(changed=changed))
+
+    def waiting(self, state: str, what: str, *, ready: int, asked: int, waited_s: float, demand) -> None:
+        """What the run waits for and what is missing: a job waiting minutes for TPU capacity must not
+        look hung. A ``waiting`` event (the progress line shows it) and a log line."""
+        self.events.emit(ev.Waiting(state=state, ready=ready, asked=asked, waited_s=waited_s, demand=demand))
+        logger.warning("%s; pending slice demand (what the autoscaler sees): %s", what, demand)
+
+    def snapshot_interval(self, step: int, every: int) -> None:
+        """The snapshot interval from ``step`` on (``snapshot_every="auto"`` picks it as the run goes)."""
+        self.events.emit(ev.SnapshotInterval(step=step, every=every, max_rewind_steps=max(0, every - 1)))
+
+    def failure(
+        self,
+        seen,
+        outcome: RunOutcome,
+        decision,
+        first: BaseException,
+        *,
+        now: float,
+        last_progress_at: float,
+        classified_at: float,
+    ) -> None:
+        """A world failed: what was seen (``seen``: the world's evidence) and what the policy decided."""
+        verdict = decision.verdict
+        self.events.emit(
+            ev.Failure(
+                generation=seen.generation,
+                cause=outcome.kind,
+                kinds=seen.kinds,
+                world_slices=len(seen.slices),
+                vouched_slices=sorted(seen.vouched),
+                lost_slices=list(verdict.lost_slices),
+                crashed_slices=list(verdict.crashed_slices),
+                quarantined_slices=list(verdict.quarantined),
+                error=str(first)[:2000],
+                last_step=self.ledger.last_step,
+                origin=seen.origin,
+                failures_in_a_row=decision.failures_in_a_row,
+                since_last_progress_s=now - last_progress_at,
+                drain_s=outcome.drain_s,
+                classify_s=classified_at - now,
+                detection_latency_s=classified_at - last_progress_at,
+            )
+        )
+
+    def lost_while_waiting(self, generation: int, names: list[str]) -> None:
+        """Survivors' hosts died while replacements were awaited."""
+        self.events.emit(
+            ev.LostWhileWaiting(
+                generation=generation,
+                lost_slices=names,
+                kinds={n: "node_died" for n in names},
+                last_step=self.ledger.last_step,
+            )
+        )
+
+    def world_ran(self, world, start: int, seconds: float, outcome: RunOutcome, streams) -> None:
+        """A world's steps ended: snapshots its holders did not keep, the last steps, how it ended."""
+        if streams.not_kept:  # a holder's snapshots are not there: a later recovery may rewind (say why now)
+            self.events.emit(
+                ev.SnapshotNotKept(
+                    generation=world.plan.generation, count=streams.not_kept_count, first=streams.not_kept
+                )
+            )
+        self.ledger.flush()
+        self.events.emit(
+            ev.ChunkRun(
+                generation=world.plan.generation,
+                first_step=start,
+                last_step=self.ledger.last_step,
+                seconds=seconds,
+                outcome=outcome.kind,
+            )
+        )
+
+    def world_formed(
+        self,
+        change: WorldChange,
+        record: WorldRecord,
+        restore: RestorePlan,
+        *,
+        before: Optional[WorldRecord],
+        added: int,
+        wait_s: float,
+        capacity_ready_at: float,
+        mode: str,
+        saved_by: Optional[dict],
+    ) -> None:
+        """A world formed after ``change``: the world, where its state came from, and the recovery
+        or grow-back it ends (the steps after the restored one are forgotten: they run again)."""
+        self.events.emit(record)
+        if restore.source is RestoreSource.CHECKPOINT:
+            self.events.emit(
+                ev.CheckpointRestore(
+                    step=record.start_step,
+                    generation=record.generation,
+                    seconds=record.times["state_load_s"],
+                    saved_by=saved_by,
+                )
+            )
+        rewound = self.ledger.rewind_to(restore.step)
+        size = len(record.slices)
+        if change.cause is OutcomeKind.GROW:
+            ready_at = time.time()
+            self.events.emit(
+                ev.ScaleUp(
+                    generation=record.generation,
+                    from_slices=len(change.survivors),
+                    to_slices=size,
+                    restored_from_step=restore.step,
+                    steps_rewound=rewound,
+                    resize_s=ready_at - change.detected_at,
+                    pause_s=ready_at - change.last_progress_at,
+                    ready_at=ready_at,
+                )
+            )
+        elif change.cause is not OutcomeKind.DONE:  # not the first world: a recovery
+            rec = results.recovery_record(
+                change,
+                record,
+                mode=mode,
+                added=added,
+                rewound=rewound,
+                wait_s=wait_s,
+                capacity_ready_at=capacity_ready_at,
+            )
+            self.recoveries.append(rec)
+            self.events.emit(rec)
+            if before is not None and len(before.slices) != size:
+                self.events.emit(ev.Resize(generation=rec.generation, from_slices=len(before.slices), to_slices=size))

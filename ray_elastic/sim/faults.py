@@ -1,0 +1,99 @@
+"""The faults a simulated cluster offers: a slice or one host lost (SIGKILL), a slice hung (SIGSTOP),
+and finding what of the cluster still runs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import psutil
+
+from ray_elastic.sim.hosts import SimulatedHost, SimulatedSlice, process_children, send_signal
+
+logger = logging.getLogger(__name__)
+
+
+class SliceFaults:
+    """Mixed into :class:`~ray_elastic.sim.cluster.SimulatedTPUCluster` (its ``_cluster``, ``temp_dir``,
+    ``slice_by_name`` and ``alive_slices``)."""
+
+    def processes(self) -> list[psutil.Process]:
+        """Every live process of the cluster: the head's and each live slice host's, with children."""
+        head = SimulatedHost(node_id=self._cluster.head_node.node_id, node=self._cluster.head_node)
+        table = process_children()
+        return [p for h in [head] + [h for sl in self.alive_slices() for h in sl.hosts] for p in h.processes(table)]
+
+    def kill_slice(self, name: str) -> float:
+        """A lost slice: SIGKILL every process of its hosts (and remove the nodes this process started).
+        Returns the wall time of the first SIGKILL: when the loss happened, for whoever times its detection."""
+        sl = self.slice_by_name(name)
+        killed_at = self._kill_hosts(sl.hosts, name)
+        sl.alive = False
+        logger.info("simulated slice %s killed", name)
+        return killed_at
+
+    def kill_host(self, name: str, worker_id: int) -> float:
+        """One host of a multi-host slice lost (the slice is unusable; ``reap_dead_slices`` clears the rest).
+        Returns the wall time of the first SIGKILL."""
+        killed_at = self._kill_hosts([self.slice_by_name(name).hosts[worker_id]], name)
+        logger.info("simulated host %d of slice %s killed", worker_id, name)
+        return killed_at
+
+    def _kill_hosts(self, hosts: list[SimulatedHost], name: str) -> float:
+        """SIGKILL these hosts' processes, all found first (one read of the process table) so the
+        kills follow each other at once, as in a real host or slice loss; then remove the nodes this
+        process started. Returns when the first SIGKILL went out: on loaded cores that can be long
+        after the caller asked, so whoever times detection starts from this."""
+        table = process_children()
+        procs = [p for host in hosts for p in host.processes(table)]
+        killed_at = time.time()
+        send_signal(procs, signal.SIGKILL)
+        for host in hosts:
+            if host.node is None:
+                continue  # an autoscaled host: the autoscaler retires its instance
+            try:
+                self._cluster.remove_node(host.node, allow_graceful=False)
+            except Exception as e:  # already dead processes make remove_node's checks noisy
+                logger.debug("remove_node(%s): %s", name, e)
+                self._cluster.worker_nodes.discard(host.node)
+        return killed_at
+
+    def reap_dead_slices(self) -> list[str]:
+        """Kill and remove slices that Ray has declared dead (for example hung ones); returns their names."""
+        import ray
+
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        dead = [s.name for s in self.alive_slices() if any(nid not in alive for nid in s.node_ids)]
+        for name in dead:
+            self.kill_slice(name)
+        return dead
+
+    def hang_slice(self, name: str) -> None:
+        """A hung slice: SIGSTOP its hosts' processes (raylet and workers)."""
+        self._signal_slice(self.slice_by_name(name), signal.SIGSTOP)
+
+    def resume_slice(self, name: str) -> None:
+        """Undo :meth:`hang_slice`."""
+        self._signal_slice(self.slice_by_name(name), signal.SIGCONT)
+
+    @staticmethod
+    def _signal_slice(sl: SimulatedSlice, sig: int) -> None:
+        table = process_children()
+        send_signal([p for host in sl.hosts for p in host.processes(table)], sig)
+
+    def stray_processes(self) -> list[psutil.Process]:
+        """Processes of this cluster's slice hosts that are still running: their environment has our
+        private ``RAY_TMPDIR`` and a ``TPU_NAME`` (what every host's raylet, agents and workers
+        inherit). After :meth:`shutdown` this is empty. Found by environment because Ray's agents
+        retitle themselves (``ray::DashboardAgent``) and outlive a SIGKILLed raylet."""
+        out = []
+        for p in psutil.process_iter(["pid"]):
+            try:
+                env = p.environ()
+            except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+                continue
+            if p.pid != os.getpid() and env.get("RAY_TMPDIR") == self.temp_dir and "TPU_NAME" in env:
+                out.append(p)
+        return out
