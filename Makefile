@@ -13,6 +13,11 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	@# Debian's redis-server, for the GCS fault-tolerance test and bench (skipped without it).
+	-@command -v redis-server >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  { apt-get install -y -q redis-server >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && \
+	    apt-get install -y -q redis-server >/dev/null 2>&1; }; }; } || \
+	  echo "redis-server not installed (apt-get install redis-server): tests/test_head_loss.py is skipped"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -42,6 +42,7 @@ _SECONDS_FIELDS = (
     "node_death_grace_s",
     "failure_window_s",
     "save_timeout_s",
+    "orphan_timeout_s",
 )
 
 
@@ -108,6 +109,9 @@ class ElasticConfig:
         save_timeout_s: how long one checkpoint save (or commit) may keep a world busy before it
             counts as a failed save and the world is recovered. ``None``: 10 x the slowest save
             the run has committed, at least 300 s.
+        orphan_timeout_s: how long the snapshot keepers outlive a driver that stopped renewing
+            their lease (it died): a rerun within it resumes from their snapshots; after it they
+            free them and exit, so an abandoned run leaves nothing behind.
         max_save_failures_in_a_row: stop with ``StorageFailingError`` once checkpoint saves failed
             (or timed out) this many times in a row with none committed in between: a bucket that
             refuses writes, a full disk. Other failures in between start the count again.
@@ -169,6 +173,7 @@ class ElasticConfig:
     max_to_keep: Optional[int] = 3
     async_checkpointing: bool = True
     save_timeout_s: Optional[float] = None
+    orphan_timeout_s: float = 300.0
     max_save_failures_in_a_row: int = 3
     worker_niceness: Optional[int] = None
     slice_mesh: dict = dataclasses.field(default_factory=lambda: dict(DEFAULT_SLICE_MESH))
@@ -275,6 +280,7 @@ class ElasticConfig:
             "failure_window_s",
             "slice_timeout_s",
             "jax_init_timeout_s",
+            "orphan_timeout_s",
         ):
             value = getattr(self, name)  # None would mean "wait forever": not allowed
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

@@ -24,6 +24,10 @@ class CapacityTimeoutError(ElasticRuntimeError):
     """Not enough slices came back in ``replacement_timeout_s`` to form a world the config allows."""
 
 
+class SupersededError(ElasticRuntimeError):
+    """Another driver took this run over (a rerun while this one still lived): this one stopped."""
+
+
 class StateLostError(ElasticRuntimeError):
     """Every slice holding a snapshot was lost and no checkpoint exists: going on would silently
     restart training from step 0. Raised unless ``allow_restart_from_scratch=True``."""

@@ -178,7 +178,15 @@ class FakeBackend:
         return FakeReservation(self, host)
 
     # the backend interface
-    def connect(self) -> None:
+    superseded = False
+
+    def take_over_keepers(self) -> list:
+        return []  # nothing outlives a fake driver
+
+    def release_unclaimed_keepers(self) -> None:
+        pass
+
+    def connect(self, run_id: str) -> None:
         pass
 
     def run_metrics(self, name: str):
@@ -239,7 +247,16 @@ class FakeBackend:
         return set()  # the store is the truth here
 
     def drive(
-        self, world, store, on_metrics, step_times, on_interval=None, on_committed=None, on_eval=None, save_limit=None
+        self,
+        world,
+        store,
+        on_metrics,
+        step_times,
+        on_interval=None,
+        on_committed=None,
+        on_eval=None,
+        save_limit=None,
+        logged_step=None,
     ) -> FakeStreams:
         return FakeStreams(self, world, store, on_metrics)
 

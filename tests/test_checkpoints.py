@@ -386,6 +386,8 @@ def _train_cmd(address_env, directory, run_dir):
         directory,
         "--checkpoint-every",
         "10",
+        "--snapshot-every",
+        "0",  # checkpoints alone: a rerun resumes from the newest (test_driver_loss.py: from memory)
         "--run-dir",
         run_dir,
         "--json",

@@ -110,3 +110,14 @@ def test_every_host_installs_this_version_and_the_dashboard_is_not_public(name):
         assert m["spec"]["headGroupSpec"]["rayStartParams"]["dashboard-host"] == "0.0.0.0"
         assert "LoadBalancer" not in text.replace("no LoadBalancer", "") and "kind: Ingress" not in text
         assert "Do not expose the service" in text
+
+
+def test_the_driver_s_resubmission_is_the_same_run_on_the_same_cluster():
+    """A resubmitted RayJob must find the lost driver's keepers: same run id, the long-lived cluster
+    (not a new one per attempt), resubmitted on failure; the cluster keeps its GCS in Redis."""
+    job, cluster = _load("kuberay-rayjob.yaml"), _load("kuberay-tpu.yaml")
+    assert job["kind"] == "RayJob" and job["spec"]["backoffLimit"] >= 1
+    assert job["spec"]["clusterSelector"]["ray.io/cluster"] == cluster["metadata"]["name"]
+    args = job["spec"]["entrypoint"].split()
+    assert args[:2] == ["ray-elastic", "train"] and args[args.index("--run-id") + 1]
+    assert cluster["spec"]["gcsFaultToleranceOptions"]["redisAddress"]

@@ -144,3 +144,37 @@ def test_a_fault_in_every_state_is_recovered_or_ends_with_a_documented_error(tmp
     assert fired == [state]
     assert fresh_restarts(trainer) == [], "a world started from fresh parameters after steps were done"
     assert_released(backend)
+
+
+def test_a_rerun_restores_only_a_step_every_host_of_a_slice_still_holds():
+    """Keepers an earlier driver left disagree (each host hands its snapshots over on its own
+    clock): the first world restores the newest step that every host of some slice holds, and
+    never a fresher checkpoint's rival from memory that is incomplete."""
+    from ray_elastic.control.generations import Generations
+    from ray_elastic.control.keepers import TakenOver
+    from ray_elastic.decide import RestoreSource
+
+    config = ElasticConfig(num_slices=2, global_batch_size=48, slice=SliceSpec("v4", "2x2x2"))  # 2 hosts a slice
+    gens = Generations(config, FakeBackend(slices=2))
+    found = [
+        TakenOver(object(), "n0", ("a", 0), [40, 41, 42]),
+        TakenOver(object(), "n1", ("a", 1), [39, 40, 41]),  # host 1 of "a" never got 42
+        TakenOver(object(), "n2", ("b", 0), [38, 39, 40]),
+        TakenOver(object(), "n3", ("b", 1), [38, 39, 40]),
+        TakenOver(object(), "n4", None, [50]),  # never placed in a world: holds nothing usable
+    ]
+    held = gens.take_over(found)
+    assert held == {"a": {0: [40, 41, 42], 1: [39, 40, 41]}, "b": {0: [38, 39, 40], 1: [38, 39, 40]}}
+    assert gens.taken_over_step == 41
+    plan = gens.restore_plan([], None, last_step=-1)  # the rerun's members are not named yet
+    assert (plan.source, plan.step, plan.holders) == (RestoreSource.SNAPSHOT, 41, ("a",))
+    # The lost driver's log ends at step 40: the steps after it have no metrics any more, so the
+    # rerun resumes at 40 (both slices hold it) and runs 41 and 42 again: the record stays whole.
+    logged = Generations(config, FakeBackend(slices=2))
+    logged.take_over(found, logged=40)
+    assert logged.taken_over_step == 40
+    assert logged.restore_plan([], None, last_step=-1).holders == ("a", "b")
+    # Nothing complete up to the log's end (a log that ended long before): the newest complete step.
+    early = Generations(config, FakeBackend(slices=2))
+    early.take_over(found, logged=20)
+    assert early.taken_over_step == 41

@@ -32,6 +32,7 @@ def fit_and_report(task, config, args, address=None):
         address=address,
         progress=not args.no_progress,
         run_dir=args.run_dir,
+        run_id=args.run_id,
         tensorboard_dir=args.tensorboard_dir,
     ).fit(args.steps, resume_from=args.resume_from)
     print_summary(result, args.json, goodput_printed=not args.no_progress)
@@ -93,6 +94,7 @@ def cmd_demo(args) -> int:
             progress=not args.no_progress,
             on_step=on_step,
             run_dir=args.run_dir,
+            run_id=args.run_id,
             tensorboard_dir=args.tensorboard_dir,
         )
         trainer_box["t"] = trainer

@@ -82,6 +82,18 @@ def _add_run_args(p, default_slices: int) -> None:
 
 def _add_state_args(p) -> None:
     p.add_argument(
+        "--run-id",
+        default=None,
+        help="what makes a rerun the same run (default: --run-dir, else --checkpoint-dir): a rerun "
+        "within --orphan-timeout of a lost driver resumes from its in-memory snapshots",
+    )
+    p.add_argument(
+        "--orphan-timeout",
+        type=float,
+        default=ElasticConfig.orphan_timeout_s,
+        help="seconds the snapshot keepers outlive a lost driver before they free everything",
+    )
+    p.add_argument(
         "--checkpoint-dir",
         default=None,
         help="Orbax checkpoints: local path or gs://bucket/prefix; a rerun resumes from the newest",
@@ -203,6 +215,7 @@ def config_from_args(args, spec: SliceSpec) -> ElasticConfig:
         snapshot_budget=args.snapshot_budget,
         standby_workers=args.standby_workers,
         allow_restart_from_scratch=args.allow_restart_from_scratch,
+        orphan_timeout_s=args.orphan_timeout,
     )
 
 

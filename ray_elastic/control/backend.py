@@ -65,7 +65,15 @@ class Backend(Protocol):
     """Slices, processes, worlds and failure evidence on one cluster."""
 
     # the cluster
-    def connect(self) -> None: ...
+    def connect(self, run_id: str) -> None: ...
+
+    # a rerun: the keepers an earlier driver of the run left (``TakenOver``), and the lease
+    def take_over_keepers(self) -> list: ...
+
+    def release_unclaimed_keepers(self) -> None: ...
+
+    @property
+    def superseded(self) -> bool: ...
 
     def run_metrics(self, name: str) -> Any: ...
 
@@ -110,6 +118,7 @@ class Backend(Protocol):
         on_committed: Optional[Callable[[list], None]] = None,
         on_eval: Optional[Callable[[dict], bool]] = None,
         save_limit: Callable[[], float] = lambda: float("inf"),
+        logged_step: Optional[Callable[[], int]] = None,
     ) -> Streams: ...
 
     # evidence

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import time
+import uuid
 from typing import Callable, Optional
 
 from ray_elastic.config import ElasticConfig
@@ -31,6 +32,7 @@ from ray_elastic.errors import (
     ElasticRuntimeError,
     ProcessFailed,
     StorageFailingError,
+    SupersededError,
     failed_save,
 )
 from ray_elastic.observe import event_types as ev
@@ -39,7 +41,7 @@ from ray_elastic.observe.events import EventLog
 from ray_elastic.observe.observers import ProgressBar, RayMetricsObserver, StandbyReplenisher, UserCallbacks
 from ray_elastic.observe.results import FitResult, RecoveryRecord, WorldChange
 from ray_elastic.observe.tensorboard import TensorBoardWriter, tensorboard_location
-from ray_elastic.policy.failure import FailureEvidence, FailurePolicy
+from ray_elastic.policy.failure import FailurePolicy
 from ray_elastic.state import checkpoints
 from ray_elastic.task import TrainTask
 
@@ -74,6 +76,9 @@ class ElasticTrainer:
         run_dir: where ``events.jsonl`` is written (``None``: events kept in memory only);
             ``ray-elastic report RUN_DIR`` draws it.
         name: the run's name in Ray metrics (default: the run directory's name, else ``ray-elastic``).
+        run_id: what makes a rerun the same run (its snapshot keepers outlive a lost driver for
+            ``config.orphan_timeout_s``, and the rerun resumes from them). Default: the run
+            directory, else the checkpoint directory; without either a run is never resumed so.
         tensorboard_dir: where TensorBoard scalars go (a local path or ``gs://``); default
             ``RUN_DIR/tensorboard`` with a ``run_dir``, else none. ``False``: none.
         on_chunk, on_elastic_event_callback: deprecated names of ``on_step`` (called with
@@ -97,6 +102,7 @@ class ElasticTrainer:
         on_event: Optional[Callable[[ev.Event], None]] = None,
         run_dir: Optional[str] = None,
         name: Optional[str] = None,
+        run_id: Optional[str] = None,
         tensorboard_dir=None,
         on_chunk: Optional[Callable[[list[dict]], None]] = None,
         on_elastic_event_callback: Optional[Callable[[dict], None]] = None,
@@ -115,6 +121,7 @@ class ElasticTrainer:
         self.retry_policy, self.pre_callback, self.run_dir = retry_policy, pre_callback, run_dir
         self.name = name or (os.path.basename(os.path.normpath(run_dir)) if run_dir else "ray-elastic")
         self.tensorboard_dir = tensorboard_location(tensorboard_dir, run_dir)
+        self.run_id = run_id or (os.path.abspath(run_dir) if run_dir else config.checkpoint_dir) or uuid.uuid4().hex
         self.state = S.INITIALIZING
 
     @property
@@ -213,7 +220,10 @@ class ElasticTrainer:
     def _loop(self, num_steps: int, resume: Optional[checkpoints.CheckpointInfo], t_start: float) -> float:
         """Reserve, form the first world, then run and take in outcomes until the steps are done.
         Returns the seconds until the first world ran (startup)."""
-        self.backend.connect()
+        self.backend.connect(self.run_id)
+        previous = results.previous_run_last_step(self.run_dir)  # a lost driver's last logged step
+        held = self.gens.take_over(self.backend.take_over_keepers(), previous)  # what its keepers hold
+        self.record.taken_over(held, self.gens.taken_over_step, previous)
         self._add_observers(num_steps)
         self._enter(S.SCHEDULING)
         self._scheduling_since = time.perf_counter()
@@ -268,6 +278,7 @@ class ElasticTrainer:
             self.ledger.saves_committed,
             self.ledger.add_eval,
             self.ledger.save_limit_s,
+            lambda: self.ledger.logged_step,
         )
         self.ledger.start_world(world.plan.generation, streams.take_snapshot_steps)
         t0 = time.perf_counter()
@@ -285,6 +296,8 @@ class ElasticTrainer:
         """A world ended early: read the evidence, decide what is lost (the failure policy), then
         execute: tear down, set aside unreadable checkpoints, keep the survivors."""
         now = time.time()
+        if self.backend.superseded:
+            raise SupersededError("another driver took this run over (a rerun of it): this driver stopped")
         if outcome.kind is OutcomeKind.GROW:
             grown = self._stop_to_grow(outcome, now)
             if isinstance(grown, WorldChange):
@@ -297,7 +310,8 @@ class ElasticTrainer:
         seen = self.gens.evidence(outcome, now)
         first = next(iter(outcome.errors.values()), None) or RuntimeError(outcome.kind.value)
         saves = [e for e in outcome.errors.values() if failed_save(e)]
-        decision = self.failures.decide(self._failure_evidence(seen, outcome, first, saves), time.monotonic(), first)
+        evidence = self.gens.failure_evidence(seen, outcome, first, saves, self.ledger)
+        decision = self.failures.decide(evidence, time.monotonic(), first)
         classified_at = time.time()
         self.record.failure(
             seen, outcome, decision, first, now=now, last_progress_at=last_progress_at, classified_at=classified_at
@@ -344,21 +358,6 @@ class ElasticTrainer:
             teardown_s=time.perf_counter() - t0,
         )
 
-    def _failure_evidence(self, seen, outcome: RunOutcome, first: BaseException, saves: list) -> FailureEvidence:
-        """What the failure policy decides from: the world's evidence, node health, the run's progress."""
-        return FailureEvidence(
-            kinds=seen.kinds,
-            dead_slices=self.backend.dead_slices(seen.slice_nodes, seen.suspects),  # node health first: then blame code
-            world_slices=seen.slices,
-            error_text=self.backend.error_text(first),
-            origin=seen.origin,
-            forming=outcome.kind is OutcomeKind.FORMING_FAILED,
-            steps_run=len(self.ledger.step_times),
-            save_failed=self.backend.error_text(saves[0]) if saves else None,
-            committed_step=self.ledger.committed_step,
-            checkpoint_dir=self.config.checkpoint_dir,
-        )
-
     def _next_world(
         self, change: WorldChange, resume: Optional[checkpoints.CheckpointInfo] = None
     ) -> Optional[RunOutcome]:
@@ -370,7 +369,7 @@ class ElasticTrainer:
         if self.pre_callback is not None:
             self.pre_callback()
         restore = self.gens.restore_plan(change.survivors, resume, last_step=self.ledger.last_step)
-        done = max(self.ledger.last_step + 1, self._first_step)  # steps trained here, or resumed from
+        done = max(self.ledger.last_step + 1, self._first_step, self.gens.taken_over_step + 1)  # trained, resumed
         refuse_fresh_restart(restore, done, self.config.allow_restart_from_scratch, change.reason)
         before = self.worlds[-1] if self.worlds else None
         self._enter(S.FORMING_WORLD)

@@ -29,8 +29,10 @@ from ray_elastic.decide import (
 )
 from ray_elastic.errors import unreadable_checkpoint
 from ray_elastic.observe.results import WorldRecord
+from ray_elastic.policy.failure import FailureEvidence
 from ray_elastic.state import checkpoints
-from ray_elastic.state.snapshots import SnapshotStore
+from ray_elastic.state.snapshot_keeper import PREVIOUS_DRIVER
+from ray_elastic.state.snapshots import SnapshotRef, SnapshotStore
 
 logger = logging.getLogger(__name__)
 WAIT_POLL_S = 0.2
@@ -70,6 +72,8 @@ class Generations:
         self.store = SnapshotStore(config.slice.num_hosts)
         self.worlds: list[WorldRecord] = []
         self.world: Optional[WorldHandle] = None  # the current generation
+        self.taken_over_slices: set[str] = set()  # slices an earlier driver's keepers hold snapshots of
+        self.taken_over_step = -1  # the newest step they hold completely (the run resumes at least there)
 
     # ------------------------------------------------------------ capacity
     def reserve(self, on_wait: Optional[Callable[[int, int], None]] = None) -> list:
@@ -243,13 +247,53 @@ class Generations:
         return {_name(r, i) for i, r in crashed if self.backend.hosts_answer(r)}
 
     # --------------------------------------------------------------- state
+    def failure_evidence(self, seen, outcome: RunOutcome, first: BaseException, saves: list, ledger) -> FailureEvidence:
+        """What the failure policy decides from: the world's evidence, node health, the run's progress."""
+        return FailureEvidence(
+            kinds=seen.kinds,
+            dead_slices=self.backend.dead_slices(seen.slice_nodes, seen.suspects),  # node health first: then blame code
+            world_slices=seen.slices,
+            error_text=self.backend.error_text(first),
+            origin=seen.origin,
+            forming=outcome.kind is OutcomeKind.FORMING_FAILED,
+            steps_run=len(ledger.step_times),
+            save_failed=self.backend.error_text(saves[0]) if saves else None,
+            committed_step=ledger.committed_step,
+            checkpoint_dir=self.config.checkpoint_dir,
+        )
+
+    def take_over(self, found: list, logged: Optional[int] = None) -> dict[str, dict[int, list[int]]]:
+        """File the snapshots an earlier driver's keepers hold (``TakenOver`` s) as this run's, by
+        slice and host: the first world restores them if they are newer than the newest checkpoint.
+        ``logged``: the newest step the earlier driver's event log has; steps after it are not
+        offered while a slice holds one up to it completely (their metrics died with that driver:
+        the record stays whole, and they run again). Returns slice -> host -> steps held."""
+        held: dict[str, dict[int, list[int]]] = {}
+        for t in found:
+            if t.place is not None:
+                held.setdefault(t.place[0], {})[t.place[1]] = sorted(t.steps)
+        upto = (
+            logged
+            if logged is not None and any(_complete_upto(h, self.config.slice.num_hosts, logged) for h in held.values())
+            else None
+        )
+        for name, hosts in held.items():
+            for host, steps in hosts.items():
+                keeper = next(t.keeper for t in found if t.place == (name, host))
+                kept = {s: SnapshotRef(keeper, PREVIOUS_DRIVER, s) for s in steps if upto is None or s <= upto}
+                self.store.hold_only(name, host, kept)
+        self.taken_over_slices = set(held)
+        self.taken_over_step = max(self.store.latest_complete(list(held)).values(), default=-1)
+        return held
+
     def restore_plan(
         self, members: list, resume: Optional[checkpoints.CheckpointInfo] = None, last_step: Optional[int] = None
     ) -> RestorePlan:
         """The newest state among ``members``' snapshots and the committed checkpoints (``resume``: the
         checkpoint the run starts from, the first world only; ``last_step``: the newest step the run
         has the metrics of, see :func:`~ray_elastic.decide.choose_restore`)."""
-        names = [r.slice_name for r in members if r.slice_name]
+        # The first world after a takeover may load from a slice it did not reserve (any keeper serves).
+        names = [r.slice_name for r in members if r.slice_name] + sorted(self.taken_over_slices)
         entries = self.store.entries(names)
         reported = self.store.latest_complete(names)
         let_go: dict[str, list[int]] = {}
@@ -353,6 +397,9 @@ class Generations:
             checkpoint_dir=restore.directory,
         )
         self.world = world
+        if self.taken_over_slices:  # read by the first world (or not): later ones restore their own
+            self.taken_over_slices = set()
+            self.backend.release_unclaimed_keepers()
         record = WorldRecord(
             generation=generation,
             slices=list(world.plan.slice_names),
@@ -384,3 +431,11 @@ class Generations:
                 r.release()
             except Exception as e:  # noqa: BLE001
                 logger.debug("release reservation: %s", e)
+
+
+def _complete_upto(hosts: dict[int, list[int]], num_hosts: int, upto: int) -> bool:
+    """Every host of a slice holds one same step up to ``upto``."""
+    if len(hosts) < num_hosts:
+        return False
+    common = set.intersection(*(set(steps) for steps in hosts.values()))
+    return any(s <= upto for s in common)

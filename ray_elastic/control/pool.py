@@ -10,7 +10,8 @@ from typing import NamedTuple, Optional
 import ray
 
 from ray_elastic.config import ElasticConfig
-from ray_elastic.control.placement import SliceReservation
+from ray_elastic.control.keepers import Keepers
+from ray_elastic.control.placement import UNPLACED, SliceReservation
 from ray_elastic.control.relay import RelayPool
 from ray_elastic.slice.worker import SliceWorker
 from ray_elastic.state.snapshot_keeper import SnapshotKeeper
@@ -35,8 +36,9 @@ class WorkerPool:
     ``jax.distributed.initialize``), so a standby does not compete for chips.
     """
 
-    def __init__(self, task_ref: ray.ObjectRef, config: ElasticConfig, env: Optional[dict] = None):
+    def __init__(self, task_ref: ray.ObjectRef, config: ElasticConfig, keepers: Keepers, env: Optional[dict] = None):
         self.task_ref = task_ref
+        self.run_keepers = keepers
         self.config = config
         self.env = env or {}  # forwarded to every slice process (GCS endpoint and credentials)
         # (id(reservation), host) -> standbys, oldest first
@@ -46,13 +48,18 @@ class WorkerPool:
         self.relays = RelayPool()  # fan chunks out to many quiet processes (large worlds)
 
     def keeper(self, res: SliceReservation, host: int) -> ray.actor.ActorHandle:
-        """The host's snapshot keeper, started with the first process placed there: it lives in the
-        slice's placement group until the slice leaves, so it outlives every slice process."""
+        """The host's snapshot keeper, started with the first process placed there (or the previous
+        driver's, taken over): pinned to the host's node, it outlives every slice process, and the
+        driver too (:mod:`ray_elastic.control.keepers`)."""
         key = (id(res), host)
         if key not in self._keepers:
-            self._keepers[key] = SnapshotKeeper.options(  # type: ignore[attr-defined]
-                num_cpus=0, scheduling_strategy=res.host_strategy(host)
-            ).remote()
+            node = res.node_ids()[host]
+            if node == UNPLACED:  # not placed yet: in the bundle, living as long as the reservation
+                self._keepers[key] = SnapshotKeeper.options(  # type: ignore[attr-defined]
+                    num_cpus=0, scheduling_strategy=res.host_strategy(host)
+                ).remote()
+            else:
+                self._keepers[key] = self.run_keepers.keeper(node)
         return self._keepers[key]
 
     def keepers_of(
@@ -156,14 +163,21 @@ class WorkerPool:
             if keeper is not None:
                 kill(keeper)
 
-    def shutdown(self) -> None:
+    def stop_processes(self) -> None:
+        """Kill every standby (a superseded driver stops; its keepers are the new driver's)."""
         for queue in self._standby.values():
             for s in queue:
                 kill(s.actor)
         self._standby.clear()
+
+    def shutdown(self) -> None:
+        self.stop_processes()
+        superseded = self.run_keepers.superseded.is_set()
         for keeper in self._keepers.values():
-            kill(keeper)
+            if not superseded:
+                kill(keeper)
         self._keepers.clear()
+        self.run_keepers.shutdown()
         self.relays.shutdown()
 
 

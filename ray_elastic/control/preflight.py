@@ -108,3 +108,17 @@ def _check_eval_data(task: TrainTask, config: ElasticConfig) -> None:
             f"{config.eval_steps} x eval_batch_size={config.eval_batch} = {need}: lower eval_steps or "
             "eval_batch_size, or give more held-out data"
         )
+
+
+def snapshot_layout(task: TrainTask, config: ElasticConfig) -> tuple:
+    """What one host's snapshot depends on besides the run: the model's arrays (shapes and dtypes)
+    and one slice's layout. A snapshot taken under another is never restored (a rerun with a
+    changed model takes no snapshot of the old one)."""
+    import jax
+
+    from ray_elastic.slice import step_program as sp
+
+    spec = sp.state_spec(task, config.seed, None)
+    arrays = sorted((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(spec.abstract))
+    c = config
+    return (arrays, c.slice, sorted(c.slice_mesh.items()), tuple(c.logical_axis_rules), c.fsdp_min_size)

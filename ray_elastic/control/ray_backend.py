@@ -16,10 +16,12 @@ from typing import Callable, Optional, Sequence
 import ray
 
 from ray_elastic.config import ElasticConfig
+from ray_elastic.control.keepers import Keepers, RunIdentity, TakenOver
 from ray_elastic.control.placement import ReplacementRequest, SliceReservation, pending_slice_demand, reserve_slices
-from ray_elastic.control.pool import WorkerPool
+from ray_elastic.control.pool import WorkerPool, kill
+from ray_elastic.control.preflight import snapshot_layout
 from ray_elastic.control.stepping import StepStreams
-from ray_elastic.control.world import World
+from ray_elastic.control.world import World, host_labels
 from ray_elastic.decide import ErrorKind
 from ray_elastic.detect import health
 from ray_elastic.state import checkpoints
@@ -41,10 +43,35 @@ class RayBackend:
         self.config = config
         self.address = address
 
-    def connect(self) -> None:
+    def connect(self, run_id: str) -> None:
         if not ray.is_initialized():
             ray.init(address=self.address, namespace="ray_elastic", log_to_driver=True)
-        self.pool = WorkerPool(ray.put(self.task), self.config, env=checkpoints.gcs_env())
+        identity = RunIdentity.of(run_id, self.task.name(), snapshot_layout(self.task, self.config))
+        self.keepers = Keepers(identity, self.config.orphan_timeout_s)
+        self.pool = WorkerPool(ray.put(self.task), self.config, self.keepers, env=checkpoints.gcs_env())
+        self._world: Optional[World] = None
+
+    # -------------------------------------------------------------- a rerun
+    def take_over_keepers(self) -> list[TakenOver]:
+        """The keepers an earlier driver of this run left, now this driver's (then its lease starts:
+        a driver that takes this run over later stops this one)."""
+        found = self.keepers.take_over()
+        self.keepers.start_lease(self._superseded)
+        return found
+
+    def release_unclaimed_keepers(self) -> None:
+        self.keepers.release_unclaimed()
+
+    @property
+    def superseded(self) -> bool:
+        return self.keepers.superseded.is_set()
+
+    def _superseded(self) -> None:
+        """A newer driver owns the run: stop training now (its processes' failures end the loop)."""
+        self.pool.stop_processes()
+        if self._world is not None:
+            for w in self._world.workers:
+                kill(w)
 
     def run_metrics(self, name: str):
         """Ray metrics for this run; a run goes on without them if they cannot be set up."""
@@ -58,7 +85,13 @@ class RayBackend:
 
     # -------------------------------------------------------------- slices
     def reserve(self, count: int, on_wait: Optional[Callable[[int, int], None]] = None) -> list[SliceReservation]:
-        return reserve_slices(self.config.slice, count, self.config.slice_timeout_s, on_wait=on_wait)
+        """``count`` slices, named by their hosts' TPU labels where Ray has them (a rerun's snapshots
+        are filed by slice name), else when their first world forms."""
+        reserved = reserve_slices(self.config.slice, count, self.config.slice_timeout_s, on_wait=on_wait)
+        labels = host_labels(reserved)
+        for res, hosts in zip(reserved, labels or []):
+            res.slice_name = hosts[0]["slice_name"] or res.slice_name
+        return reserved
 
     def pending_demand(self) -> str:
         return pending_slice_demand()
@@ -115,8 +148,9 @@ class RayBackend:
         checkpoint_step: Optional[int],
         checkpoint_dir: Optional[str] = None,
     ) -> World:
-        return World.form(
+        self._world = World.form(
             pool=self.pool,
+            epoch=self.keepers.epoch,
             config=self.config,
             generation=generation,
             reservations=reservations,
@@ -125,6 +159,7 @@ class RayBackend:
             checkpoint_step=checkpoint_step,
             checkpoint_dir=checkpoint_dir,
         )
+        return self._world
 
     @staticmethod
     def check_task(task, config, resume=None) -> None:
@@ -145,9 +180,19 @@ class RayBackend:
         on_committed: Optional[Callable[[list], None]] = None,
         on_eval: Optional[Callable[[dict], bool]] = None,
         save_limit: Callable[[], float] = lambda: float("inf"),
+        logged_step: Optional[Callable[[], int]] = None,
     ) -> StepStreams:
         return StepStreams(
-            world, self.config, store, on_metrics, step_times, on_interval, on_committed, on_eval, save_limit
+            world,
+            self.config,
+            store,
+            on_metrics,
+            step_times,
+            on_interval,
+            on_committed,
+            on_eval,
+            save_limit,
+            logged_step,
         )
 
     # ------------------------------------------------------------- evidence

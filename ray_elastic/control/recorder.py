@@ -51,6 +51,11 @@ class RunRecorder:
         if changed:
             self.events.emit(ev.ResumeConfigChanged(changed=changed))
 
+    def taken_over(self, held: dict, snapshot_step: int, previous: Optional[int]) -> None:
+        """The run follows an earlier driver of it: what that one logged last and what its keepers hold."""
+        if held or previous is not None:
+            self.events.emit(ev.Rerun(previous_last_step=previous, snapshot_step=snapshot_step, held=held))
+
     def waiting(self, state: str, what: str, *, ready: int, asked: int, waited_s: float, demand) -> None:
         """What the run waits for and what is missing: a job waiting minutes for TPU capacity must not
         look hung. A ``waiting`` event (the progress line shows it) and a log line."""

@@ -50,9 +50,9 @@ NODE_CHECK_S, NODE_CHECK_MAX_S = 0.05, 1.0
 
 KEEPER_POLL_S = 0.05
 KEEPER_ANSWER_S = 0.3  # a live keeper answers in milliseconds; one on a lost node may never
-OTHER_HOLDERS_S = 1.0  # once a slice whose keepers answer holds the newest step, how long the other holders
-# get to hand it over too (a writer takes milliseconds; one stuck behind a
-# step whose collective waits for the dead peer never does)
+# Once a slice whose keepers answer holds the newest step, how long the other holders get to hand it
+# over too (a writer takes milliseconds; one stuck behind a step that waits for a dead peer never does).
+OTHER_HOLDERS_S = 1.0
 NOT_KEPT_LISTED = 5  # snapshots not kept listed per world in the event (all are counted)
 
 
@@ -73,6 +73,7 @@ class StepStreams:
         on_committed: Optional[Callable[[list], None]] = None,
         on_eval: Optional[Callable[[dict], bool]] = None,
         save_limit: Callable[[], float] = lambda: float("inf"),
+        logged_step: Optional[Callable[[], int]] = None,
     ):
         self.world = world
         self.config = config
@@ -82,6 +83,7 @@ class StepStreams:
         self.on_eval = on_eval  # an eval's metrics; asked with {"step": s} alone, says whether s's eval is known
         self.step_times = step_times
         self.save_limit = save_limit  # how long a save may run (save_timeout_s, or the automatic bound)
+        self.logged_step = logged_step  # keepers hear of a step once it is logged (what a rerun resumes from)
         self.cadence = SnapshotCadence(config, step_times, on_interval)
         self.steps_per_chunk = config.steps_per_chunk  # the last chunk's length (chunk_steps)
         # Per channel (World.channels: a process, or a relay's group of quiet ones): its chunks in flight.
@@ -89,9 +91,7 @@ class StepStreams:
         self.queues: list[collections.deque] = [collections.deque() for _ in self.channels]
         self.streaming = [len(ch) == 1 and world.plan.takes_snapshots(ch[0]) for ch in self.channels]
         self._snapshot_steps: list[int] = []  # steps newly kept by some holder, not yet reported
-        self.not_kept: list[
-            dict
-        ] = []  # the first few snapshots a holder's keeper did not take: {"slice", "step", "why"}
+        self.not_kept: list[dict] = []  # the first few a holder's keeper did not take: {"slice", "step", "why"}
         self.not_kept_count = 0  # and how many in all (a dead keeper misses every step)
         self._reported = self._snapshot_reported = -1
         self._submitted = False  # a world's first chunk redoes an eval a failure lost
@@ -317,7 +317,8 @@ class StepStreams:
                 self._snapshot_reported = step
                 self._snapshot_steps.append(step)
         if item["kept"]:  # the keeper holds on to what we know of until we say we know of newer
-            self.world.keepers[p].ack.remote(plan.generation, max(item["kept"]))
+            acked = max(item["kept"]) if self.logged_step is None else min(max(item["kept"]), self.logged_step())
+            self.world.keepers[p].ack.remote(plan.generation, acked, self.world.epoch)
         self.cadence.snapshot_seconds.extend(item["snapshot_s"])
         for step, why in item.get("not_kept", ()):
             self.not_kept_count += 1

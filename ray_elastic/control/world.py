@@ -46,7 +46,7 @@ class FormationTimes:
     compiled_from_cache: int = 0  # processes whose step came from the persistent cache (not compiled)
 
 
-def _host_labels(reservations: list[SliceReservation]) -> Optional[list[list[dict]]]:
+def host_labels(reservations: list[SliceReservation]) -> Optional[list[list[dict]]]:
     """Per slice, per bundle: the TPU slice name and worker id of the node it is placed on.
 
     ``None`` when a node lacks the labels (the actors' own report is used instead).
@@ -145,6 +145,11 @@ def _alive(watch: Callable[[], None], deaths: DeathWatch, owners: list[str]) -> 
     return check
 
 
+def _beacon(info: dict) -> Optional[tuple[str, int, bytes]]:
+    """Where a process's liveness beacon listens, and its token (None: it has none)."""
+    return (info["ip"], info["beacon_port"], bytes.fromhex(info["beacon_token"])) if info.get("beacon_port") else None
+
+
 class _Hosts:
     """The processes taken for a world, per slice and host, and the phases of joining them."""
 
@@ -176,7 +181,7 @@ class _Hosts:
 
         The names and ids come from the nodes' TPU labels when Ray has them, so a process that is
         still starting does not hold the others back; else from the processes' own reports."""
-        labels = _host_labels(self.reservations)
+        labels = host_labels(self.reservations)
         if labels is None:
             known = [slice_name(res, i) for i, res in enumerate(self.reservations)]
             flat = [p for sp in self.prepared for p in sp]
@@ -211,6 +216,7 @@ class _Hosts:
         timeout_s: float,
         watch: Callable[[], None],
         *,
+        epoch: int,
         start_step: int,
         restore: Optional[Callable[[str], Optional[list[SnapshotRef]]]],
         checkpoint_step: Optional[int],
@@ -218,7 +224,11 @@ class _Hosts:
     ) -> list[dict]:
         """Every process joins the JAX world and loads its state; returns what each reported."""
         # Steps from start_step on are run again: what earlier worlds kept of them is dropped.
-        begun = [k.begin.remote(plan.generation, start_step) for ks in self.keepers for k in ks]
+        begun = [
+            k.begin.remote(plan.generation, start_step, (self.names[s], h), epoch)
+            for s, ks in enumerate(self.keepers)
+            for h, k in enumerate(ks)
+        ]
         first = self.workers[0][0]
         (coordinator,) = _gather([first.reserve_coordinator_port.remote()], self.names[:1], timeout_s, watch=watch)
         joins = []
@@ -236,6 +246,7 @@ class _Hosts:
                         checkpoint_step=checkpoint_step,
                         checkpoint_dir=checkpoint_dir,
                         keeper=self.keepers[s][h],
+                        epoch=epoch,
                     )
                 )
         _gather(begun, self.owners, timeout_s, watch=watch)
@@ -280,6 +291,7 @@ class World:
         self.times = times
         self.join_infos = join_infos
         self.reservations = reservations  # plan order
+        self.epoch = 0  # the driver's, on every keeper call (a newer driver's keepers refuse it)
 
     @classmethod
     def form(
@@ -293,6 +305,7 @@ class World:
         restore: Optional[Callable[[str], Optional[list[SnapshotRef]]]] = None,
         checkpoint_step: Optional[int] = None,
         checkpoint_dir: Optional[str] = None,
+        epoch: int = 0,
     ) -> "World":
         """Take one actor per host of each slice, join them into one JAX world, load state, compile.
 
@@ -315,18 +328,14 @@ class World:
                 pool,
                 config.jax_init_timeout_s,
                 watch,
+                epoch=epoch,
                 start_step=start_step,
                 restore=restore,
                 checkpoint_step=checkpoint_step,
                 checkpoint_dir=checkpoint_dir,
             )
             host_infos = [i for sp in hosts.prepared for i in ray.get(sp, timeout=config.jax_init_timeout_s)]
-            deaths = DeathWatch(
-                [
-                    (i["ip"], i["beacon_port"], bytes.fromhex(i["beacon_token"])) if i.get("beacon_port") else None
-                    for i in host_infos
-                ]
-            )
+            deaths = DeathWatch([_beacon(i) for i in host_infos])
             times.jax_init_s = max(j["init_s"] for j in joins)
             times.state_load_s = max(j["snapshot_fetch_s"] + j["state_s"] for j in joins)
             flat = [w for sw in hosts.workers for w in sw]
@@ -347,7 +356,9 @@ class World:
             raise
         logger.info("world %d formed in %.2fs: %s", generation, times.total_s, plan.mesh_shape)
         keepers = [k for ks in hosts.keepers for k in ks]
-        return cls(plan, flat, host_infos, times, joins, list(reservations), keepers, chans, relays, deaths)
+        world = cls(plan, flat, host_infos, times, joins, list(reservations), keepers, chans, relays, deaths)
+        world.epoch = epoch
+        return world
 
     def slice_of(self, process_id: int) -> str:
         return self.plan.slice_names[process_id // self.plan.hosts_per_slice]

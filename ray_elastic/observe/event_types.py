@@ -109,6 +109,17 @@ class Resume(Event):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Rerun(Event):
+    """This run follows an earlier one of the same run (its driver was lost): what that one had
+    reached, and the snapshots its keepers still hold (taken over by this driver)."""
+
+    kind = "rerun"
+    previous_last_step: Optional[int] = None  # the newest step the earlier driver reported (its log)
+    snapshot_step: int = -1  # the newest step the taken-over keepers hold completely
+    held: dict = dataclasses.field(default_factory=dict)  # slice -> host -> steps held
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ResumeConfigChanged(Event):
     """Settings that change the data order differ from the checkpoint's: name -> (then, now)."""
 

@@ -8,7 +8,9 @@ Every ``*_at`` field is wall-clock time (``time.time()``), every ``*_s`` a durat
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import time
 from typing import Any, Callable, Optional
 
@@ -104,6 +106,8 @@ class RunSummary:
     median_step_s: Optional[float] = None
     snapshot_every: Optional[int] = None  # the last snapshot interval (``snapshot_every="auto"`` picks it)
     max_rewind_steps: Optional[int] = None  # the most a recovery could rewind with a holder alive (interval - 1)
+    resumed_from_snapshot: Optional[int] = None  # a rerun: the step a lost driver's keepers held
+    steps_rewound_on_resume: Optional[int] = None  # a rerun: the earlier driver's last step - the resumed one
 
 
 @dataclasses.dataclass
@@ -127,6 +131,22 @@ class FitResult:
 
 
 STEP_FIELDS = ("loss", *RESERVED_METRICS)
+# Steps are logged a chunk at a time, and at least this often: a rerun after a lost driver resumes
+# from the newest logged step its keepers hold, and they keep every step after it.
+LOG_EVERY_S = 0.25
+
+
+def _resumed(events: list, first: WorldRecord, first_step: int) -> dict:
+    """Where the run started from: a checkpoint, or (a rerun after a lost driver) the snapshots its
+    keepers held, and how many of the earlier driver's steps that rewound."""
+    rerun = next((e for e in events if isinstance(e, ev.Rerun)), None)
+    at = first.start_step - 1  # the first world's state is the one after this step
+    known = rerun is not None and rerun.previous_last_step is not None
+    return {
+        "resumed_from_checkpoint": first_step if first_step and first.restore_source == "checkpoint" else None,
+        "resumed_from_snapshot": at if rerun is not None and first.restore_source == "snapshot" else None,
+        "steps_rewound_on_resume": max(0, rerun.previous_last_step - at) if known else None,
+    }
 
 
 def user_metrics(steps: list[dict]) -> dict[str, list]:
@@ -147,6 +167,8 @@ class StepLedger:
         self.metrics: dict[int, dict] = {}
         self.step_times: list[float] = []  # every step run, for the watchdog (rewound ones too)
         self._buffer: list[dict] = []
+        self._buffered_at = 0.0  # when the oldest buffered step arrived (monotonic)
+        self.logged_step = -1  # the newest step written to the event log (what survives this driver)
         self._generation = 0
         self._snapshot_steps: Callable[[], list[int]] = list
         self.committed_step = -1  # the newest checkpoint a process reported committed in this run
@@ -175,8 +197,10 @@ class StepLedger:
         if "checkpoint_step" in m:
             self.events.emit(ev.CheckpointSave(step=m["checkpoint_step"], blocking_s=m["checkpoint_blocking_s"]))
         self.saves_committed(m.get("checkpoints_committed", []))
+        if not self._buffer:
+            self._buffered_at = time.monotonic()
         self._buffer.append(m)
-        if len(self._buffer) >= self.steps_per_chunk:
+        if len(self._buffer) >= self.steps_per_chunk or time.monotonic() - self._buffered_at >= LOG_EVERY_S:
             self.flush()
         self.events.step(m)
 
@@ -184,6 +208,7 @@ class StepLedger:
         """Buffered steps into the event log, one line (a rewound step appears again later)."""
         buf, self._buffer = self._buffer, []
         if buf:
+            self.logged_step = max(self.logged_step, max(m["step"] for m in buf))
             self.events.emit(
                 ev.Steps(
                     generation=self._generation,
@@ -257,7 +282,7 @@ def summarize(
         steps=len(steps),
         num_steps=num_steps,
         wall_s=round(wall_s, 3),
-        resumed_from_checkpoint=first_step or None,
+        **_resumed(events, worlds[0], first_step),
         goodput=round(gp.goodput, 4),
         slices=len(last.slices),
         hosts_per_slice=hosts_per_slice,
@@ -346,3 +371,20 @@ def resume_changes(metadata: dict, *, seed: int, global_batch_size: int) -> dict
             {k: b for k, (_, b) in changed.items()},
         )
     return changed
+
+
+def previous_run_last_step(run_dir: Optional[str]) -> Optional[int]:
+    """The newest step the run before this one reported in ``run_dir``'s log (this one's
+    ``run_started`` is its last line so far); None without one."""
+    path = os.path.join(run_dir, "events.jsonl") if run_dir else ""
+    if not path or not os.path.exists(path):
+        return None
+    runs: list[list[int]] = [[]]
+    with open(path) as f:
+        for line in f:
+            e = json.loads(line)
+            if e.get("kind") == "run_started":
+                runs.append([])
+            elif e.get("kind") == "steps":
+                runs[-1].extend(e.get("steps") or [])
+    return max(runs[-2]) if len(runs) >= 3 and runs[-2] else None

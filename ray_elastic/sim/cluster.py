@@ -47,6 +47,7 @@ from ray_elastic.sim.one_machine import (
     one_machine,
 )
 from ray_elastic.sim.provisioner import Provisioner
+from ray_elastic.sim.redis import RedisServer
 from ray_elastic.tpu import SliceSpec
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,8 @@ class SimulatedTPUCluster(SliceFaults):
             ``num_slices`` are launched without it).
         max_slices: (autoscaler) capacity: slices that may be alive at once (``None``: no limit);
             a launch beyond it fails like a stock-out, see :meth:`set_capacity`.
+        gcs_fault_tolerance: the head's GCS keeps its tables in a private Redis (``redis-server``),
+            so :meth:`restart_gcs` can kill it and start it again (KubeRay's GCS fault tolerance).
         idle_timeout_s: (autoscaler) an idle slice is terminated after this long.
         pool_slices: (autoscaler, multi-host) how many pre-named slices the pool has
             (default ``num_slices + 2``): a replacement takes a free name of the pool, often the lost one's.
@@ -97,6 +100,7 @@ class SimulatedTPUCluster(SliceFaults):
         max_slices: Optional[int] = None,
         idle_timeout_s: float = 3600.0,
         pool_slices: Optional[int] = None,
+        gcs_fault_tolerance: bool = False,
     ):
         # Long: the head's parameters are one long keyword list; the rest is one call per step.
         self.slice_spec = SliceSpec.for_hosts(accelerator, hosts_per_slice, devices_per_host)
@@ -124,6 +128,9 @@ class SimulatedTPUCluster(SliceFaults):
         os.makedirs(os.path.join(self.temp_dir, "ray"), exist_ok=True)
         gcs_port = free_port()
         env = self._environment(gcs_port, num_slices, max_slices, idle_timeout_s, pool_slices)
+        self.redis = RedisServer(self.temp_dir) if gcs_fault_tolerance else None
+        if self.redis is not None:  # the GCS keeps its tables there: it can be killed and started again
+            env["RAY_REDIS_ADDRESS"] = self.redis.address
         self._old_env = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         self._was_one_machine = one_machine(True)
@@ -430,4 +437,6 @@ class SimulatedTPUCluster(SliceFaults):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        if getattr(self, "redis", None) is not None:
+            self.redis.stop()
         shutil.rmtree(self.temp_dir, ignore_errors=True)

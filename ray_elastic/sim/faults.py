@@ -97,3 +97,17 @@ class SliceFaults:
             if p.pid != os.getpid() and env.get("RAY_TMPDIR") == self.temp_dir and "TPU_NAME" in env:
                 out.append(p)
         return out
+
+    def restart_gcs(self, down_s: float) -> tuple[float, float]:
+        """The head's GCS killed, and started again after ``down_s`` (needs ``gcs_fault_tolerance``:
+        without Redis it would come back empty). Returns when it was killed and when it was up."""
+        if getattr(self, "redis", None) is None:
+            raise RuntimeError("restart_gcs needs SimulatedTPUCluster(gcs_fault_tolerance=True)")
+        head = self._cluster.head_node
+        killed_at = time.time()
+        head.kill_gcs_server()
+        time.sleep(down_s)
+        # On the cluster's long-lived starter thread: a process Ray starts dies with the thread that
+        # started it (fate sharing), and a caller's thread may end before the cluster does.
+        self._starter.submit(head.start_gcs_server).result()
+        return killed_at, time.time()

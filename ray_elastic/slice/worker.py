@@ -158,6 +158,7 @@ class SliceWorker:
         checkpoint_step: Optional[int] = None,
         checkpoint_dir: Optional[str] = None,
         keeper=None,
+        epoch: Optional[int] = None,
     ) -> dict:
         """``jax.distributed.initialize``, mesh, and the state: fresh, from a snapshot or from a checkpoint.
 
@@ -209,7 +210,7 @@ class SliceWorker:
         if checkpoint_step is not None:
             self.last_step = checkpoint_step - 1
         if keeper is not None and plan.takes_snapshots(self.process_id):
-            self.writer = SnapshotWriter(keeper, plan.generation)
+            self.writer = SnapshotWriter(keeper, plan.generation, epoch)
         return {
             "init_s": t_init,
             "snapshot_fetch_s": t_fetch,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from typing import Callable, Optional
@@ -54,28 +55,82 @@ def evictable(
     return [k for k in keys if k not in newest and k != pinned and k not in unacked]
 
 
+PREVIOUS_DRIVER = -1  # the generation a taken-over keeper files its snapshots under (the new run's start at 0)
+
+
 @ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)
 class SnapshotKeeper:
-    """The newest snapshots of one slice host's process, by (generation, step)."""
+    """The newest snapshots of one slice host's process, by (generation, step).
 
-    def __init__(self, keep_steps: int = KEEP_STEPS):
+    It outlives the driver for ``orphan_timeout_s`` (see :mod:`ray_elastic.control.keepers`): the
+    driver renews its lease, a new driver of the same run takes it over with a higher ``epoch``,
+    and one whose lease runs out frees its snapshots and exits. Calls of an older epoch are refused.
+    """
+
+    def __init__(
+        self, keep_steps: int = KEEP_STEPS, orphan_timeout_s: Optional[float] = None, identity=None, epoch: int = 0
+    ):
         self.keep_steps = keep_steps
         self._entries: dict[tuple[int, int], dict] = {}
         self._generation, self._start = -1, 0
         self._acked = (-1, -1)  # the newest (generation, step) of this host the driver has received
+        self.identity, self.epoch = identity, epoch  # whose snapshots these are; the driver that owns them
+        self.place: Optional[tuple[str, int]] = None  # (slice name, host index) of the process it keeps for
+        self._renewed = time.monotonic()
+        if orphan_timeout_s is not None:
+            threading.Thread(target=self._expire, args=(orphan_timeout_s,), name="lease", daemon=True).start()
 
-    def begin(self, generation: int, start_step: int) -> None:
+    def _expire(self, timeout_s: float) -> None:
+        """No driver has renewed the lease for ``timeout_s``: the run was abandoned; free everything."""
+        while time.monotonic() - self._renewed < timeout_s:
+            time.sleep(min(1.0, timeout_s / 10))
+        logger.warning("no driver renewed this keeper's lease for %.0fs: freeing its snapshots and exiting", timeout_s)
+        self._entries.clear()
+        os._exit(0)
+
+    def status(self) -> dict:
+        """What a new driver decides from: the owning driver's epoch, the node, whose snapshots."""
+        return {"epoch": self.epoch, "node_id": ray.get_runtime_context().get_node_id(), "identity": self.identity}
+
+    def renew(self, epoch: int) -> bool:
+        """The driver of ``epoch`` is alive; False when a newer driver has taken the run over."""
+        if epoch < self.epoch:
+            return False
+        self._renewed = time.monotonic()
+        return True
+
+    def take_over(self, epoch: int, identity) -> Optional[dict]:
+        """A new driver of the run (``epoch`` above the keeper's) takes the keeper and what it holds.
+        ``None`` when refused: an equal or newer driver has it, or ``identity`` is not the keeper's
+        (another task or model: its snapshots cannot be restored). What it held is filed under
+        :data:`PREVIOUS_DRIVER`, below the new run's first world."""
+        if epoch <= self.epoch or identity != self.identity:
+            return None
+        self.epoch, self._renewed = epoch, time.monotonic()
+        self._entries = {(PREVIOUS_DRIVER, step): v for (_, step), v in self._entries.items()}
+        self._generation, self._acked = (
+            PREVIOUS_DRIVER,
+            (PREVIOUS_DRIVER, max((k[1] for k in self._entries), default=-1)),
+        )
+        return {"place": self.place, "held": self.held()}
+
+    def begin(self, generation: int, start_step: int, place: Optional[tuple[str, int]] = None, epoch: int = 0) -> bool:
         """A world of ``generation`` starts after ``start_step - 1``: steps from ``start_step`` on are
         run again by it, so what earlier worlds kept of them (after a resize, other numbers) is dropped,
-        and a late write from an earlier world is refused."""
+        and a late write from an earlier world is refused. ``place``: the (slice, host) it keeps for.
+        False when a newer driver has the keeper."""
+        if epoch < self.epoch:
+            return False
         self._generation, self._start = generation, start_step
+        self.place = tuple(place) if place is not None else self.place
         for key in [k for k in self._entries if k[1] >= start_step]:
             del self._entries[key]
+        return True
 
-    def keep(self, generation: int, step: int, snapshot: dict) -> bool:
+    def keep(self, generation: int, step: int, snapshot: dict, epoch: Optional[int] = None) -> bool:
         """Hold ``snapshot`` (blocks and ranges, copied out of the call's arguments); False when
-        refused (a late write of an earlier world)."""
-        if generation < self._generation:
+        refused (a late write of an earlier world, or of a driver that was taken over)."""
+        if generation < self._generation or (epoch is not None and epoch != self.epoch):
             return False
         self._entries[(generation, step)] = {
             "leaves": [np.array(b, copy=True) for b in snapshot["leaves"]],
@@ -85,8 +140,10 @@ class SnapshotKeeper:
         self._evict()
         return True
 
-    def ack(self, generation: int, step: int) -> None:
+    def ack(self, generation: int, step: int, epoch: int = 0) -> None:
         """The driver has received the report that this host kept ``step`` (see :func:`evictable`)."""
+        if epoch < self.epoch:
+            return
         self._acked = max(self._acked, (generation, step))
         self._evict()
 
@@ -115,9 +172,9 @@ class SnapshotWriter:
     to miss most of it on the large bench model (the memory traffic of the copies; the device copy).
     """
 
-    def __init__(self, keeper, generation: int):
+    def __init__(self, keeper, generation: int, epoch: Optional[int] = None):
         self.keeper = keeper
-        self.generation = generation
+        self.generation, self.epoch = generation, epoch
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot-writer")
         self._future: Optional[concurrent.futures.Future] = None
         self._lock = threading.Lock()
@@ -138,7 +195,7 @@ class SnapshotWriter:
         try:
             ready()
             t0 = time.perf_counter()
-            kept = ray.get(self.keeper.keep.remote(self.generation, step, host_copy()))
+            kept = ray.get(self.keeper.keep.remote(self.generation, step, host_copy(), self.epoch))
         except Exception as e:  # noqa: BLE001 - the step goes on without this snapshot; recovery may rewind
             logger.warning("snapshot of step %d not kept: %r", step, e)
             why = repr(e)[:300]

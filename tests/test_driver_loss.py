@@ -1,0 +1,199 @@
+"""The driver is not the single point of failure: its snapshot keepers outlive it, a rerun of the
+same run takes them over and resumes from memory, an older driver that still lives stops, and an
+abandoned run's keepers free everything after ``orphan_timeout_s`` (the simulated cluster, the
+driver a real ``ray-elastic train`` process killed with SIGKILL)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import ray
+from faults import cluster_state, ensure_slices, left_behind, max_rel_err
+
+from ray_elastic import ElasticConfig, ElasticTrainer
+from ray_elastic.control.keepers import NAMESPACE
+from ray_elastic.examples.digits_mlp import DigitsMLPTask
+from ray_elastic.state.snapshot_keeper import SnapshotKeeper
+
+SHARE_CLUSTER = True
+BIN = os.path.join(os.path.dirname(sys.executable), "ray-elastic")
+GBS, SEED, STEPS = 48, 5, 80
+
+
+def _cmd(run_dir: str, ckpt: str, *extra: str, steps: int = STEPS) -> list[str]:
+    return [
+        BIN,
+        "train",
+        "--example",
+        "mlp",
+        "--num-slices",
+        "2",
+        "--devices-per-host",
+        "2",
+        "--global-batch",
+        str(GBS),
+        "--seed",
+        str(SEED),
+        "--steps",
+        str(steps),
+        "--steps-per-chunk",
+        "5",
+        "--standby-workers",
+        "0",
+        "--snapshot-every",
+        "1",
+        "--checkpoint-dir",
+        ckpt,
+        "--checkpoint-every",
+        "100",
+        "--run-dir",
+        run_dir,
+        "--json",
+        "--no-progress",
+        *extra,
+    ]
+
+
+def _logged_steps(run_dir: str) -> list[list[int]]:
+    """Per run in the log: the steps it reported."""
+    runs: list[list[int]] = []
+    path = os.path.join(run_dir, "events.jsonl")
+    if not os.path.exists(path):
+        return runs
+    with open(path) as f:
+        for line in f:
+            e = json.loads(line)
+            if e["kind"] == "run_started":
+                runs.append([])
+            elif e["kind"] == "steps" and runs:
+                runs[-1].extend(e["steps"])
+    return runs
+
+
+def _start_and_kill_at(cmd: list[str], run_dir: str, step: int, log, address: str) -> int:
+    """Start a driver, SIGKILL it once it has reported ``step``; returns the last step it reported."""
+    env = {**os.environ, "RAY_ADDRESS": address}
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        runs = _logged_steps(run_dir)
+        if runs and max(runs[-1], default=-1) >= step:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # the driver itself dies mid-run: no finally, no cleanup
+    assert proc.wait(timeout=30) == -signal.SIGKILL, open(log.name).read()[-3000:]
+    return max(_logged_steps(run_dir)[-1])
+
+
+def _keepers() -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a.get("namespace") == NAMESPACE]
+
+
+def _summary(stdout: str) -> dict:
+    return json.loads([ln for ln in stdout.splitlines() if ln.startswith("{")][-1])
+
+
+def test_a_rerun_after_the_driver_is_killed_resumes_from_its_keepers_rewinding_nothing(sim_cluster, tmp_path):
+    ensure_slices(sim_cluster, 3)
+    run_dir, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
+    with open(tmp_path / "first.log", "w") as log:
+        last = _start_and_kill_at(_cmd(run_dir, ckpt), run_dir, 30, log, sim_cluster.address)
+    assert 30 <= last < STEPS - 5
+    assert len(_keepers()) == 2, "the keepers (one per slice host) must outlive the driver"
+
+    env = {**os.environ, "RAY_ADDRESS": sim_cluster.address}
+    second = subprocess.run(_cmd(run_dir, ckpt), env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    summary = _summary(second.stdout)
+    assert summary["resumed_from_snapshot"] == last and summary["steps_rewound_on_resume"] == 0, summary
+    assert summary["resumed_from_checkpoint"] is None  # no checkpoint before step 80
+    assert _logged_steps(run_dir)[1] == list(range(last + 1, STEPS))
+    assert _keepers() == []  # the rerun took them over and removed them at its end
+
+    losses = {}
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        runs = 0
+        for line in f:
+            e = json.loads(line)
+            runs += e["kind"] == "run_started"
+            if runs == 2 and e["kind"] == "steps":
+                losses.update(zip(e["steps"], e["losses"]))
+    cfg = ElasticConfig(
+        num_slices=2,
+        global_batch_size=GBS,
+        slice=sim_cluster.slice_spec,
+        seed=SEED,
+        steps_per_chunk=5,
+        standby_workers=0,
+    )
+    whole = ElasticTrainer(DigitsMLPTask(), cfg, progress=False).fit(STEPS)  # the same run, uninterrupted
+    resumed = [losses[s] for s in range(last + 1, STEPS)]
+    assert max_rel_err(resumed, whole.losses[last + 1 :]) <= 1e-6
+
+
+def test_an_abandoned_run_s_keepers_free_everything_after_the_orphan_timeout(sim_cluster, tmp_path):
+    ensure_slices(sim_cluster, 3)
+    before = cluster_state()
+    run_dir = str(tmp_path / "run")
+    with open(tmp_path / "driver.log", "w") as log:
+        cmd = _cmd(run_dir, str(tmp_path / "ckpt"), "--orphan-timeout", "4")
+        _start_and_kill_at(cmd, run_dir, 10, log, sim_cluster.address)
+    assert len(_keepers()) == 2
+    # Never rerun: after the timeout no keeper, actor or placement group of the run is left.
+    deadline = time.monotonic() + 60
+    while _keepers() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _keepers() == []
+    assert left_behind(before) == {}
+
+
+def test_a_newer_driver_takes_the_run_over_and_the_older_one_stops(sim_cluster, tmp_path):
+    """Two drivers of one run (a partition, a slow kill): the second takes the keepers over with a
+    higher epoch; the first learns it at its next lease renewal, stops its processes and ends with
+    SupersededError; the second trains to the end from what the keepers held."""
+    ensure_slices(sim_cluster, 4)
+    run_dir, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
+    env = {**os.environ, "RAY_ADDRESS": sim_cluster.address}
+    cmd = _cmd(run_dir, ckpt, "--orphan-timeout", "5", steps=400)
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and first.poll() is None:
+        runs = _logged_steps(run_dir)
+        if runs and max(runs[-1], default=-1) >= 20:
+            break
+        time.sleep(0.05)
+    second = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out_first, _ = first.communicate(timeout=120)
+    assert first.returncode == 1 and "another driver took this run over" in out_first, out_first[-3000:]
+    out_second, _ = second.communicate(timeout=400)
+    assert second.returncode == 0, out_second[-3000:]
+    summary = _summary(out_second)
+    assert (
+        summary["resumed_from_snapshot"] is not None and summary["steps"] == 400 - summary["resumed_from_snapshot"] - 1
+    )
+    assert _keepers() == []
+
+
+def test_a_keeper_refuses_an_older_driver_and_another_model(sim_cluster):
+    """Fencing and identity on a real keeper actor: a takeover needs a higher epoch and the same
+    identity; afterwards the older driver's writes, acks and renewals are refused."""
+    keeper = SnapshotKeeper.options(num_cpus=0).remote(orphan_timeout_s=60, identity="model-a", epoch=1)
+    snap = {"leaves": [], "ranges": []}
+    try:
+        assert ray.get(keeper.begin.remote(0, 0, ("slice-0", 0), 1))
+        assert ray.get([keeper.keep.remote(0, s, snap, 1) for s in (5, 6)]) == [True, True]
+        assert ray.get(keeper.take_over.remote(2, "model-b")) is None  # another model: its snapshots are useless
+        assert ray.get(keeper.take_over.remote(1, "model-a")) is None  # not newer than the owner
+        taken = ray.get(keeper.take_over.remote(2, "model-a"))
+        assert taken == {"place": ("slice-0", 0), "held": [(-1, 5), (-1, 6)]}
+        assert ray.get(keeper.renew.remote(1)) is False  # the old driver learns it was superseded
+        assert ray.get(keeper.keep.remote(0, 7, snap, 1)) is False  # and its processes' writes are refused
+        assert ray.get(keeper.begin.remote(3, 0, ("slice-0", 0), 1)) is False
+        assert ray.get(keeper.held.remote()) == [(-1, 5), (-1, 6)]
+        assert ray.get(keeper.renew.remote(2)) is True
+        assert ray.get(keeper.fetch.remote(-1, 6))["step"] == 6
+    finally:
+        ray.kill(keeper)
