@@ -190,3 +190,17 @@ def test_memory_bench_keeps_per_device_memory_across_a_resize():
 def test_prefetch_bench_prints_ratios():
     out = _last_json(["bench/prefetch.py", "--steps", "12"])
     assert out["prefetch_ratio"] > 0 and out["blocking_serial_ratio"] > 0
+
+
+@pytest.mark.bench
+def test_driver_loss_bench_resumes_from_memory_and_the_baseline_from_checkpoints():
+    out = _last_json(["bench/driver_loss.py", "--steps", "60", "--every", "20", "--kill-at", "30"])
+    assert out["steps_rewound_in_memory"] == 0 < out["steps_rewound_checkpoints_alone"] and out["losses_equal"], out
+
+
+@pytest.mark.bench
+@pytest.mark.skipif(not __import__("shutil").which("redis-server"), reason="needs redis-server")
+def test_head_loss_bench_trains_through_a_gcs_restart():
+    out = _last_json(["bench/head_loss.py", "--steps", "120", "--at", "30", "--down", "2"])
+    alive, lost = out["rows"]
+    assert alive["finished"] and alive["failures"] == 0 and lost["finished"] and lost["steps_rewound"] == 0, out
