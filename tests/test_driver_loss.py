@@ -197,3 +197,52 @@ def test_a_keeper_refuses_an_older_driver_and_another_model(sim_cluster):
         assert ray.get(keeper.fetch.remote(-1, 6))["step"] == 6
     finally:
         ray.kill(keeper)
+
+
+NOTEBOOK_CELL = """
+from ray_elastic import ElasticConfig, ElasticTrainer, SliceSpec
+from ray_elastic.examples.digits_mlp import DigitsMLPTask
+config = ElasticConfig(num_slices=2, global_batch_size={gbs}, slice=SliceSpec("v4", "2x2x1", 2), seed={seed},
+                       steps_per_chunk=5, snapshot_every=1, standby_workers=0)
+def say(m):
+    print("step", m["step"], flush=True)
+result = ElasticTrainer(DigitsMLPTask(), config, progress=False, run_dir={run_dir!r}, on_step=say).fit({steps})
+print("summary", result.summary["resumed_from_snapshot"], result.summary["steps_rewound_on_resume"], flush=True)
+"""
+
+
+def test_a_notebook_cell_rerun_after_the_kernel_died_resumes_from_its_keepers(sim_cluster, tmp_path):
+    """The driver is a Jupyter kernel (the notebook path): the kernel process is SIGKILLed mid-fit (a
+    kernel restart, an OOM), a new kernel runs the same cell, and the run resumes from memory."""
+    import queue
+
+    from test_notebook import Kernel
+
+    ensure_slices(sim_cluster, 3)
+    os.environ["RAY_ADDRESS"] = sim_cluster.address  # the kernels connect to this cluster
+    run_dir = str(tmp_path / "run")
+    cell = NOTEBOOK_CELL.format(gbs=GBS, seed=SEED, run_dir=run_dir, steps=STEPS)
+    try:
+        first = Kernel(str(tmp_path))
+        first.kc.execute(cell)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:
+                msg = first.kc.get_iopub_msg(timeout=1)
+            except queue.Empty:
+                continue
+            if msg["msg_type"] == "stream" and "step 30" in msg["content"]["text"]:
+                break
+        os.kill(first.km.provisioner.process.pid, signal.SIGKILL)  # nothing of the driver runs its cleanup
+        first.kc.stop_channels()
+        last = max(_logged_steps(run_dir)[-1])
+        second = Kernel(str(tmp_path))
+        try:
+            printed, reply = second.run(cell, timeout=300)
+        finally:
+            second.close()
+    finally:
+        os.environ.pop("RAY_ADDRESS", None)
+    assert reply["status"] == "ok", printed[-3000:]
+    assert f"summary {last} 0" in printed, printed[-2000:]
+    assert _logged_steps(run_dir)[-1] == list(range(last + 1, STEPS))

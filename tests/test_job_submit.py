@@ -247,3 +247,48 @@ def test_ray_job_submit_recovers_from_a_killed_slice(cluster, tmp_path):
     assert [e["kind"] for e in events][-1] == "run_finished"
     done = sorted({s for e in events if e["kind"] == "steps" for s in e["steps"]})
     assert done == list(range(STEPS))
+
+
+def _submit(cluster, job_id: str, entrypoint: list[str]) -> None:
+    cmd = [RAY, "job", "submit", "--address", cluster.dashboard, "--submission-id", job_id, "--no-wait", "--"]
+    submit = subprocess.run(cmd + entrypoint, env=cluster.env, capture_output=True, text=True, timeout=120)
+    assert submit.returncode == 0, submit.stdout[-2000:] + submit.stderr[-2000:]
+
+
+def test_a_resubmitted_job_resumes_from_the_lost_driver_s_keepers(cluster, tmp_path):
+    """The job's driver SIGKILLed between two checkpoints (an OOM on the head, say), then the same
+    entrypoint submitted again (what a KubeRay RayJob does with backoffLimit): the new driver takes
+    the keepers over and resumes at the lost driver's last logged step."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    run_dir = str(tmp_path / "job-run")
+    entrypoint = [
+        "ray-elastic", "train", "--example", "mlp", "--num-slices", "2", "--topology", "2x2x1",
+        "--devices-per-host", "2", "--steps", str(STEPS), "--global-batch", "48", "--steps-per-chunk", "5",
+        "--snapshot-every", "1", "--standby-workers", "0", "--run-id", "job-r1", "--run-dir", run_dir, "--json",
+    ]  # fmt: skip
+    client = JobSubmissionClient(cluster.dashboard)
+    first = f"ray-elastic-first-{int(time.time())}"
+    _submit(cluster, first, entrypoint)
+
+    def driver():
+        steps = [s for e in _events(run_dir) if e["kind"] == "steps" for s in e["steps"]]
+        if not steps or max(steps) < KILL_AFTER:
+            return None
+        # the driver's Python process (its arguments one by one), not the shell the job started it with
+        procs = psutil.process_iter(["cmdline"])
+        return next((p for p in procs if {"train", run_dir} <= set(p.info["cmdline"] or [])), None)
+
+    proc = cluster._wait(driver, 180, "the first driver's steps")
+    proc.send_signal(signal.SIGKILL)
+    cluster._wait(lambda: client.get_job_status(first) in (JobStatus.FAILED, JobStatus.STOPPED), 60, "job failed")
+    last = max(s for e in _events(run_dir) if e["kind"] == "steps" for s in e["steps"])
+
+    second = f"ray-elastic-second-{int(time.time())}"
+    _submit(cluster, second, entrypoint)
+    cluster._wait(lambda: client.get_job_status(second) in (JobStatus.SUCCEEDED, JobStatus.FAILED), 240, "job end")
+    logs = client.get_job_logs(second)
+    assert client.get_job_status(second) == JobStatus.SUCCEEDED, logs[-4000:]
+    summary = json.loads([ln for ln in logs.splitlines() if ln.startswith("{")][-1])
+    assert summary["resumed_from_snapshot"] == last and summary["steps_rewound_on_resume"] == 0, summary
+    assert summary["steps"] == STEPS - last - 1

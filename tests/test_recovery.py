@@ -827,12 +827,14 @@ def test_standbys_start_one_at_a_time_per_host(cluster):
     the trace ahead): a world that had to take a process still starting shared the CPUs with the
     spare started next to it (the bench's cold chain of process kills). A grow-back's newcomers
     start theirs together."""
+    from ray_elastic.control.keepers import Keepers, RunIdentity
     from ray_elastic.control.placement import SliceReservation
     from ray_elastic.control.pool import WorkerPool
 
     res = SliceReservation(cluster.slice_spec)
     assert res.wait(30)
-    pool = WorkerPool(ray.put(DigitsMLPTask()), config(cluster, standby_workers=2))
+    keepers = Keepers(RunIdentity.of("standbys", "digits", ()), orphan_timeout_s=60.0)
+    pool = WorkerPool(ray.put(DigitsMLPTask()), config(cluster, standby_workers=2), keepers)
     try:
         assert pool.replenish([res]) is False  # one of two started
         assert pool.replenish([res]) is False and len(pool._standby[(id(res), 0)]) == 1  # still starting
