@@ -268,20 +268,20 @@ class Generations:
         ``logged``: the newest step the earlier driver's event log has; steps after it are not
         offered while a slice holds one up to it completely (their metrics died with that driver:
         the record stays whole, and they run again). Returns slice -> host -> steps held."""
+        placed = [t for t in found if t.place is not None]
         held: dict[str, dict[int, list[int]]] = {}
-        for t in found:
-            if t.place is not None:
-                held.setdefault(t.place[0], {})[t.place[1]] = sorted(t.steps)
-        upto = (
-            logged
-            if logged is not None and any(_complete_upto(h, self.config.slice.num_hosts, logged) for h in held.values())
-            else None
-        )
-        for name, hosts in held.items():
-            for host, steps in hosts.items():
-                keeper = next(t.keeper for t in found if t.place == (name, host))
-                kept = {s: SnapshotRef(keeper, PREVIOUS_DRIVER, s) for s in steps if upto is None or s <= upto}
+        for t in placed:
+            held.setdefault(t.place[0], {})[t.place[1]] = sorted(t.steps)
+
+        def file(upto: Optional[int]) -> None:
+            for t in placed:
+                name, host = t.place
+                kept = {s: SnapshotRef(t.keeper, PREVIOUS_DRIVER, s) for s in t.steps if upto is None or s <= upto}
                 self.store.hold_only(name, host, kept)
+
+        file(logged)
+        if logged is not None and not self.store.latest_complete(list(held)):
+            file(None)  # no slice holds a step up to the log's end completely: the newest complete one
         self.taken_over_slices = set(held)
         self.taken_over_step = max(self.store.latest_complete(list(held)).values(), default=-1)
         return held
@@ -431,11 +431,3 @@ class Generations:
                 r.release()
             except Exception as e:  # noqa: BLE001
                 logger.debug("release reservation: %s", e)
-
-
-def _complete_upto(hosts: dict[int, list[int]], num_hosts: int, upto: int) -> bool:
-    """Every host of a slice holds one same step up to ``upto``."""
-    if len(hosts) < num_hosts:
-        return False
-    common = set.intersection(*(set(steps) for steps in hosts.values()))
-    return any(s <= upto for s in common)
