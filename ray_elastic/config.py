@@ -128,6 +128,9 @@ class ElasticConfig:
             names a model annotates its parameters with go (``nnx.with_partitioning(init,
             ("embed", "mlp"))``), as Flax's and MaxText's ``logical_axis_rules``, e.g.
             ``[("embed", "fsdp"), ("mlp", "tensor")]``. A name that is a slice axis maps to it.
+        megascale_port: the port libtpu's multi-slice coordinator listens on, on each world's
+            first slice (``MEGASCALE_PORT``; Ray's default, 8081). Hosts of different slices must
+            reach it (``ray-elastic check`` tries).
             Unannotated arrays, and those whose names have no rule, use the automatic FSDP rule.
         microbatch_size: examples per device per microbatch: each step accumulates gradients over
             per-device batch / microbatch_size microbatches inside the compiled step. A smaller
@@ -183,6 +186,7 @@ class ElasticConfig:
     eval_steps: int = 1
     eval_batch_size: Optional[int] = None
     progress_metrics: tuple = ()
+    megascale_port: int = 8081
 
     def __post_init__(self):
         self._check_number_types()
@@ -226,6 +230,8 @@ class ElasticConfig:
                 f"worker_niceness must be None (as Ray sets it) or an integer from -20 to 19, "
                 f"got {self.worker_niceness!r}"
             )
+        if isinstance(self.megascale_port, bool) or not isinstance(self.megascale_port, int) or not 0 < self.megascale_port < 65536:
+            raise ValueError(f"megascale_port must be a TCP port (1-65535), got {self.megascale_port!r}")
         if self.steps_per_chunk < 1:
             raise ValueError(f"steps_per_chunk must be >= 1, got {self.steps_per_chunk}")
         if not isinstance(self.global_batch_size, int) or self.global_batch_size < 1:

@@ -58,15 +58,47 @@ def local_gcs():
             os.environ[k] = v
 
 
+class Breaches:
+    """The TPU runtime stand-in's breach log (``ray_elastic.sim.tpu_runtime``) as one test sees it:
+    ``take()`` returns the breaches since the test began (or the last take), which it then expects."""
+
+    def __init__(self):
+        self.seen = len(self._all())
+
+    @staticmethod
+    def _all() -> list[dict]:
+        from ray_elastic.sim.tpu_runtime import breaches
+
+        return breaches()
+
+    def take(self) -> list[dict]:
+        new = self._all()[self.seen :]
+        self.seen += len(new)
+        return new
+
+
+@pytest.fixture
+def tpu_breaches():
+    """For a test that makes a process break a TPU runtime rule on purpose."""
+    return _breaches.setdefault("current", Breaches())
+
+
+_breaches: dict = {}
+
+
 @pytest.fixture(autouse=True)
 def nothing_left_behind():
     """Every test on a live cluster: once it is over (``fit`` returned or raised, whatever the
-    exit), no placement group and no actor that ray-elastic started during it is still alive."""
+    exit), no placement group and no actor that ray-elastic started during it is still alive, and
+    no process on a simulated TPU host broke a rule of the TPU runtime (that it did not expect)."""
     import ray
     from faults import cluster_state, left_behind
 
     before = cluster_state() if ray.is_initialized() else None
+    _breaches["current"] = Breaches()
     yield
+    unexpected = _breaches.pop("current").take()
+    assert not unexpected, f"TPU runtime rules broken during the test: {unexpected}"
     if before is not None and ray.is_initialized():
         left = left_behind(before)
         assert not left, f"left behind after the test: {left}"

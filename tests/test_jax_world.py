@@ -197,7 +197,7 @@ def _run_world(args: list, timeout_s: float = 240, devices: int = DEVICES) -> li
             [sys.executable, __file__, args[0], str(p), f"127.0.0.1:{port}", *args[1:]],
             env=env,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
             text=True,
         )
         for p in range(NUM_PROCESSES)
@@ -205,8 +205,8 @@ def _run_world(args: list, timeout_s: float = 240, devices: int = DEVICES) -> li
     results = []
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=timeout_s)
-            assert p.returncode == 0
+            out, err = p.communicate(timeout=timeout_s)
+            assert p.returncode == 0, err[-3000:]
             results.append(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]))
     finally:
         holder.close()

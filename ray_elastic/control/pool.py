@@ -17,6 +17,7 @@ from ray_elastic.slice.worker import SliceWorker
 from ray_elastic.state.snapshot_keeper import SnapshotKeeper
 
 logger = logging.getLogger(__name__)
+CHIP_OWNERS_KEPT = 3  # per host: the latest processes asked to join (a failed forming adds one)
 
 
 class Standby(NamedTuple):
@@ -46,6 +47,7 @@ class WorkerPool:
         self._keepers: dict[tuple[int, int], ray.actor.ActorHandle] = {}  # (id(reservation), host) -> keeper
         self._answered: set = set()  # actor ids of keepers that have answered a call: their process is up
         self.relays = RelayPool()  # fan chunks out to many quiet processes (large worlds)
+        self._chip_owners: dict[str, list[ray.ObjectRef]] = {}  # node id -> prepare refs of its latest joiners
 
     def keeper(self, res: SliceReservation, host: int) -> ray.actor.ActorHandle:
         """The host's snapshot keeper, started with the first process placed there (or the previous
@@ -86,6 +88,25 @@ class WorkerPool:
         if old is not None:
             kill(old)
         return self.keeper(res, host)
+
+    def claim_chips(self, node_id: str, prepared: ray.ObjectRef) -> None:
+        """The process whose prepare is ``prepared`` was asked to join a world on ``node_id``: it may
+        open that host's chips (the TPU runtime lets one process at a time)."""
+        self._chip_owners[node_id] = ([prepared] + self._chip_owners.get(node_id, []))[:CHIP_OWNERS_KEPT]
+
+    def chip_owners(self, node_id: str) -> tuple[int, ...]:
+        """Pids of the processes that may still hold ``node_id``'s chips: the next one there waits
+        for them to exit. One whose prepare has not answered never reached ``join_world`` (a
+        process runs its calls in order), so it never opened them."""
+        refs = self._chip_owners.get(node_id, [])
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+        pids = []
+        for ref in ready:
+            try:
+                pids.append(ray.get(ref)["pid"])
+            except Exception:  # noqa: BLE001 - it died before it said who it was: it holds nothing
+                continue
+        return tuple(pids)
 
     def _start(self, res: SliceReservation, host: int, for_world: Optional[int] = None) -> Standby:
         """A new slice process; ``for_world``: the size (slices) of the world it is started for, the

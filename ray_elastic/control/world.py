@@ -40,6 +40,7 @@ class FormationTimes:
     trace_s: float = 0.0
     lower_s: float = 0.0
     load_s: float = 0.0  # XLA compile, or loading from the persistent cache
+    chips_wait_s: float = 0.0  # a host's previous TPU owner still exiting (slowest process)
     total_s: float = 0.0
     standbys_used: int = 0
     processes_starting: int = 0  # taken before they had started (Python, JAX, data): forming waited for them
@@ -163,6 +164,7 @@ class _Hosts:
         self.starting = len(flat) - len(started)
         self.workers: list[list] = []
         self.keepers: list[list] = []
+        self.nodes: list[list[str]] = []  # per slice, per host (worker id order): its node id
         self.names: list[str] = []
 
     @classmethod
@@ -202,6 +204,7 @@ class _Hosts:
         for res, sa, sp, sl in zip(self.reservations, self.actors, self.prepared, labels):
             order = sorted(range(len(sa)), key=lambda i: int(sl[i]["tpu_worker_id"] or i))
             self.workers.append([sa[i] for i in order])
+            self.nodes.append([res.node_ids()[i] for i in order])
             prepared.append([sp[i] for i in order])
             self.keepers.append([pool.keeper(res, i) for i in order])  # each process's own host's
         self.prepared = prepared
@@ -247,11 +250,21 @@ class _Hosts:
                         checkpoint_dir=checkpoint_dir,
                         keeper=self.keepers[s][h],
                         epoch=epoch,
+                        chip_owners=pool.chip_owners(self.nodes[s][h]),
                     )
                 )
+        self.claim_chips(pool)
         _gather(begun, self.owners, timeout_s, watch=watch)
         pool.confirm_keepers([k for ks in self.keepers for k in ks])
         return _gather(joins, self.owners, timeout_s * 2, watch=watch)
+
+    def claim_chips(self, pool: WorkerPool) -> None:
+        """Each process asked to join now owns its host's chips, once its prepare has said which
+        process it is (the next world's process on that host waits until it is gone). A process
+        still starting is recorded when it has started (:meth:`WorkerPool.chip_owners` asks)."""
+        for s, sp in enumerate(self.prepared):
+            for h, ref in enumerate(sp):
+                pool.claim_chips(self.nodes[s][h], ref)
 
     def compile(self, start_step: int, timeout_s: float, watch: Callable[[], None], times: FormationTimes) -> None:
         """Every process compiles its step (or loads it from the persistent cache); the slowest counts."""
@@ -337,6 +350,7 @@ class World:
             host_infos = [i for sp in hosts.prepared for i in ray.get(sp, timeout=config.jax_init_timeout_s)]
             deaths = DeathWatch([_beacon(i) for i in host_infos])
             times.jax_init_s = max(j["init_s"] for j in joins)
+            times.chips_wait_s = max(j["chips_wait_s"] for j in joins)
             times.state_load_s = max(j["snapshot_fetch_s"] + j["state_s"] for j in joins)
             flat = [w for sw in hosts.workers for w in sw]
             hosts.compile(start_step, config.jax_init_timeout_s, _alive(watch, deaths, hosts.owners), times)

@@ -82,6 +82,8 @@ def tpu_host(spec, slice_name: str, worker_id: int, devices_per_host: int) -> TP
     env = {
         "TPU_NAME": slice_name,
         "TPU_WORKER_ID": str(worker_id),
+        # Its processes open their "chips" through the TPU runtime's stand-in (sim/tpu_runtime.py).
+        "SIM_TPU_HOST": f"{slice_name}/{worker_id}",
         # What makes a CPU process look like a TPU host with N devices.
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_host}",

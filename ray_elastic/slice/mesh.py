@@ -61,28 +61,39 @@ def _wait_for_port(address: str, timeout_s: float, poll_s: float = 0.005) -> Non
 
 
 def build_mesh(plan: WorldPlan) -> Mesh:
-    """A (replica, *slice axes) mesh: one row per slice, that slice's devices along its own axes.
-
-    On real multi-slice TPUs the devices carry ``slice_index`` and the hybrid
-    (ICI x DCN) helper lays them out; on CPU processes are grouped by process id,
-    which ``plan`` numbers slice-major.
-    """
+    """A (replica, *slice axes) mesh: one row per slice, that slice's devices along its own axes,
+    laid out by the hybrid (ICI x DCN) helper from each device's slice index."""
     return Mesh(device_grid(plan), tuple(plan.mesh_shape))
+
+
+class _SlicedDevice:
+    """A CPU device standing for a TPU one: it carries the ``slice_index`` libtpu gives the chips
+    of a host from its ``MEGASCALE_SLICE_ID``, which is the process's slice in the world's replica
+    order (the simulated TPU runtime checks exactly that), so the mesh is laid out as on TPUs."""
+
+    def __init__(self, device, slice_index: int):
+        self.device, self.slice_index = device, slice_index
+
+    def __getattr__(self, name):
+        return getattr(self.device, name)
+
+
+def slice_index(device, hosts_per_slice: int) -> int:
+    """The slice ``device`` belongs to: libtpu's ``slice_index`` on TPUs; on other platforms (whose
+    devices all say 0) the same number derived from the process (process ids are slice-major)."""
+    return device.slice_index if device.platform == "tpu" else device.process_index // hosts_per_slice
 
 
 def device_grid(plan: WorldPlan):
     """The devices of ``plan``'s mesh, laid out (replica, *slice axes), from this world's first
     ``plan.num_slices`` slices: all of them for this world's own plan; for a smaller layout,
     the devices (and so the device ids) a world of that many slices will have."""
-    sizes = tuple(plan.mesh_shape.values())
-    inner = sizes[1:]
-    devices = jax.devices()
-    if devices[0].platform == "tpu" and plan.num_slices > 1:
-        from jax.experimental import mesh_utils
+    from jax.experimental import mesh_utils
 
-        devices = [d for d in devices if getattr(d, "slice_index", 0) < plan.num_slices]
-        return mesh_utils.create_hybrid_device_mesh(
-            (1,) + inner, (plan.num_slices,) + (1,) * len(inner), devices=devices
-        )
-    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))[: int(np.prod(sizes))]
-    return np.array(ordered).reshape(sizes)
+    inner = tuple(plan.mesh_shape.values())[1:]
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    if devices[0].platform != "tpu":
+        devices = [_SlicedDevice(d, slice_index(d, plan.hosts_per_slice)) for d in devices]
+    devices = [d for d in devices if d.slice_index < plan.num_slices]
+    grid = mesh_utils.create_hybrid_device_mesh((1,) + inner, (plan.num_slices,) + (1,) * len(inner), devices=devices)
+    return np.vectorize(lambda d: getattr(d, "device", d), otypes=[object])(grid)

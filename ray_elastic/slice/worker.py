@@ -26,6 +26,7 @@ from ray_elastic.decide import WorldPlan, is_checkpoint_step, is_eval_step, is_s
 from ray_elastic.detect.liveness import Beacon
 from ray_elastic.slice.process import block_until_ready, jax_world_host_blocks, set_niceness, world_errors
 from ray_elastic.slice.step_reports import StepReports
+from ray_elastic.slice.tpu_env import megascale_env, set_world_env, wait_until_gone
 from ray_elastic.state.checkpoints import checkpoint_metadata
 from ray_elastic.state.snapshot_keeper import SnapshotWriter
 from ray_elastic.state.snapshots import SnapshotRef
@@ -159,6 +160,7 @@ class SliceWorker:
         checkpoint_dir: Optional[str] = None,
         keeper=None,
         epoch: Optional[int] = None,
+        chip_owners: tuple = (),
     ) -> dict:
         """``jax.distributed.initialize``, mesh, and the state: fresh, from a snapshot or from a checkpoint.
 
@@ -167,6 +169,8 @@ class SliceWorker:
         checkpoint (steps completed) to load, from ``checkpoint_dir`` when given (another run's
         directory, read only) else the run's own. ``keeper``: this host's
         :class:`~ray_elastic.state.snapshot_keeper.SnapshotKeeper`, for a process that keeps snapshots.
+        ``chip_owners``: pids of earlier processes on this host that may still hold its chips;
+        the TPU backend starts once they are gone, with this world's ``MEGASCALE_*`` set.
         """
         # Long: its keyword arguments (here and to TrainLoop); each phase of the join is one call.
         from ray_elastic.slice import jax_world as jw
@@ -183,6 +187,9 @@ class SliceWorker:
             if key != ours:
                 ahead.cancel()  # one world per process: the other layouts' traces would only take CPU from the join
         self.process_id = plan.process_id(slice_index, host_index)
+        set_world_env(megascale_env(coordinator_address, plan.num_slices, slice_index, c.megascale_port))
+        with world_errors("waiting for the host's previous TPU owner to exit", everything=True):
+            t_chips = wait_until_gone(list(chip_owners), timeout_s)
         t_init = self._initialize(coordinator_address, timeout_s)
         checkpointer, source = self._checkpointers(checkpoint_step, checkpoint_dir)
         blocks, t_fetch = self._fetch(snapshot)
@@ -212,6 +219,7 @@ class SliceWorker:
         if keeper is not None and plan.takes_snapshots(self.process_id):
             self.writer = SnapshotWriter(keeper, plan.generation, epoch)
         return {
+            "chips_wait_s": t_chips,
             "init_s": t_init,
             "snapshot_fetch_s": t_fetch,
             "state_s": time.perf_counter() - t2,
