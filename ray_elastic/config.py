@@ -230,7 +230,11 @@ class ElasticConfig:
                 f"worker_niceness must be None (as Ray sets it) or an integer from -20 to 19, "
                 f"got {self.worker_niceness!r}"
             )
-        if isinstance(self.megascale_port, bool) or not isinstance(self.megascale_port, int) or not 0 < self.megascale_port < 65536:
+        if (
+            isinstance(self.megascale_port, bool)
+            or not isinstance(self.megascale_port, int)
+            or not 0 < self.megascale_port < 65536
+        ):
             raise ValueError(f"megascale_port must be a TCP port (1-65535), got {self.megascale_port!r}")
         if self.steps_per_chunk < 1:
             raise ValueError(f"steps_per_chunk must be >= 1, got {self.steps_per_chunk}")

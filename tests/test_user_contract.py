@@ -179,8 +179,13 @@ def test_an_annotated_model_resizes_onto_fewer_slices_from_their_snapshots(sim_c
 
 
 def test_eval_numbers_equal_on_two_and_four_slices(sim_cluster, tmp_path):
-    """The checkpoint written by a 4-slice world is evaluated again by a 2-slice world that resumes
-    it (an eval due at the checkpoint's step that this run has not seen is redone first)."""
+    """The checkpoint written by a 4-slice world is evaluated again by a 2-slice world that resumes it.
+
+    The rule: a world whose first step s follows an eval step s-1 this run has not recorded redoes
+    that eval before step s (``StepStreams._eval_lost``), also when s is past the run's last step.
+    An eval is work, not a hang: the watchdog's probe sees a process evaluating as busy
+    (``health.busy``), so a slow first eval on a loaded machine no longer ends the world and loses
+    the redone eval with it (the restore then came from the checkpoint of step 10, past the eval)."""
     ensure_slices(sim_cluster, 4)
     directory = str(tmp_path / "ckpt")
     kw = dict(
@@ -199,6 +204,8 @@ def test_eval_numbers_equal_on_two_and_four_slices(sim_cluster, tmp_path):
     ).fit(11)
     assert four.summary["mesh"]["replica"] == 4 and two.summary["mesh"]["replica"] == 2
     assert two.summary["resumed_from_checkpoint"] == 10
+    assert two.summary["failures"] == 0, two.recoveries  # one world, which redid the eval first
+    assert 9 in two.evals, f"the eval of step 9 was not redone: {sorted(two.evals)}"
     assert two.evals[9] == pytest.approx(four.evals[9], rel=1e-5)
     assert 10 in two.evals
 

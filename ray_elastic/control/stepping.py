@@ -1,16 +1,14 @@
 """Driving one world: chunks of steps in flight, finished steps streamed back.
 
-Snapshot-keeping processes run chunks as Ray streaming generators and stream their
-finished steps a few times a second, naming the steps whose snapshots their host's
-keeper now holds; the others run chunks as plain tasks whose one small result (or
-error) comes at the chunk's end, waited for by a thread of its own and read in one batch
-with the others that are ready: at a thousand processes the driver's work per round and
-per chunk is what limits a world's size.
-The driver reads every item of every stream and every result (an error is an item:
-reading them all is how a death is seen at once), but no snapshot passes through it. Two chunks are
-kept queued, so workers never wait on the driver. The loop ends when the steps are
-done, a process fails, the watchdog sees no progress, or (on request) at a step
-boundary to grow.
+Snapshot-keeping processes run chunks as Ray streaming generators and stream their finished
+steps a few times a second, naming the steps whose snapshots their host's keeper now holds; the
+others run chunks as plain tasks whose one small result (or error) comes at the chunk's end,
+waited for by a thread of its own and read in one batch with the others that are ready: at a
+thousand processes the driver's work per round and per chunk is what limits a world's size.
+The driver reads every item of every stream and every result (an error is an item: reading them
+all is how a death is seen at once), but no snapshot passes through it. Two chunks are kept
+queued, so workers never wait on the driver. The loop ends when the steps are done, a process
+fails, the watchdog sees no progress, or (on request) at a step boundary to grow.
 """
 
 from __future__ import annotations
@@ -155,7 +153,12 @@ class StepStreams:
         that stops the processes at the next boundary); True when a queue's head changed."""
         if not run.draining and grow_requested():
             run.draining = True  # finish what is queued, then stop at that step boundary
-        heads_changed = False
+        # A world that starts at the end (its state is the last step's) runs only the eval a failure lost.
+        heads_changed = (
+            not self._submitted and run.submitted == end_step and self._eval_lost(end_step - 1, end_step - 1)
+        )
+        if heads_changed:
+            self._submit(run.submitted, 0, end_step - 1)
         while not run.draining and run.submitted < end_step and max(map(len, self.queues)) < CHUNKS_IN_FLIGHT:
             self.steps_per_chunk = chunk_steps(
                 self.config.steps_per_chunk, len(self.world.workers), self.step_times[-20:]
@@ -258,13 +261,10 @@ class StepStreams:
 
     def _eval_lost(self, step: int, final_step: int) -> bool:
         """The eval due after ``step`` never reached the driver (a failure during it): redo it first."""
-        c = self.config
-        return (
-            self.on_eval is not None
-            and step >= 0
-            and is_eval_step(step, c.eval_every, final_step)
-            and not self.on_eval({"step": step})
-        )
+        known = self.on_eval
+        if known is None or step < 0 or not is_eval_step(step, self.config.eval_every, final_step):
+            return False
+        return not known({"step": step})
 
     def _consume_results(self, channels: list[int]) -> dict[int, BaseException]:
         """Take the finished chunks of non-streaming channels (ready ones): one ``ray.get`` for all,

@@ -190,12 +190,13 @@ def busy(answers: list, last_seen_step: int) -> bool:
     Some process finished a step the driver has not seen (its report is still on the way): every
     process took part in that step's collectives, so one that did not answer in time is starved,
     not stopped (a world beside processes still starting on few cores). Or every process answered and one is inside a
-    checkpoint save (a synchronous save, a slow bucket). The caller passes the newest step seen
+    checkpoint save (a synchronous save, a slow bucket) or an eval (no step finishes during one;
+    its first run compiles the eval step). The caller passes the newest step seen
     by earlier probes too, so a world that stops for good is found at the next watch."""
     answered = [a for a in answers if a is not None]
     if any(a.get("last_step", -1) > last_seen_step for a in answered):
         return True
-    return len(answered) == len(answers) and any(a.get("saving") for a in answered)
+    return len(answered) == len(answers) and any(a.get("saving") or a.get("evaluating") for a in answered)
 
 
 def stuck_saves(answers: list, limit_s: float) -> dict[int, float]:

@@ -79,19 +79,31 @@ def startup_cost(directory: Optional[str] = None) -> StartupCost:
 
 def breaches(directory: Optional[str] = None) -> list[dict]:
     """Every breach recorded so far (one dict per line of ``breaches.jsonl``)."""
+    return _read(directory, "breaches.jsonl")
+
+
+def openings(directory: Optional[str] = None) -> list[dict]:
+    """Every backend the stand-in let start: host, pid and the ``MEGASCALE_*`` values it had."""
+    return _read(directory, "opened.jsonl")
+
+
+def _read(directory: Optional[str], name: str) -> list[dict]:
     try:
-        with open(os.path.join(directory or runtime_dir(), "breaches.jsonl")) as f:
+        with open(os.path.join(directory or runtime_dir(), name)) as f:
             return [json.loads(line) for line in f if line.strip()]
     except FileNotFoundError:
         return []
 
 
-def _breach(rule: str, message: str) -> TPURuntimeBreach:
+def _append(name: str, record: dict) -> None:
     d = runtime_dir()
     os.makedirs(d, exist_ok=True)
-    record = {"rule": rule, "host": os.environ.get(HOST_ENV), "pid": os.getpid(), "message": message, "at": time.time()}
-    with open(os.path.join(d, "breaches.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
+    with open(os.path.join(d, name), "a") as f:  # one short line per write: appends do not interleave
+        f.write(json.dumps({"host": os.environ.get(HOST_ENV), "pid": os.getpid(), "at": time.time(), **record}) + "\n")
+
+
+def _breach(rule: str, message: str) -> TPURuntimeBreach:
+    _append("breaches.jsonl", {"rule": rule, "message": message})
     return TPURuntimeBreach(f"TPU runtime ({rule}): {message}")
 
 
@@ -179,6 +191,7 @@ def _check_megascale() -> None:
     wrong = check_world(records)
     if wrong:
         raise _breach("megascale", wrong)
+    _append("opened.jsonl", {"process": me, **own})
 
 
 # ---------------------------------------------------------------- rule 2: one owner

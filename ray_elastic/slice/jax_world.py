@@ -8,6 +8,8 @@ same step function.
 from __future__ import annotations
 
 import collections
+import logging
+import threading
 import time
 from typing import Optional
 
@@ -19,9 +21,11 @@ from jax.sharding import AbstractMesh, Mesh
 from ray_elastic.decide import WorldPlan
 from ray_elastic.errors import StorageError, TrainingCodeError
 from ray_elastic.slice import step_program as sp
-from ray_elastic.slice.compile_cache import cache_hits, lower_and_compile
+from ray_elastic.slice.compile_cache import cache_hits, compile_ahead, lower_and_compile
 from ray_elastic.slice.data import BatchPrefetcher, StepBatches
 from ray_elastic.slice.host_blocks import block_range, host_blocks
+
+logger = logging.getLogger(__name__)
 
 
 def _programs(task, plan: WorldPlan, seed: int, fsdp_min_size: int, mesh, rules, scale_updates: bool):
@@ -69,6 +73,24 @@ def trace_for(task, config, plan: WorldPlan, batches: StepBatches) -> jax.stages
         scale_updates=config.lr_rule is not None,
         rules=config.logical_axis_rules,
     )
+
+
+def compile_smaller_in_background(task, config, plan: WorldPlan, batches) -> None:
+    """Compile the step of the next smaller world the run may form (``config``: its ElasticConfig)
+    into the persistent cache, on a thread: a replica-resize recovery then loads it instead of
+    compiling a layout never seen. Nothing to do without a persistent cache."""
+    smaller = plan.num_slices - 1
+    if not config.compilation_cache_dir or smaller not in config.world_sizes():
+        return
+
+    def run():
+        target = config.world_plan(plan.generation + 1, plan.slice_names[:smaller])
+        try:
+            compile_ahead(trace_for(task, config, target, batches), target)
+        except Exception as e:  # noqa: BLE001 - an optimisation: the world that needs it compiles it
+            logger.warning("compiling ahead for %d slices failed: %r", smaller, e)
+
+    threading.Thread(target=run, name="compile-ahead", daemon=True).start()
 
 
 class NonFiniteLossError(TrainingCodeError):

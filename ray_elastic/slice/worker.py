@@ -67,6 +67,7 @@ class SliceWorker:
         self.saving_since: Optional[float] = (
             None  # inside a checkpoint save since (monotonic): not a hang, up to save_timeout_s
         )
+        self.evaluating = False  # inside an eval (no step finishes meanwhile: not a hang)
         self._port_holder = None  # process 0: the coordinator's port, held until JAX binds it
         self.writer: Optional[SnapshotWriter] = None  # snapshot holders: hands snapshots to the keeper
         self.reports = StepReports()  # finished steps and kept snapshots, until streamed
@@ -136,6 +137,7 @@ class SliceWorker:
             "last_step": self.last_step,
             "saving": since is not None,
             "saving_s": time.monotonic() - since if since is not None else 0.0,
+            "evaluating": self.evaluating,
         }
 
     def reserve_coordinator_port(self) -> str:
@@ -371,33 +373,21 @@ class SliceWorker:
             item = self._report()
             if item:
                 yield item
+        self.evaluating = True
         with world_errors(f"evaluating after step {step}"):
             metrics = self.loop.evaluate(self.config.eval_steps)
+        self.evaluating = False  # a failed eval ends the process's world: nothing reads it after
         if streams:
             yield {"steps": [], "kept": [], "snapshot_s": [], "eval": {"step": step, **metrics}}
 
     def _compile_ahead(self) -> None:
         """After this world's first chunk, process 0 compiles the step of the next smaller world
-        the run may form into the persistent cache, in the background: a replica-resize recovery
-        then loads it instead of compiling a layout never seen. Once per world; nothing to do
-        without a persistent cache."""
-        c, plan = self.config, self.plan
-        smaller = plan.num_slices - 1
+        the run may form into the persistent cache, in the background (once per world)."""
+        from ray_elastic.slice.jax_world import compile_smaller_in_background
+
         self._compiled_ahead = True
-        if self.process_id != 0 or not c.compilation_cache_dir or smaller not in c.world_sizes():
-            return
-
-        def run():
-            from ray_elastic.slice import jax_world
-            from ray_elastic.slice.compile_cache import compile_ahead
-
-            target = c.world_plan(plan.generation + 1, plan.slice_names[:smaller])
-            try:
-                compile_ahead(jax_world.trace_for(self.task, c, target, self.batches), target)
-            except Exception as e:  # noqa: BLE001 - an optimisation: the world that needs it compiles it
-                logger.warning("compiling ahead for %d slices failed: %r", smaller, e)
-
-        threading.Thread(target=run, name="compile-ahead", daemon=True).start()
+        if self.process_id == 0:
+            compile_smaller_in_background(self.task, self.config, self.plan, self.batches)
 
     def _snapshot(self, step: int) -> None:
         """Hand the state after ``step`` (the newest dispatched) to the writer: copied on the device
