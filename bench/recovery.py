@@ -26,7 +26,9 @@ worst, and the grow-back pauses. The last line is one JSON object:
      "detection_worst_s": ..., "node_dead_worst_s": ..., "cascade_recovery_s": ... (replica-resize: second loss -> step), "cascade_worst_s": ...,
      "pause_resume_cascade_s": ..., "pause_resume_cascade_after_arrival_s": ..., "grow_pause_s": median over
      every grow-back, "grow_pause_worst_s": ..., "grow_pause_multihost_s": median of the 2-host slices' grows,
-     "pause_resume_recovery_after_arrival_s": ..., "steps_rewound_max": ...}
+     "pause_resume_recovery_after_arrival_s": ..., "replica_resize_tpu_model_median_s": ... (with the
+     modelled TPU start-up), "replica_resize_tpu_model_worst_s": ..., "chips_wait_worst_s": ... (a new
+     process waiting for its host's previous chip owner to exit), "steps_rewound_max": ...}
 
     .venv/bin/python bench/recovery.py [--repeats 2] [--multihost 1] [--model mlp|llm]
 """
@@ -49,6 +51,7 @@ PHASES = (
     "teardown_s",
     "wait_for_capacity_s",
     "world_formation_s",
+    "chips_wait_s",
     "jax_init_s",
     "state_load_s",
     "compile_s",
@@ -58,6 +61,11 @@ PHASES = (
     "kill_to_step_s",
     "after_arrival_s",
 )
+
+
+# Opening a TPU host's chips and loading a step's executable, per new process (docs/tpu.md says
+# where these figures come from and that they are a model, not a measurement).
+TPU_STARTUP_S = (5.0, 3.0)
 
 
 class _Done(Exception):
@@ -236,7 +244,7 @@ def run_mode(
                 },
                 **{
                     k: trainer.worlds[rec.generation].times[k]
-                    for k in ("jax_init_s", "trace_s", "load_s", "processes_starting")
+                    for k in ("chips_wait_s", "jax_init_s", "trace_s", "load_s", "processes_starting")
                 },
                 "node_dead_s": row.get("node_dead_s", float("nan")),
                 "detection_s": detected[0][0] - row["at"] if detected else float("nan"),
@@ -359,11 +367,21 @@ def main() -> None:
         help='snapshot interval (1: zero rewind, the figures below; "auto": the default users get, '
         "whose recoveries may rewind up to the interval it picks)",
     )
+    ap.add_argument(
+        "--tpu-startup",
+        type=float,
+        nargs=2,
+        default=list(TPU_STARTUP_S),
+        metavar=("OPEN_S", "LOAD_S"),
+        help="the modelled TPU start-up (opening the chips, loading the executable) of the replica-resize "
+        "pass run with it (once per position and kind, warm); 0 0 skips that pass",
+    )
     args = ap.parse_args()
 
     from machine import cpu_probe_s, hour
 
     from ray_elastic.sim.cluster import SimulatedTPUCluster
+    from ray_elastic.sim.tpu_runtime import StartupCost, set_startup_cost
 
     probes = [cpu_probe_s()]
     results = {}
@@ -387,6 +405,27 @@ def main() -> None:
             prov.stop()
             report(mode, results[mode])
             cluster.reap_dead_slices()
+        cost = StartupCost(*args.tpu_startup)
+        if cost.total_s > 0 and "replica-resize" in args.modes:
+            set_startup_cost(cost)  # every backend opened from here on waits it (sim/tpu_runtime.py)
+            prov = cluster.provisioner(delay_s=args.regrow_delay)
+            results["tpu_model"] = run_mode(
+                cluster,
+                "replica-resize",
+                faults_for(args.positions, args.kinds, 1, 0, 0),
+                args.gap,
+                args.gap_s,
+                hosts=1,
+                timeline=args.timeline,
+                settle_timeout_s=args.settle_timeout,
+                snapshot_every=args.snapshot_every,
+                model_name=args.model,
+            )
+            prov.stop()
+            set_startup_cost(StartupCost())
+            report(
+                f"replica-resize with a modelled TPU start-up of {cost.total_s:.1f}s per process", results["tpu_model"]
+            )
     if args.multihost:
         with SimulatedTPUCluster(
             num_slices=3, hosts_per_slice=2, devices_per_host=devices, log_to_driver=False
@@ -417,6 +456,7 @@ def main() -> None:
     cascade = [r["kill_to_step_s"] for r in rows("replica-resize", ("cascade",))]
     pr_cascade = rows("pause-and-resume", ("cascade",))
     pauses = [p for out in results.values() for p in out["grow_pauses"]]
+    tpu = [r["kill_to_step_s"] for r in rows("tpu_model")]
     everything = [r for out in results.values() for r in out["rows"]]
     dead = [r["node_dead_s"] for r in everything if r["node_dead_s"] == r["node_dead_s"]]  # not NaN
     summary = {
@@ -447,6 +487,11 @@ def main() -> None:
         )
         if rows("pause-and-resume")
         else None,
+        # the same recoveries with the modelled TPU start-up (opening the chips, loading the executable)
+        "tpu_startup_s": sum(args.tpu_startup),
+        "replica_resize_tpu_model_median_s": round(statistics.median(tpu), 3) if tpu else None,
+        "replica_resize_tpu_model_worst_s": round(max(tpu), 3) if tpu else None,
+        "chips_wait_worst_s": round(max((r["chips_wait_s"] for r in everything), default=0.0), 3),
         "steps_rewound_max": max((r["steps_rewound"] for r in everything), default=0),
         "faults": len(everything),
         "faults_not_fired": sum(len(out["skipped"]) for out in results.values()),

@@ -85,8 +85,10 @@ def test_recovery_bench_prints_recovery_times():
             "3",
         ]
     )
-    assert out["steps_rewound_max"] == 0 and out["faults"] == 2
+    assert out["steps_rewound_max"] == 0 and out["faults"] == 3  # both modes, and the modelled TPU start-up
     assert 0 < out["replica_resize_recovery_s"] <= out["replica_resize_worst_s"] < 60
+    # Every new process waits the modelled start-up once, in parallel: a recovery pays it about once.
+    assert out["replica_resize_tpu_model_median_s"] >= out["tpu_startup_s"]
     assert 0 < out["detection_worst_s"] < 60 and 0 < out["pause_resume_recovery_after_arrival_s"] < 60
     assert len(out["cpu_probe_s"]) == 2 and min(out["cpu_probe_s"]) > 0  # the hour's speed, at start and end
 
@@ -175,6 +177,9 @@ def test_recovery_bench_runs_the_llm_example():
             "5",
             "--gap-s",
             "3",
+            "--tpu-startup",
+            "0",
+            "0",
         ]
     )
     assert out["steps_rewound_max"] == 0 and out["faults"] == 1

@@ -1,4 +1,5 @@
-"""``ray-elastic`` command line: ``demo`` on a simulated cluster, ``train`` on an existing one.
+"""``ray-elastic`` command line: ``demo`` on a simulated cluster, ``train`` on an existing one,
+``check`` an existing one before training.
 
 ``ray job submit --address http://HEAD:8265 -- ray-elastic train --example transformer ...``
 runs the driver inside the cluster; ``train`` connects to ``--address`` or ``RAY_ADDRESS``.
@@ -10,6 +11,7 @@ import argparse
 import logging
 import sys
 
+from ray_elastic.cli.check import cmd_check
 from ray_elastic.cli.commands import cmd_demo, cmd_report, cmd_train
 from ray_elastic.cli.options import add_sim_host_args, add_slice_source_args, add_training_args, load_task
 from ray_elastic.cli.sim import cmd_sim
@@ -54,6 +56,17 @@ def main(argv=None) -> int:
     add_sim_host_args(sim, devices_help="(default 2)")
     add_slice_source_args(sim, arrival_delay=2.0)
     sim.set_defaults(func=cmd_sim)
+
+    check = sub.add_parser(
+        "check", help="before training on a real cluster: TPU slices whole, megascale port open, checkpoints writable"
+    )
+    check.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, or the job's cluster)")
+    check.add_argument("--checkpoint-dir", default=None, help="the run's checkpoint location (gs://... or a path)")
+    check.add_argument(
+        "--megascale-port", type=int, default=None, help="libtpu's multi-slice coordinator port (default 8081)"
+    )
+    check.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each host's answer")
+    check.set_defaults(func=cmd_check)
 
     rep = sub.add_parser("report", help="draw a run's timeline and goodput (PNG) from its run directory")
     rep.add_argument("run_dir", help="the --run-dir of a run (holds events.jsonl)")
