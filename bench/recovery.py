@@ -383,6 +383,20 @@ def main() -> None:
     from ray_elastic.sim.cluster import SimulatedTPUCluster
     from ray_elastic.sim.tpu_runtime import StartupCost, set_startup_cost
 
+    def run(cluster, mode: str, faults: list, hosts: int = 1) -> dict:
+        return run_mode(
+            cluster,
+            mode,
+            faults,
+            args.gap,
+            args.gap_s,
+            hosts=hosts,
+            timeline=args.timeline,
+            settle_timeout_s=args.settle_timeout,
+            snapshot_every=args.snapshot_every,
+            model_name=args.model,
+        )
+
     probes = [cpu_probe_s()]
     results = {}
     faults = faults_for(args.positions, args.kinds, args.repeats, args.cascades, args.cold)
@@ -390,18 +404,7 @@ def main() -> None:
     with SimulatedTPUCluster(num_slices=3, devices_per_host=devices, log_to_driver=False) as cluster:
         for mode in args.modes:
             prov = cluster.provisioner(delay_s=args.regrow_delay if mode == "replica-resize" else args.arrival_delay)
-            results[mode] = run_mode(
-                cluster,
-                mode,
-                faults,
-                args.gap,
-                args.gap_s,
-                hosts=1,
-                timeline=args.timeline,
-                settle_timeout_s=args.settle_timeout,
-                snapshot_every=args.snapshot_every,
-                model_name=args.model,
-            )
+            results[mode] = run(cluster, mode, faults)
             prov.stop()
             report(mode, results[mode])
             cluster.reap_dead_slices()
@@ -409,18 +412,7 @@ def main() -> None:
         if cost.total_s > 0 and "replica-resize" in args.modes:
             set_startup_cost(cost)  # every backend opened from here on waits it (sim/tpu_runtime.py)
             prov = cluster.provisioner(delay_s=args.regrow_delay)
-            results["tpu_model"] = run_mode(
-                cluster,
-                "replica-resize",
-                faults_for(args.positions, args.kinds, 1, 0, 0),
-                args.gap,
-                args.gap_s,
-                hosts=1,
-                timeline=args.timeline,
-                settle_timeout_s=args.settle_timeout,
-                snapshot_every=args.snapshot_every,
-                model_name=args.model,
-            )
+            results["tpu_model"] = run(cluster, "replica-resize", faults_for(args.positions, args.kinds, 1, 0, 0))
             prov.stop()
             set_startup_cost(StartupCost())
             report(
@@ -431,18 +423,7 @@ def main() -> None:
             num_slices=3, hosts_per_slice=2, devices_per_host=devices, log_to_driver=False
         ) as cluster:
             prov = cluster.provisioner(delay_s=args.regrow_delay)
-            results["multihost"] = run_mode(
-                cluster,
-                "replica-resize",
-                faults_for(args.positions, ["node"], 1, 0),
-                args.gap,
-                args.gap_s,
-                hosts=2,
-                timeline=args.timeline,
-                settle_timeout_s=args.settle_timeout,
-                snapshot_every=args.snapshot_every,
-                model_name=args.model,
-            )
+            results["multihost"] = run(cluster, "replica-resize", faults_for(args.positions, ["node"], 1, 0), hosts=2)
             prov.stop()
             report("replica-resize, 2-host slices (one host lost)", results["multihost"])
 

@@ -41,6 +41,8 @@ SIM = SliceSpec("v4", "2x2x1", devices_per_host=2)
         (dict(num_slices=2, global_batch_size=12, standby_workers=1.5), "standby_workers must be an integer >= 0"),
         (dict(num_slices=2, global_batch_size=12, max_to_keep=0), "max_to_keep must be >= 1"),
         (dict(num_slices=2, global_batch_size=12, checkpoint_dir=" "), "checkpoint_dir must be a local path"),
+        (dict(num_slices=2, global_batch_size=12, megascale_port=0), "megascale_port must be a TCP port"),
+        (dict(num_slices=2, global_batch_size=12, megascale_port="8081"), "megascale_port must be a TCP port"),
     ],
 )
 def test_bad_config_raises_clear_value_error(kwargs, message):
