@@ -145,3 +145,30 @@ def test_every_world_of_a_resize_and_grow_back_opens_its_chips_by_the_rules(clus
     assert len(opened) == sum(sizes)  # every process of every world went through the stand-in
     assert sorted({o["num_slices"] for o in opened}) == [2, 3]
     assert not tpu_breaches.take()
+
+
+def test_a_new_owner_waits_for_the_old_one_then_clears_a_lock_file_it_left(tmp_path):
+    """A hard-killed owner can leave libtpu's lock file: removed once the previous owners are gone,
+    and only then (a host without known previous owners is left alone)."""
+    import subprocess
+    import sys
+    import time
+
+    from ray_elastic.slice.tpu_env import clear_stale_lock, wait_until_gone
+
+    old = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    lock = tmp_path / "libtpu_lockfile"
+    lock.write_text(str(old.pid))
+    t0 = time.monotonic()
+    waited = wait_until_gone([old.pid], timeout_s=30)
+    old.wait()
+    assert waited >= 0.2 and time.monotonic() - t0 >= 0.2 and old.returncode == 0
+    assert not clear_stale_lock([], str(lock)) and lock.exists()
+    assert clear_stale_lock([old.pid], str(lock)) and not lock.exists()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with pytest.raises(TimeoutError, match=str(live.pid)):
+            wait_until_gone([live.pid], timeout_s=0.2)
+    finally:
+        live.kill()
+        live.wait()

@@ -10,6 +10,7 @@ import time
 import psutil
 from ray.util.tpu import get_tpu_coordinator_env_vars
 
+LIBTPU_LOCKFILE = "/tmp/libtpu_lockfile"  # libtpu's lock on a TPU VM's chips
 MASK_KEYS = ("TPU_VISIBLE_CHIPS", "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_PROCESS_BOUNDS")
 POLL_S = 0.005
 
@@ -54,4 +55,18 @@ def _running(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
+        return False
+
+
+def clear_stale_lock(previous_owners: list[int], path: str = LIBTPU_LOCKFILE) -> bool:
+    """Remove libtpu's lock file once the host's previous owners are gone: a process killed hard can
+    leave it behind, and libtpu then refuses the next one (marin-community/levanter#1113, which removes
+    it after killing its task). Only when there were previous owners (they are gone: the caller waited),
+    so a host whose chips someone else holds is left alone. True when a file was removed."""
+    if not previous_owners or not os.path.exists(path):
+        return False
+    try:
+        os.remove(path)
+        return True
+    except OSError:
         return False

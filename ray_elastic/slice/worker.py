@@ -26,7 +26,7 @@ from ray_elastic.decide import WorldPlan, is_checkpoint_step, is_eval_step, is_s
 from ray_elastic.detect.liveness import Beacon
 from ray_elastic.slice.process import block_until_ready, jax_world_host_blocks, set_niceness, world_errors
 from ray_elastic.slice.step_reports import StepReports
-from ray_elastic.slice.tpu_env import megascale_env, set_world_env, wait_until_gone
+from ray_elastic.slice.tpu_env import clear_stale_lock, megascale_env, set_world_env, wait_until_gone
 from ray_elastic.state.checkpoints import checkpoint_metadata
 from ray_elastic.state.snapshot_keeper import SnapshotWriter
 from ray_elastic.state.snapshots import SnapshotRef
@@ -192,6 +192,7 @@ class SliceWorker:
         set_world_env(megascale_env(coordinator_address, plan.num_slices, slice_index, c.megascale_port))
         with world_errors("waiting for the host's previous TPU owner to exit", everything=True):
             t_chips = wait_until_gone(list(chip_owners), timeout_s)
+        clear_stale_lock(list(chip_owners))
         t_init = self._initialize(coordinator_address, timeout_s)
         checkpointer, source = self._checkpointers(checkpoint_step, checkpoint_dir)
         blocks, t_fetch = self._fetch(snapshot)
