@@ -42,6 +42,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import sys
 import tempfile
 import threading
@@ -239,6 +240,9 @@ def run_phase(
             **kw,
         )  # every step: 0 rewinds is a goal
 
+    from ray_elastic.sim import tpu_runtime
+
+    breaches_before = len(tpu_runtime.breaches())
     t0 = time.time()
     # The failure-free references start no standby processes: nothing fails there, and the losses
     # do not depend on them.
@@ -324,6 +328,8 @@ def run_phase(
         "final_checkpoint_committed": latest is not None and latest.step == steps,
         "by_kind": {k: sum(1 for f in chaos.fired if f["kind"] == k) for k in sorted({f["kind"] for f in chaos.fired})},
         "world_size_noise": _max_rel(small, full) if noise else None,
+        # processes that broke a rule of the TPU runtime (sim/tpu_runtime.py): must be 0
+        "tpu_breaches": len(tpu_runtime.breaches()) - breaches_before,
     }
     if result is not None:
         # Steps before the world first changed shape trained exactly as the failure-free run did.
@@ -339,6 +345,11 @@ def run_phase(
             same_shape_max_diff=_max_rel(result.losses[:prefix], full[:prefix]),
             failures=result.summary["failures"],
             recoveries=result.summary["recoveries"],
+            # detection -> ready per recovery (with --tpu-startup: the modelled start-up included)
+            recovery_median_s=round(statistics.median(r.recovery_s for r in result.recoveries), 3)
+            if result.recoveries
+            else None,
+            recovery_worst_s=round(max((r.recovery_s for r in result.recoveries), default=0.0), 3),
         )
     return out
 
@@ -392,6 +403,15 @@ def main() -> int:
         default=None,
         help="keep each phase's event log here (<dir>/<phase>/events.jsonl; see `ray-elastic report`)",
     )
+    ap.add_argument(
+        "--tpu-startup",
+        type=float,
+        nargs=2,
+        default=[0.0, 0.0],
+        metavar=("OPEN_S", "LOAD_S"),
+        help="every new process waits this modelled TPU start-up (opening the chips, loading the "
+        "executable) when its backend starts (sim/tpu_runtime.py; docs/tpu.md)",
+    )
     args = ap.parse_args()
     kinds = [k for k in args.kinds.split(",") if k]
     if bad := [k for k in kinds if k not in KINDS]:
@@ -403,6 +423,7 @@ def main() -> int:
         args.checkpoint_every = ElasticConfig.checkpoint_every if args.every_s else 20
 
     from ray_elastic.sim.cluster import SimulatedTPUCluster
+    from ray_elastic.sim.tpu_runtime import StartupCost, set_startup_cost
 
     rng = random.Random(args.seed)
     phases = {}
@@ -413,6 +434,7 @@ def main() -> int:
             flush=True,
         )
         with SimulatedTPUCluster(num_slices=4, log_to_driver=False) as cluster:
+            set_startup_cost(StartupCost(*args.tpu_startup))
             phases["one_host_slices"] = run_phase(
                 cluster,
                 steps=steps,
@@ -434,6 +456,7 @@ def main() -> int:
             steps = args.steps or args.gap * mh + 60
             print(f"phase 2: 3 slices x 2 hosts, min 2, {mh} fault(s) (one host each), {steps} steps", flush=True)
             with SimulatedTPUCluster(num_slices=3, hosts_per_slice=2, log_to_driver=False) as cluster:
+                set_startup_cost(StartupCost(*args.tpu_startup))
                 phases["two_host_slices"] = run_phase(
                     cluster,
                     steps=steps,
@@ -467,6 +490,8 @@ def main() -> int:
         else None,
         "same_shape_max_diff": max(p.get("same_shape_max_diff", float("nan")) for p in ps),
         "uncommitted_restored": sum(p["uncommitted_restored"] for p in ps),
+        "tpu_breaches": sum(p["tpu_breaches"] for p in ps),
+        "tpu_startup_s": sum(args.tpu_startup),
         "final_checkpoint_committed": all(p["final_checkpoint_committed"] for p in ps),
         "goodput": phases["one_host_slices"].get("goodput"),
         "goodput_breakdown": phases["one_host_slices"].get("goodput_breakdown"),

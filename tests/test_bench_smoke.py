@@ -114,6 +114,7 @@ def _chaos(args, timeout):
     # Rewound only when every holder of the newest snapshot was lost (or its process died in that step).
     assert out["unexplained_rewound"] == 0 and out["uncommitted_restored"] == 0, out
     assert out["final_checkpoint_committed"], out
+    assert out["tpu_breaches"] == 0, out  # every world kept the TPU runtime's rules
     assert out["same_shape_max_diff"] == 0.0, out  # before the world first changed shape: bit for bit
     return out
 
