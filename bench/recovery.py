@@ -382,6 +382,7 @@ def main() -> None:
 
     from ray_elastic.sim.cluster import SimulatedTPUCluster
     from ray_elastic.sim.tpu_runtime import StartupCost, set_startup_cost
+    from ray_elastic.sim.tpu_runtime import breaches as tpu_breaches
 
     def run(cluster, mode: str, faults: list, hosts: int = 1) -> dict:
         return run_mode(
@@ -398,7 +399,8 @@ def main() -> None:
         )
 
     probes = [cpu_probe_s()]
-    results = {}
+    results: dict = {}
+    breaches = 0  # processes that broke a rule of the TPU runtime (sim/tpu_runtime.py): must be 0
     faults = faults_for(args.positions, args.kinds, args.repeats, args.cascades, args.cold)
     devices = 4 if args.model == "llm" else 2
     with SimulatedTPUCluster(num_slices=3, devices_per_host=devices, log_to_driver=False) as cluster:
@@ -418,6 +420,7 @@ def main() -> None:
             report(
                 f"replica-resize with a modelled TPU start-up of {cost.total_s:.1f}s per process", results["tpu_model"]
             )
+        breaches += len(tpu_breaches())
     if args.multihost:
         with SimulatedTPUCluster(
             num_slices=3, hosts_per_slice=2, devices_per_host=devices, log_to_driver=False
@@ -426,6 +429,7 @@ def main() -> None:
             results["multihost"] = run(cluster, "replica-resize", faults_for(args.positions, ["node"], 1, 0), hosts=2)
             prov.stop()
             report("replica-resize, 2-host slices (one host lost)", results["multihost"])
+            breaches += len(tpu_breaches())
 
     def rows(mode, kinds=("node", "process")):
         return [r for r in results.get(mode, {"rows": []})["rows"] if r["kind"] in kinds]
@@ -475,6 +479,7 @@ def main() -> None:
         "chips_wait_worst_s": round(max((r["chips_wait_s"] for r in everything), default=0.0), 3),
         "steps_rewound_max": max((r["steps_rewound"] for r in everything), default=0),
         "faults": len(everything),
+        "tpu_breaches": breaches,
         "faults_not_fired": sum(len(out["skipped"]) for out in results.values()),
         "snapshot_every": args.snapshot_every,
         "cpu_probe_s": probes + [cpu_probe_s()],  # this hour's speed (bench/machine.py)

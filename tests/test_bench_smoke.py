@@ -86,6 +86,7 @@ def test_recovery_bench_prints_recovery_times():
         ]
     )
     assert out["steps_rewound_max"] == 0 and out["faults"] == 3  # both modes, and the modelled TPU start-up
+    assert out["tpu_breaches"] == 0
     assert 0 < out["replica_resize_recovery_s"] <= out["replica_resize_worst_s"] < 60
     # Every new process waits the modelled start-up once, in parallel: a recovery pays it about once.
     assert out["replica_resize_tpu_model_median_s"] >= out["tpu_startup_s"]
