@@ -98,7 +98,7 @@ def nothing_left_behind():
     _breaches["current"] = Breaches()
     yield
     unexpected = _breaches.pop("current").take()
-    assert not unexpected, f"TPU runtime rules broken during the test: {unexpected}"
+    assert not unexpected, "TPU runtime rules broken during the test:\n" + "\n".join(map(str, unexpected))
     if before is not None and ray.is_initialized():
         left = left_behind(before)
         assert not left, f"left behind after the test: {left}"

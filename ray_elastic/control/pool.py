@@ -17,7 +17,8 @@ from ray_elastic.slice.worker import SliceWorker
 from ray_elastic.state.snapshot_keeper import SnapshotKeeper
 
 logger = logging.getLogger(__name__)
-CHIP_OWNERS_KEPT = 3  # per host: the latest processes asked to join (a failed forming adds one)
+CHIP_OWNER_WORLDS = 3  # the joiners of this many latest worlds may hold chips (a failed forming is one)
+CHIP_OWNER_ANSWER_S = 30.0  # for a killed process's prepare to answer (or fail) when its pid is not known yet
 
 
 class Standby(NamedTuple):
@@ -47,7 +48,7 @@ class WorkerPool:
         self._keepers: dict[tuple[int, int], ray.actor.ActorHandle] = {}  # (id(reservation), host) -> keeper
         self._answered: set = set()  # actor ids of keepers that have answered a call: their process is up
         self.relays = RelayPool()  # fan chunks out to many quiet processes (large worlds)
-        self._chip_owners: dict[str, list[ray.ObjectRef]] = {}  # node id -> prepare refs of its latest joiners
+        self._chip_owners: list[list[ray.ObjectRef]] = []  # prepare refs of the latest worlds' joiners
 
     def keeper(self, res: SliceReservation, host: int) -> ray.actor.ActorHandle:
         """The host's snapshot keeper, started with the first process placed there (or the previous
@@ -89,24 +90,29 @@ class WorkerPool:
             kill(old)
         return self.keeper(res, host)
 
-    def claim_chips(self, node_id: str, prepared: ray.ObjectRef) -> None:
-        """The process whose prepare is ``prepared`` was asked to join a world on ``node_id``: it may
-        open that host's chips (the TPU runtime lets one process at a time)."""
-        self._chip_owners[node_id] = ([prepared] + self._chip_owners.get(node_id, []))[:CHIP_OWNERS_KEPT]
+    def claim_chips(self, prepared: list[ray.ObjectRef]) -> None:
+        """The processes whose prepares are ``prepared`` were asked to join a world: each may open its
+        host's chips (the TPU runtime lets one process per host at a time)."""
+        self._chip_owners = ([list(prepared)] + self._chip_owners)[:CHIP_OWNER_WORLDS]
 
-    def chip_owners(self, node_id: str) -> tuple[int, ...]:
-        """Pids of the processes that may still hold ``node_id``'s chips: the next one there waits
-        for them to exit. One whose prepare has not answered never reached ``join_world`` (a
-        process runs its calls in order), so it never opened them."""
-        refs = self._chip_owners.get(node_id, [])
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
-        pids = []
+    def chip_owners(self) -> tuple[tuple[str, int], ...]:
+        """(node id, pid) of the processes that may still hold a host's chips: the next process on
+        that host waits for them to exit. Each says where it runs and who it is when its prepare
+        answers; an answer still on its way is waited for (the process may be past it, in
+        ``join_world``, holding the chips): it was killed with its world, so the answer, or its
+        death, comes at once."""
+        refs = [r for world in self._chip_owners for r in world]
+        ready, late = ray.wait(refs, num_returns=len(refs), timeout=CHIP_OWNER_ANSWER_S) if refs else ([], [])
+        if late:
+            logger.warning("%d earlier slice process(es) never said where they run", len(late))
+        owners = []
         for ref in ready:
             try:
-                pids.append(ray.get(ref)["pid"])
+                info = ray.get(ref)
             except Exception:  # noqa: BLE001 - it died before it said who it was: it holds nothing
                 continue
-        return tuple(pids)
+            owners.append((info["node_id"], info["pid"]))
+        return tuple(owners)
 
     def _start(self, res: SliceReservation, host: int, for_world: Optional[int] = None) -> Standby:
         """A new slice process; ``for_world``: the size (slices) of the world it is started for, the

@@ -164,7 +164,6 @@ class _Hosts:
         self.starting = len(flat) - len(started)
         self.workers: list[list] = []
         self.keepers: list[list] = []
-        self.nodes: list[list[str]] = []  # per slice, per host (worker id order): its node id
         self.names: list[str] = []
 
     @classmethod
@@ -204,7 +203,6 @@ class _Hosts:
         for res, sa, sp, sl in zip(self.reservations, self.actors, self.prepared, labels):
             order = sorted(range(len(sa)), key=lambda i: int(sl[i]["tpu_worker_id"] or i))
             self.workers.append([sa[i] for i in order])
-            self.nodes.append([res.node_ids()[i] for i in order])
             prepared.append([sp[i] for i in order])
             self.keepers.append([pool.keeper(res, i) for i in order])  # each process's own host's
         self.prepared = prepared
@@ -234,6 +232,7 @@ class _Hosts:
         ]
         first = self.workers[0][0]
         (coordinator,) = _gather([first.reserve_coordinator_port.remote()], self.names[:1], timeout_s, watch=watch)
+        owners = pool.chip_owners()  # each process waits for the earlier ones on its own host
         joins = []
         for s, sw in enumerate(self.workers):
             refs = restore(self.names[s]) if restore is not None else None
@@ -250,7 +249,7 @@ class _Hosts:
                         checkpoint_dir=checkpoint_dir,
                         keeper=self.keepers[s][h],
                         epoch=epoch,
-                        chip_owners=pool.chip_owners(self.nodes[s][h]),
+                        chip_owners=owners,
                     )
                 )
         self.claim_chips(pool)
@@ -259,12 +258,8 @@ class _Hosts:
         return _gather(joins, self.owners, timeout_s * 2, watch=watch)
 
     def claim_chips(self, pool: WorkerPool) -> None:
-        """Each process asked to join now owns its host's chips, once its prepare has said which
-        process it is (the next world's process on that host waits until it is gone). A process
-        still starting is recorded when it has started (:meth:`WorkerPool.chip_owners` asks)."""
-        for s, sp in enumerate(self.prepared):
-            for h, ref in enumerate(sp):
-                pool.claim_chips(self.nodes[s][h], ref)
+        """Each process asked to join now may own its host's chips (the next world's wait for it)."""
+        pool.claim_chips([p for sp in self.prepared for p in sp])
 
     def compile(self, start_step: int, timeout_s: float, watch: Callable[[], None], times: FormationTimes) -> None:
         """Every process compiles its step (or loads it from the persistent cache); the slowest counts."""

@@ -52,10 +52,17 @@ def wait_until_gone(pids: list[int], timeout_s: float) -> float:
 
 
 def _running(pid: int) -> bool:
+    """Alive, or still exiting: a killed multi-threaded process shows its first thread as a zombie
+    while its other threads still exit, and its files (the chips, their lock) are let go only
+    when the last one has."""
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state != "Z" or len(os.listdir(f"/proc/{pid}/task")) > 1
+    except (FileNotFoundError, ProcessLookupError):
         return False
+    except OSError:  # no /proc: ask psutil
+        return psutil.pid_exists(pid)
 
 
 def clear_stale_lock(previous_owners: list[int], path: str = LIBTPU_LOCKFILE) -> bool:

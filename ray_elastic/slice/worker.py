@@ -171,8 +171,8 @@ class SliceWorker:
         checkpoint (steps completed) to load, from ``checkpoint_dir`` when given (another run's
         directory, read only) else the run's own. ``keeper``: this host's
         :class:`~ray_elastic.state.snapshot_keeper.SnapshotKeeper`, for a process that keeps snapshots.
-        ``chip_owners``: pids of earlier processes on this host that may still hold its chips;
-        the TPU backend starts once they are gone, with this world's ``MEGASCALE_*`` set.
+        ``chip_owners``: (node id, pid) of earlier processes that may still hold a host's chips;
+        the TPU backend starts once those on this host are gone, with this world's ``MEGASCALE_*`` set.
         """
         # Long: its keyword arguments (here and to TrainLoop); each phase of the join is one call.
         from ray_elastic.slice import jax_world as jw
@@ -190,9 +190,10 @@ class SliceWorker:
                 ahead.cancel()  # one world per process: the other layouts' traces would only take CPU from the join
         self.process_id = plan.process_id(slice_index, host_index)
         set_world_env(megascale_env(coordinator_address, plan.num_slices, slice_index, c.megascale_port))
+        owners = [pid for node, pid in chip_owners if node == ray.get_runtime_context().get_node_id()]
         with world_errors("waiting for the host's previous TPU owner to exit", everything=True):
-            t_chips = wait_until_gone(list(chip_owners), timeout_s)
-        clear_stale_lock(list(chip_owners))
+            t_chips = wait_until_gone(owners, timeout_s)
+        clear_stale_lock(owners)
         t_init = self._initialize(coordinator_address, timeout_s)
         checkpointer, source = self._checkpointers(checkpoint_step, checkpoint_dir)
         blocks, t_fetch = self._fetch(snapshot)
