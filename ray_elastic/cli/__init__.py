@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from ray_elastic.cli.check import cmd_check
+from ray_elastic.cli.check import add_check_parser
 from ray_elastic.cli.commands import cmd_demo, cmd_report, cmd_train
 from ray_elastic.cli.options import add_sim_host_args, add_slice_source_args, add_training_args, load_task
 from ray_elastic.cli.sim import cmd_sim
@@ -57,16 +57,7 @@ def main(argv=None) -> int:
     add_slice_source_args(sim, arrival_delay=2.0)
     sim.set_defaults(func=cmd_sim)
 
-    check = sub.add_parser(
-        "check", help="before training on a real cluster: TPU slices whole, megascale port open, checkpoints writable"
-    )
-    check.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, or the job's cluster)")
-    check.add_argument("--checkpoint-dir", default=None, help="the run's checkpoint location (gs://... or a path)")
-    check.add_argument(
-        "--megascale-port", type=int, default=None, help="libtpu's multi-slice coordinator port (default 8081)"
-    )
-    check.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each host's answer")
-    check.set_defaults(func=cmd_check)
+    add_check_parser(sub)
 
     rep = sub.add_parser("report", help="draw a run's timeline and goodput (PNG) from its run directory")
     rep.add_argument("run_dir", help="the --run-dir of a run (holds events.jsonl)")

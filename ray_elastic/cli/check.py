@@ -311,3 +311,17 @@ def cmd_check(args) -> int:
     errors = sum(f.level == "error" for f in findings)
     print(f"\n{errors} problem(s)" if errors else "\nready: nothing to change")
     return 1 if errors else 0
+
+
+def add_check_parser(sub) -> None:
+    """``ray-elastic check``'s options (``sub``: the CLI's subparsers)."""
+    check = sub.add_parser(
+        "check", help="before training on a real cluster: TPU slices whole, megascale port open, checkpoints writable"
+    )
+    check.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, or the job's cluster)")
+    check.add_argument("--checkpoint-dir", default=None, help="the run's checkpoint location (gs://... or a path)")
+    check.add_argument(
+        "--megascale-port", type=int, default=None, help="libtpu's multi-slice coordinator port (default 8081)"
+    )
+    check.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each host's answer")
+    check.set_defaults(func=cmd_check)
