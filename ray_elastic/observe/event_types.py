@@ -319,6 +319,7 @@ class WorldFormed(Event):
         "trace_s",
         "lower_s",
         "load_s",
+        "chips_wait_s",
         "total_s",
         "standbys_used",
         "processes_starting",
