@@ -128,9 +128,6 @@ class ElasticConfig:
             names a model annotates its parameters with go (``nnx.with_partitioning(init,
             ("embed", "mlp"))``), as Flax's and MaxText's ``logical_axis_rules``, e.g.
             ``[("embed", "fsdp"), ("mlp", "tensor")]``. A name that is a slice axis maps to it.
-        megascale_port: the port libtpu's multi-slice coordinator listens on, on each world's
-            first slice (``MEGASCALE_PORT``; Ray's default, 8081). Hosts of different slices must
-            reach it (``ray-elastic check`` tries).
             Unannotated arrays, and those whose names have no rule, use the automatic FSDP rule.
         microbatch_size: examples per device per microbatch: each step accumulates gradients over
             per-device batch / microbatch_size microbatches inside the compiled step. A smaller
@@ -142,6 +139,9 @@ class ElasticConfig:
         eval_batch_size: examples per eval batch (``None``: ``global_batch_size``).
         progress_metrics: names of metrics the loss returns (or ``eval/...``) to show in the
             progress bar beside the loss.
+        megascale_port: the port libtpu's multi-slice coordinator listens on, on each world's
+            first slice (``MEGASCALE_PORT``; Ray's default, 8081). Hosts of different slices must
+            reach it (``ray-elastic check`` tries).
     """
 
     num_slices: int

@@ -203,14 +203,16 @@ def check_hosts(hosts: list[Host], checkpoint_dir: Optional[str], env: dict, tim
             facts.append(None)
             out.append(Finding("error", f"host {h.ip} ({h.slice}) did not answer: {e!r}"[:300], "is its raylet up?"))
     answered = [(h, f) for h, f in zip(hosts, facts) if f is not None]
+    alike = True
     for p in PACKAGES:
         seen: dict = {}
         for h, f in answered:
             seen.setdefault(f["versions"][p], []).append(f"{h.slice}/{h.worker_id}")
         if len(seen) > 1:
+            alike = False
             detail = "; ".join(f"{v or 'not installed'} on {', '.join(sorted(w)[:4])}" for v, w in seen.items())
             out.append(Finding("error", f"{p} differs across hosts: {detail}", f"install one {p} version everywhere"))
-    if answered and not any(f.level == "error" and "differs" in f.what for f in out):
+    if answered and alike:
         v = answered[0][1]["versions"]
         out.append(Finding("ok", "same versions on every host: " + ", ".join(f"{p} {v[p]}" for p in PACKAGES if v[p])))
     if checkpoint_dir:

@@ -252,14 +252,10 @@ class _Hosts:
                         chip_owners=owners,
                     )
                 )
-        self.claim_chips(pool)
+        pool.claim_chips([p for sp in self.prepared for p in sp])  # the next world's processes wait for these
         _gather(begun, self.owners, timeout_s, watch=watch)
         pool.confirm_keepers([k for ks in self.keepers for k in ks])
         return _gather(joins, self.owners, timeout_s * 2, watch=watch)
-
-    def claim_chips(self, pool: WorkerPool) -> None:
-        """Each process asked to join now may own its host's chips (the next world's wait for it)."""
-        pool.claim_chips([p for sp in self.prepared for p in sp])
 
     def compile(self, start_step: int, timeout_s: float, watch: Callable[[], None], times: FormationTimes) -> None:
         """Every process compiles its step (or loads it from the persistent cache); the slowest counts."""

@@ -162,9 +162,8 @@ def check_world(records: list[dict]) -> Optional[str]:
                 f"process {p} (slice {r['slice']}) has MEGASCALE_SLICE_ID={r['slice_id']}, "
                 f"but that slice is number {want} in the world's replica order"
             )
-    zero = records[0]
-    if first["coordinator"] != zero["ip"]:
-        return f"MEGASCALE_COORDINATOR_ADDRESS={first['coordinator']} is not slice 0's first host ({zero['ip']})"
+    if first["coordinator"] != first["ip"]:  # process 0 is slice 0's first host
+        return f"MEGASCALE_COORDINATOR_ADDRESS={first['coordinator']} is not slice 0's first host ({first['ip']})"
     return None
 
 
