@@ -11,6 +11,7 @@ import math
 from typing import Optional, Union
 
 from ray_elastic.decide import WorldPlan, batch_for_world, lr_scale, plan_world
+from ray_elastic.decide.field_types import mistyped_fields
 from ray_elastic.decide.layout import DEFAULT_SLICE_MESH, FSDP_AXIS, normalize_rules, resolve_slice_mesh
 from ray_elastic.policy.scaling import MODES, ScalingPolicy, scaling_policy  # noqa: F401 - MODES: the CLI's choices
 from ray_elastic.tpu import SliceSpec
@@ -31,6 +32,9 @@ _INT_FIELDS = (
     "checkpoint_every",
     "max_to_keep",
 )  # the others say so in their own checks
+ORPHAN_TIMEOUT_BOUNDS = (5.0, 86400.0)  # lease renewals come every 1-5 s; a lost run is freed within a day
+
+
 _SECONDS_FIELDS = (
     "slice_timeout_s",
     "jax_init_timeout_s",
@@ -189,12 +193,15 @@ class ElasticConfig:
     megascale_port: int = 8081
 
     def __post_init__(self):
-        self._check_number_types()
-        self._check_world()
-        self._check_state()
-        self._check_timeouts()
-        self._check_model_layout()
-        self._check_batch_splits()
+        try:  # the fields' own checks say best what is wrong; what they miss, the types' check names
+            for check in (self._check_number_types, self._check_world, self._check_state, self._check_timeouts):
+                check()
+            self._check_model_layout()
+            self._check_batch_splits()
+        except TypeError:  # a comparison of a mistyped value
+            self._check_types()
+            raise
+        self._check_types()
 
     def _check_world(self) -> None:
         """The slices, the mode and batch policies, the processes per host."""
@@ -295,6 +302,11 @@ class ElasticConfig:
             value = getattr(self, name)  # None would mean "wait forever": not allowed
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if not ORPHAN_TIMEOUT_BOUNDS[0] <= self.orphan_timeout_s <= ORPHAN_TIMEOUT_BOUNDS[1]:
+            raise ValueError(  # below, a healthy driver's keepers could expire between two lease renewals
+                f"orphan_timeout_s must be between 5 and 86400 seconds, got {self.orphan_timeout_s!r}: shorter "
+                "loses a healthy run's snapshots; longer holds a lost run's host memory for days"
+            )
         if self.jax_init_timeout_s < 1:  # jax.distributed.initialize takes whole seconds
             raise ValueError(
                 f"jax_init_timeout_s must be >= 1 (JAX counts it in whole seconds), got {self.jax_init_timeout_s!r}"
@@ -311,6 +323,12 @@ class ElasticConfig:
         grace = self.node_death_grace_s
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
             raise ValueError(f"node_death_grace_s must be a number of seconds >= 0, got {grace!r}")
+
+    def _check_types(self) -> None:
+        """Every field holds its declared type: ``seed=True`` is not a seed, ``steps_per_chunk=None``
+        not a chunk size (a bool is no number here; a list is taken for a tuple)."""
+        for name, want, value in mistyped_fields(self):
+            raise ValueError(f"{name} must be {want}, got {value!r} ({type(value).__name__}): see ElasticConfig's docs")
 
     def _check_number_types(self) -> None:
         """Whole numbers where a count is meant, finite numbers where seconds or shares are: ``nan``

@@ -94,6 +94,7 @@ class FakeWorld:
         self.torn_down = True
 
     def finish_checkpoints(self, timeout_s: float, save_step=None) -> list:
+        self.backend.saved += 1
         if self.backend.finish_checkpoint_failures:  # a process dies while the in-flight save commits
             self.backend.finish_checkpoint_failures -= 1
             raise ProcessFailed(0, ProcessDied(f"process 0 of {self.plan.slice_names[0]} died while committing"))
@@ -108,6 +109,8 @@ class FakeStreams:
 
     def run(self, start_step: int, end_step: int, grow_requested: Callable[[], bool]) -> RunOutcome:
         for step in range(start_step, end_step):
+            if self.backend.superseded:  # the real lease thread kills the world's processes
+                return RunOutcome(OutcomeKind.FAILURE, {0: ProcessDied("killed: a newer driver owns the run")})
             if step > start_step and grow_requested():
                 return RunOutcome(OutcomeKind.GROW, {}, time.time())
             fault = self.backend.faults.pop(step, None)
@@ -144,6 +147,7 @@ class FakeBackend:
         self.faults = dict(faults or {})
         self.form_script = list(form_script or [])  # per forming attempt: None (form) or fn(backend) that raises
         self.formed: list[FakeWorld] = []
+        self.saved = 0  # finish_checkpoints calls (the in-flight save, the final one)
         self.form_attempts = 0
         self.steps_run: list[tuple[int, int]] = []
         self.requests: list[FakeRequest] = []
@@ -179,6 +183,7 @@ class FakeBackend:
 
     # the backend interface
     superseded = False
+    dropped_snapshots = 0
 
     def take_over_keepers(self) -> list:
         return []  # nothing outlives a fake driver
@@ -186,7 +191,10 @@ class FakeBackend:
     def release_unclaimed_keepers(self) -> None:
         pass
 
-    def connect(self, run_id: str) -> None:
+    def hand_back_keepers(self) -> None:
+        pass
+
+    def connect(self, run_id: str, *, home=None, findable=True) -> None:
         pass
 
     def run_metrics(self, name: str):

@@ -163,18 +163,72 @@ def test_a_rerun_restores_only_a_step_every_host_of_a_slice_still_holds():
         TakenOver(object(), "n3", ("b", 1), [38, 39, 40]),
         TakenOver(object(), "n4", None, [50]),  # never placed in a world: holds nothing usable
     ]
-    held = gens.take_over(found)
+    held, refused, _ = gens.take_over(found, logged=42)
     assert held == {"a": {0: [40, 41, 42], 1: [39, 40, 41]}, "b": {0: [38, 39, 40], 1: [38, 39, 40]}}
-    assert gens.taken_over_step == 41
+    assert refused == [] and gens.taken_over_step == 41
     plan = gens.restore_plan([], None, last_step=-1)  # the rerun's members are not named yet
     assert (plan.source, plan.step, plan.holders) == (RestoreSource.SNAPSHOT, 41, ("a",))
     # The lost driver's log ends at step 40: the steps after it have no metrics any more, so the
     # rerun resumes at 40 (both slices hold it) and runs 41 and 42 again: the record stays whole.
     logged = Generations(config, FakeBackend(slices=2))
-    logged.take_over(found, logged=40)
+    assert logged.take_over(found, logged=40)[1] == [41, 42]
     assert logged.taken_over_step == 40
     assert logged.restore_plan([], None, last_step=-1).holders == ("a", "b")
-    # Nothing complete up to the log's end (a log that ended long before): the newest complete step.
-    early = Generations(config, FakeBackend(slices=2))
-    early.take_over(found, logged=20)
-    assert early.taken_over_step == 41
+
+
+def test_a_rerun_offers_only_steps_whose_losses_were_logged_as_finite():
+    """A snapshot reaches its keeper before its loss is checked: a rerun restores only steps the
+    lost driver logged with a finite loss; with no log at all, none past the newest checkpoint."""
+    from ray_elastic.control.generations import Generations
+    from ray_elastic.control.keepers import TakenOver
+
+    config = ElasticConfig(num_slices=1, global_batch_size=48, slice=SliceSpec("v4", "2x2x1"))
+    found = [TakenOver(object(), "n0", ("a", 0), [40, 41, 42])]
+    early = Generations(config, FakeBackend(slices=1))  # a log that ended long before (a NaN at 21)
+    held, refused, why = early.take_over(found, logged=20)
+    assert early.taken_over_step == -1 and refused == [40, 41, 42] and "finite loss" in why
+    unlogged = Generations(config, FakeBackend(slices=1))  # no run_dir: checkpoint 42 covers steps 0..41
+    assert unlogged.take_over(found, logged=None, committed=42)[1] == [42]
+    assert unlogged.taken_over_step == 41
+    nothing = Generations(config, FakeBackend(slices=1))
+    assert nothing.take_over(found)[1] == [40, 41, 42] and nothing.taken_over_step == -1
+
+
+def test_the_log_of_a_lost_run_counts_steps_up_to_its_first_non_finite_loss(tmp_path):
+    import json
+
+    from ray_elastic.observe.results import PreviousRun, previous_run
+
+    lines = [
+        {"kind": "run_started"},
+        {"kind": "steps", "steps": [0, 1, 2], "losses": [2.0, 1.5, 1.2]},
+        {"kind": "steps", "steps": [3, 4, 5], "losses": [1.1, float("nan"), 0.9]},
+        {"kind": "run_started"},
+    ]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    assert previous_run(str(tmp_path)) == PreviousRun(3, False)
+
+
+@pytest.mark.parametrize("state", STATES, ids=[s.value for s in STATES])
+def test_a_driver_superseded_in_every_state_stops_before_its_next_effect(tmp_path, state):
+    """A rerun took the run over while this driver was in ``state`` (it learned it from a refused
+    lease renewal): it stops with SupersededError, writes no event line, asks for no slice, forms
+    no world and saves no checkpoint after it learned."""
+    from ray_elastic.errors import SupersededError
+
+    marks = {}
+
+    def supersede(trainer, backend, new, nth):
+        if new is state and nth == 1:
+            backend.superseded = True
+            marks["effects"] = (len(backend.requests), len(backend.formed), backend.saved)
+            marks["lines"] = len((tmp_path / "run" / "events.jsonl").read_text().splitlines())
+
+    trainer, backend, entered = journey(tmp_path, supersede)
+    trainer.run_dir = str(tmp_path / "run")
+    with pytest.raises(SupersededError):
+        trainer.fit(STEPS)
+    assert state in entered and trainer.state is S.ERRORED
+    assert (len(backend.requests), len(backend.formed), backend.saved) == marks["effects"]
+    assert len((tmp_path / "run" / "events.jsonl").read_text().splitlines()) == marks["lines"]
+    assert_released(backend)

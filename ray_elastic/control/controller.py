@@ -21,11 +21,13 @@ from typing import Callable, Optional
 
 from ray_elastic.config import ElasticConfig
 from ray_elastic.control.backend import Backend
+from ray_elastic.control.final_checkpoint import final_checkpoint, finish_checkpoints
 from ray_elastic.control.generations import Generations
 from ray_elastic.control.ray_backend import RayBackend
 from ray_elastic.control.recorder import RunRecorder
 from ray_elastic.control.resume import resume_point
 from ray_elastic.control.states import ControllerState, OutcomeKind, RunOutcome, check_transition
+from ray_elastic.control.takeover import take_over_run
 from ray_elastic.decide import Action, NextWorld, refuse_fresh_restart
 from ray_elastic.errors import (
     CapacityTimeoutError,
@@ -122,6 +124,7 @@ class ElasticTrainer:
         self.name = name or (os.path.basename(os.path.normpath(run_dir)) if run_dir else "ray-elastic")
         self.tensorboard_dir = tensorboard_location(tensorboard_dir, run_dir)
         self.run_id = run_id or (os.path.abspath(run_dir) if run_dir else config.checkpoint_dir) or uuid.uuid4().hex
+        self._findable = bool(run_id or run_dir or config.checkpoint_dir)  # a rerun can find it: keepers outlive us
         self.state = S.INITIALIZING
 
     @property
@@ -141,10 +144,17 @@ class ElasticTrainer:
         return gens.worlds if gens else []
 
     def _enter(self, new: ControllerState) -> None:
+        if not new.is_terminal:
+            self._check_owner()
         check_transition(self.state, new)
         logger.info("controller: %s -> %s", self.state.value, new.value)
         old, self.state = self.state, new
         self.events.state(old, new)
+
+    def _check_owner(self) -> None:
+        """Stop before the next effect once a newer driver owns the run (learned from any refusal)."""
+        if self.backend.superseded:
+            raise SupersededError("another driver took this run over (a rerun of it): this driver stopped")
 
     def _waiting_for_slices(self, ready: int, asked: int) -> None:
         waited = time.perf_counter() - self._scheduling_since
@@ -153,6 +163,7 @@ class ElasticTrainer:
         self._report_waiting(what, ready=ready, asked=asked, waited_s=waited)
 
     def _report_waiting(self, what: str, *, ready: int, asked: int, waited_s: float) -> None:
+        self._check_owner()
         demand = self.backend.pending_demand()
         self.record.waiting(self.state.value, what, ready=ready, asked=asked, waited_s=waited_s, demand=demand)
 
@@ -189,14 +200,14 @@ class ElasticTrainer:
                 events=self.events.events,
             )
         try:
-            startup_s = self._loop(num_steps, resume, t_start)
+            startup_s = self._loop(num_steps, resume, t_start, resume_from)
         except BaseException as e:
             failed_in = self.state.value
             if not self.state.is_terminal:
                 self._enter(S.ERRORED)
             self.events.emit(ev.Errored(state=failed_in, error=repr(e)))
-            if isinstance(e, ElasticRuntimeError) or not isinstance(e, Exception):
-                raise  # ours, or KeyboardInterrupt/SystemExit: as they are
+            if isinstance(e, (ElasticRuntimeError, ValueError)) or not isinstance(e, Exception):
+                raise  # ours (a refused rerun: ValueError), or KeyboardInterrupt/SystemExit: as they are
             raise ElasticRuntimeError(f"training stopped in state {failed_in}: {e!r}") from e
         finally:
             self.gens.release()
@@ -217,13 +228,14 @@ class ElasticTrainer:
             gp=gp,
         )
 
-    def _loop(self, num_steps: int, resume: Optional[checkpoints.CheckpointInfo], t_start: float) -> float:
-        """Reserve, form the first world, then run and take in outcomes until the steps are done.
-        Returns the seconds until the first world ran (startup)."""
-        self.backend.connect(self.run_id)
-        previous = results.previous_run_last_step(self.run_dir)  # a lost driver's last logged step
-        held = self.gens.take_over(self.backend.take_over_keepers(), previous)  # what its keepers hold
-        self.record.taken_over(held, self.gens.taken_over_step, previous)
+    def _loop(
+        self, num_steps: int, resume: Optional[checkpoints.CheckpointInfo], t_start: float, resume_from: Optional[str]
+    ) -> float:
+        """Take over what a lost driver of the run left, reserve, form the first world, then run and
+        take in outcomes until the steps are done. Returns the seconds until the first world ran."""
+        self.backend.connect(self.run_id, home=self.run_dir or self.config.checkpoint_dir, findable=self._findable)
+        previous = take_over_run(self.backend, self.gens, self.record, self.run_dir, num_steps, resume, resume_from)
+        self._lost_steps = previous.last_step + 1 if previous.last_step is not None and not previous.ended else 0
         self._add_observers(num_steps)
         self._enter(S.SCHEDULING)
         self._scheduling_since = time.perf_counter()
@@ -247,7 +259,7 @@ class ElasticTrainer:
         self.gens.resume_dir = resume_dir
         self.failures = FailurePolicy(cfg, self.retry_policy)
         self._first_step = resume.step if resume else 0
-        self.events = EventLog(self.run_dir, [self.callbacks])
+        self.events = EventLog(self.run_dir, [self.callbacks], fenced=lambda: self.backend.superseded)
         self.ledger = results.StepLedger(self.events, cfg.steps_per_chunk, cfg.save_timeout_s)
         self.record = RunRecorder(self.events, self.ledger)
         self.record.started(cfg, num_steps, resume, resume_dir)
@@ -289,15 +301,15 @@ class ElasticTrainer:
             outcome = dataclasses.replace(outcome, drain_s=time.perf_counter() - t_drain)
         self.record.world_ran(world, start, time.perf_counter() - t0, outcome, streams)
         if outcome.kind is OutcomeKind.DONE:  # the last checkpoint commits before the run is finished
-            outcome = self._final_checkpoint(num_steps)
+            self._check_owner()  # a superseded driver writes no checkpoint
+            outcome = final_checkpoint(self.config, self.world, self.ledger, num_steps)
         return outcome
 
     def _intake(self, outcome: RunOutcome, previous: WorldChange) -> WorldChange:
         """A world ended early: read the evidence, decide what is lost (the failure policy), then
         execute: tear down, set aside unreadable checkpoints, keep the survivors."""
         now = time.time()
-        if self.backend.superseded:
-            raise SupersededError("another driver took this run over (a rerun of it): this driver stopped")
+        self._check_owner()
         if outcome.kind is OutcomeKind.GROW:
             grown = self._stop_to_grow(outcome, now)
             if isinstance(grown, WorldChange):
@@ -327,6 +339,7 @@ class ElasticTrainer:
             aside = self.gens.checkpoint_unreadable(step)
             self.events.emit(ev.CheckpointUnreadable(step=step, error=str(first)[:2000], set_aside_to=aside))
         verdict = decision.verdict
+        self._check_owner()  # before asking for a replacement slice
         survivors = self.gens.split(set(verdict.lost_slices), set(verdict.quarantined))
         reason = verdict.reason if not chained else f"failure while forming a world: {first!r}"[:300]
         return WorldChange(
@@ -344,8 +357,9 @@ class ElasticTrainer:
         process dying meanwhile turns the grow into a failure (returned as that outcome)."""
         self._enter(S.RESIZING)
         t0 = time.perf_counter()
+        self._check_owner()
         try:
-            self._finish_checkpoints()
+            finish_checkpoints(self.config, self.world, self.ledger)
         except ProcessFailed as e:
             return RunOutcome(OutcomeKind.FAILURE, {e.process: e.cause}, outcome.last_progress_at)
         self.world.teardown()
@@ -369,10 +383,12 @@ class ElasticTrainer:
         if self.pre_callback is not None:
             self.pre_callback()
         restore = self.gens.restore_plan(change.survivors, resume, last_step=self.ledger.last_step)
-        done = max(self.ledger.last_step + 1, self._first_step, self.gens.taken_over_step + 1)  # trained, resumed
+        # Trained, resumed, or trained by a lost driver of this run (its keepers did not answer).
+        done = max(self.ledger.last_step + 1, self._first_step, self.gens.taken_over_step + 1, self._lost_steps)
         refuse_fresh_restart(restore, done, self.config.allow_restart_from_scratch, change.reason)
         before = self.worlds[-1] if self.worlds else None
         self._enter(S.FORMING_WORLD)
+        self._check_owner()  # (the real world's keepers also refuse a superseded driver's begin)
         try:
             record = self.gens.form(members, restore)
         except Exception as e:  # noqa: BLE001 - a failure while forming is another failure
@@ -422,26 +438,3 @@ class ElasticTrainer:
                 + self.gens.scaling.advice
             )
         return change, decision, wait_s
-
-    def _finish_checkpoints(self, save_step: Optional[int] = None) -> None:
-        """Wait for the in-flight save of the current world to commit (first saving ``save_step``)."""
-        if self.config.checkpoint_dir and self.world is not None:
-            self.ledger.saves_committed(self.world.finish_checkpoints(self.ledger.save_limit_s(), save_step))
-
-    def _final_checkpoint(self, num_steps: int) -> RunOutcome:
-        """The run's last checkpoint is committed before ``fit`` returns: its in-flight save finishes,
-        or, when the world that was writing it failed (the state came back from a snapshot), this
-        world saves it again. A process dying meanwhile is one more failure (FAILURE), not the end."""
-        if not self.config.checkpoint_dir or self.world is None:
-            return RunOutcome(OutcomeKind.DONE)
-        try:
-            self._finish_checkpoints()
-            if self.ledger.committed_step < num_steps:
-                info = checkpoints.latest_checkpoint(self.config.checkpoint_dir)  # reported or not, what is there
-                if info is None or info.step < num_steps:
-                    self._finish_checkpoints(save_step=num_steps)
-                else:  # the failed world's save committed before its process died: it is the run's last
-                    self.ledger.saves_committed([(info.step, None)])
-        except ProcessFailed as e:
-            return RunOutcome(OutcomeKind.FAILURE, {e.process: e.cause}, time.time())
-        return RunOutcome(OutcomeKind.DONE)

@@ -262,29 +262,35 @@ class Generations:
             checkpoint_dir=self.config.checkpoint_dir,
         )
 
-    def take_over(self, found: list, logged: Optional[int] = None) -> dict[str, dict[int, list[int]]]:
+    def take_over(
+        self, found: list, logged: Optional[int] = None, committed: Optional[int] = None
+    ) -> tuple[dict[str, dict[int, list[int]]], list[int], str]:
         """File the snapshots an earlier driver's keepers hold (``TakenOver`` s) as this run's, by
         slice and host: the first world restores them if they are newer than the newest checkpoint.
-        ``logged``: the newest step the earlier driver's event log has; steps after it are not
-        offered while a slice holds one up to it completely (their metrics died with that driver:
-        the record stays whole, and they run again). Returns slice -> host -> steps held."""
+
+        Only a step whose loss that driver saw and logged as finite is offered (``logged``: the
+        newest such step in its log): a snapshot reaches its keeper before its loss is checked, and
+        the metrics of later steps died with that driver. With nothing logged (no run directory),
+        none past the newest committed checkpoint (``committed``: the steps it covers).
+        Returns (slice -> host -> steps held, the steps refused, why they were)."""
         placed = [t for t in found if t.place is not None]
         held: dict[str, dict[int, list[int]]] = {}
         for t in placed:
             held.setdefault(t.place[0], {})[t.place[1]] = sorted(t.steps)
-
-        def file(upto: Optional[int]) -> None:
-            for t in placed:
-                name, host = t.place
-                kept = {s: SnapshotRef(t.keeper, PREVIOUS_DRIVER, s) for s in t.steps if upto is None or s <= upto}
-                self.store.hold_only(name, host, kept)
-
-        file(logged)
-        if logged is not None and not self.store.latest_complete(list(held)):
-            file(None)  # no slice holds a step up to the log's end completely: the newest complete one
+        if logged is not None:
+            upto, why = logged, f"after step {logged}, the last the lost driver logged with a finite loss"
+        else:
+            upto = (committed or 0) - 1
+            why = "no run log says their losses were finite (no run_dir): none past the newest committed checkpoint"
+        for t in placed:
+            name, host = t.place
+            self.store.hold_only(
+                name, host, {s: SnapshotRef(t.keeper, PREVIOUS_DRIVER, s) for s in t.steps if s <= upto}
+            )
         self.taken_over_slices = set(held)
         self.taken_over_step = max(self.store.latest_complete(list(held)).values(), default=-1)
-        return held
+        refused = sorted({s for t in placed for s in t.steps if s > upto})
+        return held, refused, why if refused else ""
 
     def restore_plan(
         self, members: list, resume: Optional[checkpoints.CheckpointInfo] = None, last_step: Optional[int] = None
@@ -397,9 +403,6 @@ class Generations:
             checkpoint_dir=restore.directory,
         )
         self.world = world
-        if self.taken_over_slices:  # read by the first world (or not): later ones restore their own
-            self.taken_over_slices = set()
-            self.backend.release_unclaimed_keepers()
         record = WorldRecord(
             generation=generation,
             slices=list(world.plan.slice_names),
@@ -415,8 +418,21 @@ class Generations:
         return record
 
     def replenish(self) -> bool:
-        """Start warm standby processes on member hosts that lack some; True once none lacks any."""
-        return self.backend.replenish(self.members)
+        """Start warm standby processes on member hosts that lack some, and free the earlier driver's
+        keepers once this world holds a snapshot of its own; True once both are done."""
+        return self.backend.replenish(self.members) and self._donors_released()
+
+    def _donors_released(self) -> bool:
+        """The earlier driver's keepers this run did not take are freed once a world of this run
+        holds a complete snapshot (until then a failure restores from them, not from a checkpoint)."""
+        if not self.taken_over_slices:
+            return True
+        newest = self.store.latest_complete(list(self.world.plan.slice_names)) if self.world is not None else {}
+        if not any(self.store.refs(n, s)[0].generation == self.world.plan.generation for n, s in newest.items()):
+            return False
+        self.taken_over_slices = set()
+        self.backend.release_unclaimed_keepers()
+        return True
 
     def release(self) -> None:
         """The run is over: stop every process, cancel pending requests, give every slice back."""

@@ -6,9 +6,10 @@ the node. The driver renews every keeper's lease; a keeper whose lease is not re
 ``orphan_timeout_s`` frees its snapshots and exits, so an abandoned run leaves nothing behind.
 
 A rerun of the same run (same ``run_id``, or run directory, and task) finds them before it
-reserves a slice, takes them over with a higher epoch (fencing: a keeper refuses the calls of
-an older driver, and an older driver that is still alive learns from its next renewal that it
-was superseded and stops), and restores the newer of what they hold and the newest checkpoint.
+reserves a slice, takes them over with a higher epoch and the run's secret (fencing: a keeper
+refuses the calls of an older driver, and an older driver that is still alive learns from its
+next refused call, a lease renewal at the latest, that it was superseded and stops before its
+next effect), and restores the newer of what they hold and the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -24,6 +26,7 @@ from typing import Callable, Optional
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ray_elastic.errors import SupersededError
 from ray_elastic.state.snapshot_keeper import SnapshotKeeper
 
 logger = logging.getLogger(__name__)
@@ -34,15 +37,28 @@ ANSWER_S = 10.0  # a live keeper answers in milliseconds; one on a lost node nev
 @dataclasses.dataclass(frozen=True)
 class RunIdentity:
     """``key`` names the run's keepers (run id and task); ``snapshot`` is what a held snapshot must
-    match to be restored (the task, the model's arrays and one slice's layout)."""
+    match to be restored (the task, the model's arrays, one slice's layout and the run's training
+    settings); ``secret`` is what a takeover requires (None: the run keeps none); ``findable``: a
+    rerun can find the run (its id is not a random one), so its keepers outlive the driver."""
 
     key: str
     snapshot: str
+    secret: Optional[str] = None
+    findable: bool = True
 
     @classmethod
-    def of(cls, run_id: str, task_name: str, layout: object) -> "RunIdentity":
+    def of(
+        cls,
+        run_id: str,
+        task_name: str,
+        layout: object,
+        settings: object = (),
+        secret: Optional[str] = None,
+        findable: bool = True,
+    ) -> "RunIdentity":
         key = hashlib.sha1(f"{run_id}\n{task_name}".encode()).hexdigest()[:16]
-        return cls(key, hashlib.sha1(f"{task_name}\n{layout!r}".encode()).hexdigest()[:16])
+        snapshot = hashlib.sha1(f"{task_name}\n{layout!r}\n{settings!r}".encode()).hexdigest()[:16]
+        return cls(key, snapshot, secret, findable)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,71 +71,144 @@ class TakenOver:
     steps: list[int]
 
 
+def new_epoch() -> int:
+    """Above any earlier driver's (the clock), and not guessable (random low bits): a keeper's
+    snapshots are fetched only by the owning epoch's processes."""
+    return (time.time_ns() // 1_000_000) << 20 | secrets.randbits(20)
+
+
 class Keepers:
-    """The keepers of one run: created detached and named, found and taken over by a rerun, leased."""
+    """The keepers of one run: created detached and named, found and taken over by a rerun, leased.
+
+    Only the owning driver removes a keeper (:meth:`SnapshotKeeper.release` checks the epoch): a
+    driver that was superseded, or one that finds a keeper it does not own, leaves it alone. A run
+    that no rerun can find (no run directory, checkpoint directory or run id) gets keepers that die
+    with its driver. Besides the hosts' keepers, a run has an *owner record* (a keeper that holds
+    nothing, named ``KEY/owner``): a rerun takes it over even before the older driver has placed a
+    slice, so a driver superseded while it waits for slices learns it too.
+    """
 
     def __init__(self, identity: RunIdentity, orphan_timeout_s: float):
         self.identity = identity
         self.orphan_timeout_s = orphan_timeout_s
-        self.epoch = time.time_ns() // 1_000_000  # above any earlier driver's (max'd with theirs below)
+        self.epoch = new_epoch()  # max'd with the earlier drivers' below
         self.taken_over: dict[str, TakenOver] = {}  # node id -> a keeper of the previous driver, unclaimed
+        self.dropped = 0  # snapshots the taken-over keepers held of another identity (not restorable)
         self.superseded = threading.Event()
         self._all: list[ray.actor.ActorHandle] = []  # every keeper this driver owns (alive or not)
         self._stop = threading.Event()
         self._renewer: Optional[threading.Thread] = None
+        self._handed_back = False
+
+    def check(self) -> None:
+        """Raise :class:`SupersededError` once a newer driver owns the run (learned from any refusal)."""
+        if self.superseded.is_set():
+            raise SupersededError("another driver took this run over (a rerun of it): this driver stopped")
 
     # ------------------------------------------------------------- a rerun
     def take_over(self) -> list[TakenOver]:
-        """Find the run's keepers left by an earlier driver and take them over; those of another
-        identity (a changed model) or that refuse are killed: their snapshots cannot be restored."""
-        found = [
-            ray.get_actor(a["name"], namespace=NAMESPACE)
+        """Find the run's keepers left by an earlier driver and take them over (the owner record
+        first created if there is none). A keeper that refuses because a newer driver owns it stops
+        this driver (:class:`SupersededError`); one that does not answer, or is not this run's
+        (another secret), is left alone: it frees itself when its lease runs out."""
+        if not self.identity.findable:
+            return []
+        owner = self._owner()
+        found = {
+            a["name"]: ray.get_actor(a["name"], namespace=NAMESPACE)
             for a in ray.util.list_named_actors(all_namespaces=True)
             if a.get("namespace") == NAMESPACE and a["name"].startswith(self.identity.key + "/")
-        ]
-        if not found:
-            return []
-        status = _answers([k.status.remote() for k in found])
+        }
+        found[self._owner_name] = owner
+        names, handles = list(found), list(found.values())
+        status = _answers([k.status.remote(self.identity.secret) for k in handles])
         self.epoch = max([self.epoch] + [s["epoch"] + 1 for s in status if s is not None])
         claims = _answers(
-            [k.take_over.remote(self.epoch, self.identity.snapshot) if s else None for k, s in zip(found, status)]
+            [
+                k.take_over.remote(self.epoch, self.identity.snapshot, self.identity.secret) if s else None
+                for k, s in zip(handles, status)
+            ]
         )
-        for keeper, s, claim in zip(found, status, claims):
-            if claim is None:
-                why = "no answer" if s is None else "another model or a newer driver"
-                logger.warning("a keeper of this run was not taken over (%s): removed", why)
-                _kill(keeper)
+        for name, keeper, s, claim in zip(names, handles, status, claims):
+            if claim is None or not claim["taken"]:
+                if claim is not None and claim["why"] == "newer":
+                    self.superseded.set()
                 continue
-            place = tuple(claim["place"]) if claim["place"] else None
-            self.taken_over[s["node_id"]] = TakenOver(keeper, s["node_id"], place, [st for _, st in claim["held"]])
             self._all.append(keeper)
+            self.dropped += claim["dropped"]
+            if name != self._owner_name:
+                place = tuple(claim["place"]) if claim["place"] else None
+                steps = [st for _, st in claim["held"]]
+                self.taken_over[s["node_id"]] = TakenOver(keeper, s["node_id"], place, steps)
+        self.check()
         return list(self.taken_over.values())
+
+    @property
+    def _owner_name(self) -> str:
+        return f"{self.identity.key}/owner"
+
+    def _owner(self) -> ray.actor.ActorHandle:
+        """The run's owner record (one for all its drivers: created by the first, found by the others)."""
+        here = ray.get_runtime_context().get_node_id()
+        return SnapshotKeeper.options(  # type: ignore[attr-defined]
+            name=self._owner_name,
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
+            num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+        ).remote(orphan_timeout_s=self.orphan_timeout_s, identity=self.identity.snapshot, secret=self.identity.secret)
 
     # ------------------------------------------------------------- keepers
     def keeper(self, node_id: str) -> ray.actor.ActorHandle:
         """A keeper on ``node_id``: the previous driver's one there, else a new one."""
+        self.check()
         old = self.taken_over.pop(node_id, None)
         if old is not None:
             return old.keeper
         keeper = SnapshotKeeper.options(  # type: ignore[attr-defined]
             name=f"{self.identity.key}/{node_id}/{uuid.uuid4().hex[:8]}",
             namespace=NAMESPACE,
-            lifetime="detached",
+            lifetime="detached" if self.identity.findable else None,
             num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(orphan_timeout_s=self.orphan_timeout_s, identity=self.identity.snapshot, epoch=self.epoch)
+        ).remote(
+            orphan_timeout_s=self.orphan_timeout_s,
+            identity=self.identity.snapshot,
+            epoch=self.epoch,
+            secret=self.identity.secret,
+        )
         self._all.append(keeper)
         return keeper
 
     def release_unclaimed(self) -> None:
         """The previous driver's keepers on nodes this run did not take (their snapshots were read)."""
-        for old in self.taken_over.values():
-            _kill(old.keeper)
+        self.remove([old.keeper for old in self.taken_over.values()])
         self.taken_over.clear()
+
+    def remove(self, keepers: list) -> None:
+        """Kill ``keepers`` that this driver owns (each confirms it; one a newer driver owns says so,
+        and this driver learns it was superseded); others (a bundle's own keeper) are killed."""
+        ours = {k._actor_id for k in self._all}
+        for keeper in keepers:
+            if keeper._actor_id not in ours:
+                _kill(keeper)
+        leased = [k for k in keepers if k._actor_id in ours]
+        if self.superseded.is_set() or self._handed_back or not leased:
+            return
+        answers = _answers([k.release.remote(self.epoch) for k in leased])
+        for keeper, released in zip(leased, answers):
+            if released is False:  # a newer driver owns it: not ours to remove
+                self.superseded.set()
+                continue
+            _kill(keeper)  # released, or no answer in ANSWER_S: a lost node's or a hung one
+        gone = {k._actor_id for k in leased}
+        self._all = [k for k in self._all if k._actor_id not in gone]
 
     # ------------------------------------------------------------- the lease
     def start_lease(self, on_superseded: Callable[[], None]) -> None:
-        """Renew every keeper's lease from a thread; a refusal means a newer driver took the run over."""
+        """Renew every keeper's lease from a thread; a refusal means a newer driver took the run over.
+        A keeper that does not answer is not a refusal (a lost node: the failure path sees to it)."""
         every = min(max(self.orphan_timeout_s / 5, 0.5), 5.0)
 
         def renew() -> None:
@@ -128,18 +217,22 @@ class Keepers:
                 if any(a is False for a in answers):
                     logger.error("another driver has taken this run over: stopping")
                     self.superseded.set()
+                if self.superseded.is_set():
                     on_superseded()
                     return
 
         self._renewer = threading.Thread(target=renew, name="ray-elastic-lease", daemon=True)
         self._renewer.start()
 
-    def shutdown(self) -> None:
-        """The run is over: stop renewing and remove every keeper, unless a newer driver owns them."""
+    def hand_back(self) -> None:
+        """Leave every keeper as it is, unrenewed: a later rerun may take them over (until they expire)."""
+        self._handed_back = True
         self._stop.set()
-        if not self.superseded.is_set():
-            for keeper in self._all:
-                _kill(keeper)
+
+    def shutdown(self) -> None:
+        """The run is over: stop renewing and remove every keeper this driver still owns."""
+        self._stop.set()
+        self.remove(list(self._all))
         self._all.clear()
         self.taken_over.clear()
 

@@ -60,7 +60,7 @@ class WorkerPool:
             if node == UNPLACED:  # not placed yet: in the bundle, living as long as the reservation
                 self._keepers[key] = SnapshotKeeper.options(  # type: ignore[attr-defined]
                     num_cpus=0, scheduling_strategy=res.host_strategy(host)
-                ).remote()
+                ).remote(epoch=self.run_keepers.epoch)  # the driver's: it refuses any other's snapshots
             else:
                 self._keepers[key] = self.run_keepers.keeper(node)
         return self._keepers[key]
@@ -87,7 +87,7 @@ class WorkerPool:
         """A new, empty keeper for a host whose keeper died (its snapshots died with it)."""
         old = self._keepers.pop((id(res), host), None)
         if old is not None:
-            kill(old)
+            self.run_keepers.remove([old])
         return self.keeper(res, host)
 
     def claim_chips(self, prepared: list[ray.ObjectRef]) -> None:
@@ -188,7 +188,7 @@ class WorkerPool:
                 kill(s.actor)
             keeper = self._keepers.pop((id(res), h), None)
             if keeper is not None:
-                kill(keeper)
+                self.run_keepers.remove([keeper])
 
     def stop_processes(self) -> None:
         """Kill every standby (a superseded driver stops; its keepers are the new driver's)."""
@@ -199,10 +199,7 @@ class WorkerPool:
 
     def shutdown(self) -> None:
         self.stop_processes()
-        superseded = self.run_keepers.superseded.is_set()
-        for keeper in self._keepers.values():
-            if not superseded:
-                kill(keeper)
+        self.run_keepers.remove(list(self._keepers.values()))  # those it still owns (none once superseded)
         self._keepers.clear()
         self.run_keepers.shutdown()
         self.relays.shutdown()

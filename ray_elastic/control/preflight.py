@@ -111,14 +111,29 @@ def _check_eval_data(task: TrainTask, config: ElasticConfig) -> None:
 
 
 def snapshot_layout(task: TrainTask, config: ElasticConfig) -> tuple:
-    """What one host's snapshot depends on besides the run: the model's arrays (shapes and dtypes)
-    and one slice's layout. A snapshot taken under another is never restored (a rerun with a
+    """What one host's snapshot depends on besides the run: the model's arrays (paths, shapes and
+    dtypes, in order) and one slice's layout. A snapshot taken under another is never restored (a rerun with a
     changed model takes no snapshot of the old one)."""
     import jax
 
     from ray_elastic.slice import step_program as sp
 
     spec = sp.state_spec(task, config.seed, None)
-    arrays = sorted((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(spec.abstract))
+    flat = jax.tree_util.tree_flatten_with_path(spec.abstract)[0]  # in restore order: a rename that swaps two
+    arrays = [(jax.tree_util.keystr(p), tuple(x.shape), str(x.dtype)) for p, x in flat]  # leaves changes it
     c = config
     return (arrays, c.slice, sorted(c.slice_mesh.items()), tuple(c.logical_axis_rules), c.fsdp_min_size)
+
+
+def run_settings(task: TrainTask, config: ElasticConfig) -> tuple:
+    """What makes two runs of one model different: the task's plain fields (a learning rate, a
+    width) and the config's training settings. A snapshot of a run with other settings (a sweep
+    trial reusing a crashed trial's run directory) is never restored."""
+    plain = (int, float, str, bool, type(None))
+
+    def is_plain(v) -> bool:
+        return isinstance(v, plain) or (isinstance(v, (tuple, list)) and all(isinstance(x, plain) for x in v))
+
+    fields = sorted((k, repr(v)) for k, v in vars(task).items() if is_plain(v))
+    c = config
+    return (fields, c.seed, c.global_batch_size, c.batch_policy, c.lr_rule, c.microbatch_size)

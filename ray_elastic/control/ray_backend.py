@@ -19,12 +19,13 @@ from ray_elastic.config import ElasticConfig
 from ray_elastic.control.keepers import Keepers, RunIdentity, TakenOver
 from ray_elastic.control.placement import ReplacementRequest, SliceReservation, pending_slice_demand, reserve_slices
 from ray_elastic.control.pool import WorkerPool, kill
-from ray_elastic.control.preflight import snapshot_layout
+from ray_elastic.control.preflight import run_settings, snapshot_layout
 from ray_elastic.control.stepping import StepStreams
 from ray_elastic.control.world import World, host_labels
 from ray_elastic.decide import ErrorKind
 from ray_elastic.detect import health
 from ray_elastic.state import checkpoints
+from ray_elastic.state.run_secret import run_secret
 from ray_elastic.state.snapshot_keeper import ask_keepers
 from ray_elastic.state.snapshots import SnapshotStore
 from ray_elastic.task import TrainTask
@@ -43,10 +44,14 @@ class RayBackend:
         self.config = config
         self.address = address
 
-    def connect(self, run_id: str) -> None:
+    def connect(self, run_id: str, *, home: Optional[str] = None, findable: bool = True) -> None:
+        """Connect; the run's keepers are named by ``run_id`` and taken over only with the secret
+        kept in ``home`` (the run or checkpoint directory); ``findable``: a rerun can find the run."""
         if not ray.is_initialized():
             ray.init(address=self.address, namespace="ray_elastic", log_to_driver=True)
-        identity = RunIdentity.of(run_id, self.task.name(), snapshot_layout(self.task, self.config))
+        layout, settings = snapshot_layout(self.task, self.config), run_settings(self.task, self.config)
+        secret = run_secret(home) if findable else None
+        identity = RunIdentity.of(run_id, self.task.name(), layout, settings, secret, findable)
         self.keepers = Keepers(identity, self.config.orphan_timeout_s)
         self.pool = WorkerPool(ray.put(self.task), self.config, self.keepers, env=checkpoints.gcs_env())
         self._world: Optional[World] = None
@@ -55,16 +60,24 @@ class RayBackend:
     def take_over_keepers(self) -> list[TakenOver]:
         """The keepers an earlier driver of this run left, now this driver's (then its lease starts:
         a driver that takes this run over later stops this one)."""
-        found = self.keepers.take_over()
-        self.keepers.start_lease(self._superseded)
-        return found
+        self.keepers.start_lease(self._superseded)  # the owner record is leased from its takeover on
+        return self.keepers.take_over()
 
     def release_unclaimed_keepers(self) -> None:
         self.keepers.release_unclaimed()
 
+    def hand_back_keepers(self) -> None:
+        self.keepers.hand_back()
+
     @property
     def superseded(self) -> bool:
-        return self.keepers.superseded.is_set()
+        keepers = getattr(self, "keepers", None)  # set by connect
+        return keepers is not None and keepers.superseded.is_set()
+
+    @property
+    def dropped_snapshots(self) -> int:
+        """Snapshots the taken-over keepers held of another model or training settings."""
+        return self.keepers.dropped
 
     def _superseded(self) -> None:
         """A newer driver owns the run: stop training now (its processes' failures end the loop)."""

@@ -51,10 +51,31 @@ class RunRecorder:
         if changed:
             self.events.emit(ev.ResumeConfigChanged(changed=changed))
 
-    def taken_over(self, held: dict, snapshot_step: int, previous: Optional[int]) -> None:
-        """The run follows an earlier driver of it: what that one logged last and what its keepers hold."""
-        if held or previous is not None:
-            self.events.emit(ev.Rerun(previous_last_step=previous, snapshot_step=snapshot_step, held=held))
+    def taken_over(
+        self,
+        held: dict,
+        snapshot_step: int,
+        previous: Optional[int],
+        *,
+        refused: Optional[list] = None,
+        why: str = "",
+        released: str = "",
+        dropped: int = 0,
+    ) -> None:
+        """The run follows an earlier driver of it: what that one logged last, what its keepers hold
+        and which of their snapshots this run refuses, and why (a rewind must be explainable)."""
+        if held or previous is not None or released or dropped:
+            self.events.emit(
+                ev.Rerun(
+                    previous_last_step=previous,
+                    snapshot_step=snapshot_step,
+                    held=held,
+                    refused_steps=list(refused or []),
+                    refused_why=why,
+                    released=released,
+                    dropped_snapshots=dropped,
+                )
+            )
 
     def waiting(self, state: str, what: str, *, ready: int, asked: int, waited_s: float, demand) -> None:
         """What the run waits for and what is missing: a job waiting minutes for TPU capacity must not

@@ -253,7 +253,9 @@ class _Hosts:
                     )
                 )
         pool.claim_chips([p for sp in self.prepared for p in sp])  # the next world's processes wait for these
-        _gather(begun, self.owners, timeout_s, watch=watch)
+        if not all(_gather(begun, self.owners, timeout_s, watch=watch)):  # a keeper a newer driver owns
+            pool.run_keepers.superseded.set()
+            pool.run_keepers.check()
         pool.confirm_keepers([k for ks in self.keepers for k in ks])
         return _gather(joins, self.owners, timeout_s * 2, watch=watch)
 

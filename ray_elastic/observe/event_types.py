@@ -117,6 +117,10 @@ class Rerun(Event):
     previous_last_step: Optional[int] = None  # the newest step the earlier driver reported (its log)
     snapshot_step: int = -1  # the newest step the taken-over keepers hold completely
     held: dict = dataclasses.field(default_factory=dict)  # slice -> host -> steps held
+    refused_steps: list = dataclasses.field(default_factory=list)  # held, but not restorable: ...
+    refused_why: str = ""  # ... why (their losses were never logged as finite)
+    released: str = ""  # the keepers were released instead (why: an explicit resume_from)
+    dropped_snapshots: int = 0  # held of another model or training settings: dropped
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -11,10 +11,13 @@ controller, so the controller itself only emits.
 from __future__ import annotations
 
 import json
+import logging
 import os
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from ray_elastic.observe.event_types import Event
+
+logger = logging.getLogger(__name__)
 
 
 class EventListener:
@@ -34,18 +37,48 @@ class EventListener:
         """The run ended (successfully or not)."""
 
 
+def read_lines(path: str) -> Iterator[dict]:
+    """The JSON lines of an event log; a torn line (a driver killed while writing it) is skipped
+    with a warning: every rerun and report reads past it."""
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                logger.warning("%s line %d is torn (its writer was killed while writing it): skipped", path, n)
+
+
 class EventLog:
-    def __init__(self, run_dir: Optional[str] = None, listeners: Iterable[EventListener] = ()):
+    """The run's events, in memory and (``run_dir``) appended to ``events.jsonl``. ``fenced()`` True:
+    this driver no longer owns the run (a rerun took it over): nothing more is written to the file,
+    which is the new driver's now (listeners still hear every event)."""
+
+    def __init__(
+        self,
+        run_dir: Optional[str] = None,
+        listeners: Iterable[EventListener] = (),
+        fenced: Callable[[], bool] = lambda: False,
+    ):
         self.events: list[Event] = []
         self.listeners = list(listeners)
+        self.fenced = fenced
         self._file = None
         if run_dir:
             os.makedirs(run_dir, exist_ok=True)
-            self._file = open(os.path.join(run_dir, "events.jsonl"), "a", buffering=1)
+            path = os.path.join(run_dir, "events.jsonl")
+            self._file = open(path, "a+", buffering=1)
+            self._file.seek(0, os.SEEK_END)
+            if self._file.tell() > 0:
+                self._file.seek(self._file.tell() - 1)
+                if self._file.read(1) != "\n":  # a torn last line: this run's first starts on a line of its own
+                    logger.warning("%s ends in a torn line (its driver was killed while writing it)", path)
+                    self._file.write("\n")
 
     def emit(self, event: Event) -> Event:
         self.events.append(event)
-        if self._file is not None:
+        if self._file is not None and not self.fenced():
             self._file.write(json.dumps(event.to_json(), default=str) + "\n")
         for listener in self.listeners:
             listener.on_event(event)

@@ -8,11 +8,11 @@ and loss over time with failures and recoveries marked, and the goodput breakdow
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Optional
 
 from ray_elastic.observe import event_types as ev
+from ray_elastic.observe.events import read_lines
 from ray_elastic.observe.goodput import BADPUT, Goodput, account, kept_and_rewound, last_run
 
 
@@ -38,8 +38,7 @@ def load_events(run_dir: str) -> list[ev.Event]:
     path = os.path.join(run_dir, "events.jsonl")
     if not os.path.exists(path):
         raise ValueError(f"no events.jsonl in {run_dir!r}: pass the --run-dir of a run (ElasticTrainer(run_dir=...))")
-    with open(path) as f:
-        return [ev.parse(json.loads(line)) for line in f if line.strip()]
+    return [ev.parse(e) for e in read_lines(path)]
 
 
 def timeline(events: list) -> Timeline:

@@ -8,8 +8,8 @@ Every ``*_at`` field is wall-clock time (``time.time()``), every ``*_s`` a durat
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
+import math
 import os
 import time
 from typing import Any, Callable, Optional
@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 from ray_elastic.decide import save_timeout
 from ray_elastic.observe import event_types as ev
 from ray_elastic.observe import goodput
+from ray_elastic.observe.events import read_lines
 from ray_elastic.task import RESERVED_METRICS
 
 logger = logging.getLogger(__name__)
@@ -373,18 +374,35 @@ def resume_changes(metadata: dict, *, seed: int, global_batch_size: int) -> dict
     return changed
 
 
-def previous_run_last_step(run_dir: Optional[str]) -> Optional[int]:
-    """The newest step the run before this one reported in ``run_dir``'s log (this one's
-    ``run_started`` is its last line so far); None without one."""
+@dataclasses.dataclass(frozen=True)
+class PreviousRun:
+    """What the run before this one in a run directory left in its log."""
+
+    last_step: Optional[int]  # the newest step it logged with a finite loss (and every loss before it)
+    ended: bool  # it finished or stopped with an error (False: its driver was lost mid-run)
+
+
+def previous_run(run_dir: Optional[str]) -> PreviousRun:
+    """The run before this one in ``run_dir``'s log (this one's ``run_started`` is its last run so
+    far); ``PreviousRun(None, True)`` without one. Steps from its first non-finite loss on do not count."""
     path = os.path.join(run_dir, "events.jsonl") if run_dir else ""
     if not path or not os.path.exists(path):
-        return None
-    runs: list[list[int]] = [[]]
-    with open(path) as f:
-        for line in f:
-            e = json.loads(line)
-            if e.get("kind") == "run_started":
-                runs.append([])
-            elif e.get("kind") == "steps":
-                runs[-1].extend(e.get("steps") or [])
-    return max(runs[-2]) if len(runs) >= 3 and runs[-2] else None
+        return PreviousRun(None, True)
+    runs: list[tuple[list[int], list[bool]]] = [([], [True])]  # per run: steps, [ended, finite so far]
+    for e in read_lines(path):
+        kind = e.get("kind")
+        steps, flags = runs[-1]
+        if kind == "run_started":
+            runs.append(([], [False, True]))
+        elif kind in ("run_finished", "errored"):
+            flags[0] = True
+        elif kind == "steps" and flags[-1]:
+            for step, loss in zip(e.get("steps") or [], e.get("losses") or []):
+                if not (isinstance(loss, (int, float)) and math.isfinite(loss)):
+                    flags[-1] = False  # a NaN step: neither it nor a later one may be restored
+                    break
+                steps.append(step)
+    if len(runs) < 3:
+        return PreviousRun(None, True)
+    steps, flags = runs[-2]
+    return PreviousRun(max(steps) if steps else None, flags[0])

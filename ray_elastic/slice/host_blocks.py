@@ -21,10 +21,16 @@ def block_range(indices, shape) -> tuple:
     return rng
 
 
-def host_blocks(leaves: list[jax.Array]) -> dict:
-    """This process's block of every leaf, and its global index range (see :func:`local_block`)."""
+def host_blocks(leaves: list[jax.Array], paths: tuple = ()) -> dict:
+    """This process's block of every leaf, its global index range (see :func:`local_block`) and
+    the leaves' paths in the state (a restore refuses a state whose arrays are named otherwise)."""
     blocks = [local_block(x) for x in leaves]
-    return {"leaves": [b for b, _ in blocks], "ranges": [r for _, r in blocks]}
+    return {"leaves": [b for b, _ in blocks], "ranges": [r for _, r in blocks], "paths": tuple(paths)}
+
+
+def leaf_paths(tree) -> tuple[str, ...]:
+    """Each leaf's path in ``tree`` (``jax.tree_util.keystr``), in the order of ``jax.tree.leaves``."""
+    return tuple(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
 
 
 def local_block(arr: jax.Array) -> tuple[np.ndarray, tuple]:

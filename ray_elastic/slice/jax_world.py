@@ -23,7 +23,7 @@ from ray_elastic.errors import StorageError, TrainingCodeError
 from ray_elastic.slice import step_program as sp
 from ray_elastic.slice.compile_cache import cache_hits, compile_ahead, lower_and_compile
 from ray_elastic.slice.data import BatchPrefetcher, StepBatches
-from ray_elastic.slice.host_blocks import block_range, host_blocks
+from ray_elastic.slice.host_blocks import block_range, host_blocks, leaf_paths
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +166,7 @@ class TrainLoop:
         self.spec, self.state_shardings, self.batch_sharding, self._step = _programs(
             task, plan, seed, fsdp_min_size, mesh, rules, scale_updates
         )
+        self.leaf_paths = leaf_paths(self.spec.abstract)
         self.sharded_params = sum(1 for sh in jax.tree.leaves(self.state_shardings) if any(sh.spec))
         self.checkpointer = checkpointer
         self.restored_metadata: Optional[dict] = None
@@ -194,6 +195,10 @@ class TrainLoop:
         blocks, ranges = restore["leaves"], restore["ranges"]
         if len(blocks) != len(leaves):
             raise ValueError(f"snapshot has {len(blocks)} arrays, the model's state has {len(leaves)}")
+        paths = tuple(restore.get("paths") or ())
+        if paths and paths != self.leaf_paths:
+            renamed = next(f"{a} -> {b}" for a, b in zip(paths, self.leaf_paths) if a != b)
+            raise ValueError(f"snapshot's arrays are named otherwise than the model's ({renamed}): refusing to restore")
         for i, (sh, a, got) in enumerate(zip(shardings, leaves, ranges)):
             want = block_range(sh.addressable_devices_indices_map(a.shape).values(), a.shape) if a.ndim else ()
             if tuple(map(tuple, got)) != want:
@@ -320,7 +325,7 @@ class TrainLoop:
     def snapshot(self) -> dict:
         """Host copy of this process's part of the train state (params and optimizer state): per
         leaf the block (``leaves``) and its global index range (``ranges``). Waits for the state."""
-        return host_blocks(jax.tree.leaves(self.state))
+        return host_blocks(jax.tree.leaves(self.state), self.leaf_paths)
 
     def _copy_program(self):
         """A jitted copy of the state onto new buffers with the state's shardings."""

@@ -33,11 +33,11 @@ def block_until_ready(leaves) -> None:
     jax.block_until_ready(leaves)
 
 
-def jax_world_host_blocks(leaves) -> dict:
+def jax_world_host_blocks(leaves, paths: tuple = ()) -> dict:
     """The host copy of a snapshot (JAX side; imported here only when a snapshot is written)."""
     from ray_elastic.slice.host_blocks import host_blocks
 
-    return host_blocks(leaves)
+    return host_blocks(leaves, paths)
 
 
 @contextlib.contextmanager

@@ -196,7 +196,7 @@ class SliceWorker:
         clear_stale_lock(owners)
         t_init = self._initialize(coordinator_address, timeout_s)
         checkpointer, source = self._checkpointers(checkpoint_step, checkpoint_dir)
-        blocks, t_fetch = self._fetch(snapshot)
+        blocks, t_fetch = self._fetch(snapshot, epoch or 0)
         t2 = time.perf_counter()
         mesh = world_mesh.build_mesh(plan)
         with world_errors("building the train state"):  # runs the task's code: only JAX's slice-down errors
@@ -259,15 +259,15 @@ class SliceWorker:
             return own, Checkpointer(checkpoint_dir, None, read_only=True)
         return own, own
 
-    def _fetch(self, snapshot: Optional[SnapshotRef]) -> tuple[Optional[dict], float]:
+    def _fetch(self, snapshot: Optional[SnapshotRef], epoch: int) -> tuple[Optional[dict], float]:
         """This host's part of ``snapshot`` from the keeper holding it, and the seconds it took."""
         if snapshot is None:
             return None, 0.0
         t0 = time.perf_counter()
         with world_errors("fetching the snapshot from its donor", everything=True):  # the donor died
-            snap = ray.get(snapshot.keeper.fetch.remote(snapshot.generation, snapshot.step))
+            snap = ray.get(snapshot.keeper.fetch.remote(snapshot.generation, snapshot.step, epoch))
         self.last_step = snap["step"]
-        return {"leaves": snap["leaves"], "ranges": snap["ranges"]}, time.perf_counter() - t0
+        return {k: snap.get(k) for k in ("leaves", "ranges", "paths")}, time.perf_counter() - t0
 
     def compile(self, step: int) -> dict:
         from ray_elastic.slice import jax_world as jw
@@ -395,9 +395,8 @@ class SliceWorker:
         """Hand the state after ``step`` (the newest dispatched) to the writer: copied on the device
         now, to the host and the keeper in the writer's thread."""
         copy = self.loop.snapshot_copy()
-        self.writer.submit(
-            step, functools.partial(jax_world_host_blocks, copy), functools.partial(block_until_ready, copy)
-        )
+        host_copy = functools.partial(jax_world_host_blocks, copy, self.loop.leaf_paths)
+        self.writer.submit(step, host_copy, functools.partial(block_until_ready, copy))
         self._snapshot_step = step
 
     def run_chunk_quiet(

@@ -19,6 +19,7 @@ finished on every process: a held step is a finished step.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import logging
 import os
 import threading
@@ -58,23 +59,36 @@ def evictable(
 PREVIOUS_DRIVER = -1  # the generation a taken-over keeper files its snapshots under (the new run's start at 0)
 
 
-@ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)
+def _digest(secret: Optional[str]) -> Optional[str]:
+    return None if secret is None else hashlib.sha256(secret.encode()).hexdigest()
+
+
+# Lease calls run on their own thread: a renewal never queues behind a multi-second ``keep`` copy.
+@ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0, concurrency_groups={"lease": 1})
 class SnapshotKeeper:
     """The newest snapshots of one slice host's process, by (generation, step).
 
     It outlives the driver for ``orphan_timeout_s`` (see :mod:`ray_elastic.control.keepers`): the
-    driver renews its lease, a new driver of the same run takes it over with a higher ``epoch``,
-    and one whose lease runs out frees its snapshots and exits. Calls of an older epoch are refused.
+    driver renews its lease, a new driver of the same run takes it over with a higher ``epoch``
+    (and the run's ``secret``: another job cannot), and one whose lease runs out frees its
+    snapshots and exits. Calls of an older epoch are refused; only the owning epoch releases it.
     """
 
     def __init__(
-        self, keep_steps: int = KEEP_STEPS, orphan_timeout_s: Optional[float] = None, identity=None, epoch: int = 0
+        self,
+        keep_steps: int = KEEP_STEPS,
+        orphan_timeout_s: Optional[float] = None,
+        identity=None,
+        epoch: int = 0,
+        secret: Optional[str] = None,
     ):
         self.keep_steps = keep_steps
         self._entries: dict[tuple[int, int], dict] = {}
         self._generation, self._start = -1, 0
         self._acked = (-1, -1)  # the newest (generation, step) of this host the driver has received
         self.identity, self.epoch = identity, epoch  # whose snapshots these are; the driver that owns them
+        self._secret = _digest(secret)  # who may take it over (None: anyone who finds it)
+        self._released = False
         self.place: Optional[tuple[str, int]] = None  # (slice name, host index) of the process it keeps for
         self._renewed = time.monotonic()
         if orphan_timeout_s is not None:
@@ -88,10 +102,15 @@ class SnapshotKeeper:
         self._entries.clear()
         os._exit(0)
 
-    def status(self) -> dict:
-        """What a new driver decides from: the owning driver's epoch, the node, whose snapshots."""
-        return {"epoch": self.epoch, "node_id": ray.get_runtime_context().get_node_id(), "identity": self.identity}
+    @ray.method(concurrency_group="lease")
+    def status(self, secret: Optional[str] = None) -> Optional[dict]:
+        """What a new driver decides from: the owning driver's epoch, the node. None without the
+        run's secret (the epoch is what the owner's calls carry)."""
+        if _digest(secret) != self._secret or self._released:
+            return None
+        return {"epoch": self.epoch, "node_id": ray.get_runtime_context().get_node_id()}
 
+    @ray.method(concurrency_group="lease")
     def renew(self, epoch: int) -> bool:
         """The driver of ``epoch`` is alive; False when a newer driver has taken the run over."""
         if epoch < self.epoch:
@@ -99,20 +118,38 @@ class SnapshotKeeper:
         self._renewed = time.monotonic()
         return True
 
-    def take_over(self, epoch: int, identity) -> Optional[dict]:
+    def take_over(self, epoch: int, identity, secret: Optional[str] = None) -> dict:
         """A new driver of the run (``epoch`` above the keeper's) takes the keeper and what it holds.
-        ``None`` when refused: an equal or newer driver has it, or ``identity`` is not the keeper's
-        (another task or model: its snapshots cannot be restored). What it held is filed under
-        :data:`PREVIOUS_DRIVER`, below the new run's first world."""
-        if epoch <= self.epoch or identity != self.identity:
-            return None
+
+        ``taken`` False (``why``): an equal or newer driver has it (the caller was superseded), or
+        the secret is not the run's, or it was released. With another ``identity`` (another task,
+        model or training settings) it is taken, but what it held is dropped: it cannot be
+        restored. What it held is filed under :data:`PREVIOUS_DRIVER`, below the new run's first world.
+        """
+        if _digest(secret) != self._secret or self._released:
+            return {"taken": False, "why": "released" if self._released else "secret"}
+        if epoch <= self.epoch:
+            return {"taken": False, "why": "newer"}
         self.epoch, self._renewed = epoch, time.monotonic()
+        dropped = 0
+        if identity != self.identity:
+            dropped, self.identity = len(self._entries), identity
+            self._entries.clear()
         self._entries = {(PREVIOUS_DRIVER, step): v for (_, step), v in self._entries.items()}
         self._generation, self._acked = (
             PREVIOUS_DRIVER,
             (PREVIOUS_DRIVER, max((k[1] for k in self._entries), default=-1)),
         )
-        return {"place": self.place, "held": self.held()}
+        return {"taken": True, "place": self.place, "held": self.held(), "dropped": dropped}
+
+    def release(self, epoch: int) -> bool:
+        """The owning driver lets go (its run ended, or nothing it holds is wanted): everything is
+        freed and no one can take it over; the caller then kills it. False (kept) for any other epoch."""
+        if epoch != self.epoch:
+            return False
+        self._released = True
+        self._entries.clear()
+        return True
 
     def begin(self, generation: int, start_step: int, place: Optional[tuple[str, int]] = None, epoch: int = 0) -> bool:
         """A world of ``generation`` starts after ``start_step - 1``: steps from ``start_step`` on are
@@ -135,6 +172,7 @@ class SnapshotKeeper:
         self._entries[(generation, step)] = {
             "leaves": [np.array(b, copy=True) for b in snapshot["leaves"]],
             "ranges": snapshot["ranges"],
+            "paths": snapshot.get("paths"),
             "step": step,
         }
         self._evict()
@@ -155,8 +193,11 @@ class SnapshotKeeper:
         """(generation, step) of every snapshot held."""
         return sorted(self._entries)
 
-    def fetch(self, generation: int, step: int) -> dict:
-        """The snapshot of ``step`` kept by ``generation``'s process (KeyError when it is gone)."""
+    def fetch(self, generation: int, step: int, epoch: int = 0) -> dict:
+        """The snapshot of ``step`` kept by ``generation``'s process, for the owning driver's
+        processes (KeyError when it is gone; PermissionError for another epoch)."""
+        if epoch != self.epoch:
+            raise PermissionError(f"snapshot keeper: epoch {epoch} does not own it")
         return self._entries[(generation, step)]
 
 

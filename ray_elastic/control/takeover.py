@@ -1,0 +1,58 @@
+"""What a rerun takes from the lost driver of the same run, before it reserves a slice.
+
+The lost driver's keepers are taken over (or released, when the user names ``resume_from``:
+an explicit checkpoint wins), only the steps whose losses it logged as finite are offered to
+the first world, and a rerun asked for fewer steps than the lost driver already ran is refused
+before it trains (its final checkpoint would be labelled with a step it is not).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ray_elastic.control.backend import Backend
+from ray_elastic.control.generations import Generations
+from ray_elastic.control.recorder import RunRecorder
+from ray_elastic.observe import results
+from ray_elastic.state import checkpoints
+
+
+def take_over_run(
+    backend: Backend,
+    gens: Generations,
+    record: RunRecorder,
+    run_dir: Optional[str],
+    num_steps: int,
+    resume: Optional[checkpoints.CheckpointInfo],
+    resume_from: Optional[str],
+) -> results.PreviousRun:
+    """Take over what a lost driver of this run left (see the module); returns what its log says.
+    Raises ``ValueError`` when it ran past ``num_steps`` (its keepers are left for a rerun that asks
+    for more) and :class:`~ray_elastic.errors.SupersededError` when a newer driver owns the run."""
+    previous = results.previous_run(run_dir)
+    found = backend.take_over_keepers()
+    released = bool(found) and resume_from is not None
+    if released:  # the user named the state to start from: the lost run's memory is not it
+        backend.release_unclaimed_keepers()
+        found = []
+    committed = resume.step if resume is not None and resume_from is None else None
+    held, refused, why = gens.take_over(found, previous.last_step, committed)
+    record.taken_over(
+        held,
+        gens.taken_over_step,
+        previous.last_step,
+        refused=refused,
+        why=why,
+        released=f"resume_from={resume_from!r} was given: it wins over the lost run's snapshots" if released else "",
+        dropped=backend.dropped_snapshots,
+    )
+    if gens.taken_over_step >= num_steps:
+        backend.hand_back_keepers()
+        raise ValueError(
+            f"this run (its run_dir / run_id) already trained step {gens.taken_over_step}: its lost driver's "
+            f"snapshot keepers hold it, so fit({num_steps}) would save the state after step "
+            f"{gens.taken_over_step} as checkpoint {num_steps}. Call fit(num_steps > {gens.taken_over_step}), "
+            "or use another run_dir / run_id for a new run (the keepers are left for a rerun until "
+            "orphan_timeout_s)"
+        )
+    return previous

@@ -1,0 +1,43 @@
+"""Whether a dataclass's values fit the types its fields declare (a settings object checks itself)."""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import typing
+from typing import Union
+
+
+def mistyped_fields(obj) -> list[tuple[str, str, object]]:
+    """(field name, what it must be, value) of each field of dataclass ``obj`` whose value does not fit
+    its declared type (a bool is no number; a list is taken for a tuple)."""
+    hints = typing.get_type_hints(type(obj))
+    return [
+        (f.name, _describe(hints[f.name]), getattr(obj, f.name))
+        for f in dataclasses.fields(obj)
+        if not _is_a(getattr(obj, f.name), hints[f.name])
+    ]
+
+
+def _is_a(value, want) -> bool:
+    """``value`` fits the type hint ``want`` (Optional/Union, int, float, bool, str, tuple, dict, classes)."""
+    if typing.get_origin(want) is Union:
+        return any(_is_a(value, arg) for arg in typing.get_args(want))
+    if want is type(None):
+        return value is None
+    if want is bool:
+        return isinstance(value, bool)
+    if want in (int, float):
+        number = numbers.Integral if want is int else numbers.Real
+        return isinstance(value, number) and not isinstance(value, bool)
+    if want is tuple:
+        return isinstance(value, (tuple, list))
+    return isinstance(value, typing.get_origin(want) or want)
+
+
+def _describe(want) -> str:
+    if typing.get_origin(want) is Union:
+        return " or ".join(_describe(arg) for arg in typing.get_args(want))
+    return {int: "a whole number", float: "a number", bool: "True or False", str: "a string"}.get(
+        want, "None" if want is type(None) else getattr(want, "__name__", str(want))
+    )
