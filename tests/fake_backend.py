@@ -185,11 +185,15 @@ class FakeBackend:
     superseded = False
     dropped_snapshots = 0
 
+    left_behind: list = []  # TakenOver s a test leaves for the run to take over (a lost driver's keepers)
+    released_after_steps: Optional[int] = None  # how many steps had run when they were released
+
     def take_over_keepers(self) -> list:
-        return []  # nothing outlives a fake driver
+        return list(self.left_behind)
 
     def release_unclaimed_keepers(self) -> None:
-        pass
+        if self.released_after_steps is None:
+            self.released_after_steps = len(self.steps_run)
 
     def hand_back_keepers(self) -> None:
         pass

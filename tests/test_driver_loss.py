@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import ray
 from faults import cluster_state, ensure_slices, left_behind, max_rel_err
 
@@ -102,7 +103,7 @@ def test_a_rerun_after_the_driver_is_killed_resumes_from_its_keepers_rewinding_n
     with open(tmp_path / "first.log", "w") as log:
         last = _start_and_kill_at(_cmd(run_dir, ckpt), run_dir, 30, log, sim_cluster.address)
     assert 30 <= last < STEPS - 5
-    assert len(_keepers()) == 2, "the keepers (one per slice host) must outlive the driver"
+    assert len(_keepers()) == 3, "the keepers (one per slice host, and the run's owner record) must outlive the driver"
 
     env = {**os.environ, "RAY_ADDRESS": sim_cluster.address}
     second = subprocess.run(_cmd(run_dir, ckpt), env=env, capture_output=True, text=True, timeout=300)
@@ -139,9 +140,9 @@ def test_an_abandoned_run_s_keepers_free_everything_after_the_orphan_timeout(sim
     before = cluster_state()
     run_dir = str(tmp_path / "run")
     with open(tmp_path / "driver.log", "w") as log:
-        cmd = _cmd(run_dir, str(tmp_path / "ckpt"), "--orphan-timeout", "4")
+        cmd = _cmd(run_dir, str(tmp_path / "ckpt"), "--orphan-timeout", "5")
         _start_and_kill_at(cmd, run_dir, 10, log, sim_cluster.address)
-    assert len(_keepers()) == 2
+    assert len(_keepers()) == 3
     # Never rerun: after the timeout no keeper, actor or placement group of the run is left.
     deadline = time.monotonic() + 60
     while _keepers() and time.monotonic() < deadline:
@@ -177,24 +178,140 @@ def test_a_newer_driver_takes_the_run_over_and_the_older_one_stops(sim_cluster, 
     assert _keepers() == []
 
 
-def test_a_keeper_refuses_an_older_driver_and_another_model(sim_cluster):
-    """Fencing and identity on a real keeper actor: a takeover needs a higher epoch and the same
-    identity; afterwards the older driver's writes, acks and renewals are refused."""
-    keeper = SnapshotKeeper.options(num_cpus=0).remote(orphan_timeout_s=60, identity="model-a", epoch=1)
+def _wait_for(pred, timeout_s: float = 120.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def _events(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "events.jsonl")
+    return [json.loads(ln) for ln in open(path)] if os.path.exists(path) else []
+
+
+def _assert_stopped_as_superseded(proc, run_dir: str) -> None:
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "another driver took this run over" in out, out[-3000:]
+    logged = [e for e in _events(run_dir) if e["kind"] == "errored"]
+    assert logged == [], f"a superseded driver wrote to the new driver's log: {logged}"
+
+
+def test_a_driver_superseded_while_it_waits_for_slices_stops_before_it_trains(sim_cluster, tmp_path):
+    """The first driver waits for a second slice (scheduling); a rerun of the run takes the run's
+    owner record over: the first stops with SupersededError, writes no more events, and gives its
+    slice back; the rerun trains the whole run once capacity comes."""
+    ensure_slices(sim_cluster, 1)
+    run_dir, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
+    env = {**os.environ, "RAY_ADDRESS": sim_cluster.address}
+    cmd = _cmd(run_dir, ckpt, "--orphan-timeout", "5", steps=20)
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for(lambda: any(e["kind"] == "waiting" for e in _events(run_dir)), what="the first driver to wait")
+    second = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _assert_stopped_as_superseded(first, run_dir)
+    ensure_slices(sim_cluster, 2)
+    out, _ = second.communicate(timeout=300)
+    assert second.returncode == 0, out[-3000:]
+    assert _summary(out)["steps"] == 20 and _logged_steps(run_dir)[-1] == list(range(20))
+    assert _keepers() == []
+
+
+def test_a_driver_superseded_while_it_waits_for_a_replacement_stops_and_the_rerun_resumes(sim_cluster, tmp_path):
+    """Pause-and-resume with no spare slice: the first driver waits for a replacement when a rerun
+    takes the run over; it stops (no world formed, no checkpoint, no event line, no keeper killed)
+    and the rerun resumes from the surviving slice's snapshots once a slice arrives."""
+    ensure_slices(sim_cluster, 2)
+    run_dir, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
+    env = {**os.environ, "RAY_ADDRESS": sim_cluster.address}
+    cmd = _cmd(run_dir, ckpt, "--orphan-timeout", "5", "--mode", "pause-and-resume", steps=60)
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for(lambda: max((s for r in _logged_steps(run_dir) for s in r), default=-1) >= 20, what="step 20")
+    sim_cluster.kill_slice(sim_cluster.alive_slices()[0].name)
+    _wait_for(lambda: any(e["kind"] == "waiting_for_capacity" for e in _events(run_dir)), what="the wait")
+    second = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _assert_stopped_as_superseded(first, run_dir)
+    ensure_slices(sim_cluster, 2)
+    out, _ = second.communicate(timeout=300)
+    assert second.returncode == 0, out[-3000:]
+    summary = _summary(out)
+    assert summary["resumed_from_snapshot"] is not None and summary["steps_rewound_on_resume"] == 0, summary
+    assert _logged_steps(run_dir)[-1] == list(range(summary["resumed_from_snapshot"] + 1, 60))
+    assert os.listdir(ckpt) == ["60"]  # the rerun's final one: the first driver saved none (every 100)
+    assert _keepers() == []
+
+
+def test_two_concurrent_reruns_one_takes_the_run_the_other_stops(sim_cluster, tmp_path):
+    """A driver is SIGKILLed and two reruns start at once: the keepers are claimed, never killed,
+    by either; exactly one trains on from the lost driver's snapshots, the other stops with
+    SupersededError (neither restarts from step 0)."""
+    ensure_slices(sim_cluster, 4)
+    run_dir, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
+    with open(tmp_path / "first.log", "w") as log:
+        last = _start_and_kill_at(_cmd(run_dir, ckpt, "--orphan-timeout", "5"), run_dir, 30, log, sim_cluster.address)
+    env = {**os.environ, "RAY_ADDRESS": sim_cluster.address}
+    cmd = _cmd(run_dir, ckpt, "--orphan-timeout", "5")
+    reruns = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    reruns.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=400)[0] for p in reruns]
+    codes = sorted(p.returncode for p in reruns)
+    assert codes == [0, 1], [o[-2000:] for o in outs]
+    winner, loser = (outs[0], outs[1]) if reruns[0].returncode == 0 else (outs[1], outs[0])
+    assert "another driver took this run over" in loser, loser[-3000:]
+    summary = _summary(winner)
+    assert summary["resumed_from_snapshot"] is not None and summary["resumed_from_snapshot"] >= 0, summary
+    assert last >= 30 and summary["steps"] < STEPS
+    assert _keepers() == []
+
+
+def test_a_keeper_refuses_an_older_driver_and_is_taken_only_with_the_run_s_secret(sim_cluster):
+    """Fencing, identity and the secret on a real keeper actor: a takeover needs a higher epoch and
+    the run's secret; another identity takes it but drops what it held; afterwards the older
+    driver's writes, acks, renewals and fetches are refused, and only the owner releases it."""
+    keeper = SnapshotKeeper.options(num_cpus=0).remote(orphan_timeout_s=60, identity="model-a", epoch=1, secret="s")
     snap = {"leaves": [], "ranges": []}
     try:
         assert ray.get(keeper.begin.remote(0, 0, ("slice-0", 0), 1))
         assert ray.get([keeper.keep.remote(0, s, snap, 1) for s in (5, 6)]) == [True, True]
-        assert ray.get(keeper.take_over.remote(2, "model-b")) is None  # another model: its snapshots are useless
-        assert ray.get(keeper.take_over.remote(1, "model-a")) is None  # not newer than the owner
-        taken = ray.get(keeper.take_over.remote(2, "model-a"))
-        assert taken == {"place": ("slice-0", 0), "held": [(-1, 5), (-1, 6)]}
+        assert ray.get(keeper.status.remote("guess")) is None  # another job cannot even read its epoch
+        assert ray.get(keeper.take_over.remote(2, "model-a", "guess")) == {"taken": False, "why": "secret"}
+        assert ray.get(keeper.take_over.remote(1, "model-a", "s")) == {"taken": False, "why": "newer"}
+        taken = ray.get(keeper.take_over.remote(2, "model-a", "s"))
+        assert taken == {"taken": True, "place": ("slice-0", 0), "held": [(-1, 5), (-1, 6)], "dropped": 0}
         assert ray.get(keeper.renew.remote(1)) is False  # the old driver learns it was superseded
         assert ray.get(keeper.keep.remote(0, 7, snap, 1)) is False  # and its processes' writes are refused
         assert ray.get(keeper.begin.remote(3, 0, ("slice-0", 0), 1)) is False
+        assert ray.get(keeper.release.remote(1)) is False  # only the owner removes it
         assert ray.get(keeper.held.remote()) == [(-1, 5), (-1, 6)]
         assert ray.get(keeper.renew.remote(2)) is True
-        assert ray.get(keeper.fetch.remote(-1, 6))["step"] == 6
+        assert ray.get(keeper.fetch.remote(-1, 6, 2))["step"] == 6
+        with pytest.raises(ray.exceptions.RayTaskError, match="PermissionError"):
+            ray.get(keeper.fetch.remote(-1, 6, 1))
+        other = ray.get(keeper.take_over.remote(3, "model-b", "s"))  # another model: taken, emptied
+        assert other["taken"] and other["dropped"] == 2 and other["held"] == []
+        assert ray.get(keeper.release.remote(3)) is True
+        assert ray.get(keeper.take_over.remote(4, "model-b", "s")) == {"taken": False, "why": "released"}
+    finally:
+        ray.kill(keeper)
+
+
+def test_a_keeper_renews_its_lease_while_it_copies_a_snapshot(sim_cluster):
+    """Renewals run on the keeper's own lease thread: one never queues behind a ``keep`` copy (here
+    one that takes 4 s; before, the renewal waited for it and a short lease lapsed)."""
+    import numpy as np
+
+    class SlowLeaf:  # copied in 4 s (a large snapshot on a busy host)
+        def __array__(self, dtype=None, copy=None):
+            time.sleep(4)
+            return np.zeros(1)
+
+    keeper = SnapshotKeeper.options(num_cpus=0).remote(orphan_timeout_s=60, epoch=1)
+    try:
+        assert ray.get(keeper.renew.remote(1)) is True  # started
+        keeping = keeper.keep.remote(0, 1, {"leaves": [SlowLeaf()], "ranges": [()]}, 1)
+        time.sleep(0.5)  # the copy has begun
+        assert ray.get(keeper.renew.remote(1), timeout=30) is True
+        assert ray.wait([keeping], timeout=0)[0] == [], "the renewal waited for the copy"
+        assert ray.get(keeping) is True
     finally:
         ray.kill(keeper)
 

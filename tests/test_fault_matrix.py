@@ -232,3 +232,25 @@ def test_a_driver_superseded_in_every_state_stops_before_its_next_effect(tmp_pat
     assert (len(backend.requests), len(backend.formed), backend.saved) == marks["effects"]
     assert len((tmp_path / "run" / "events.jsonl").read_text().splitlines()) == marks["lines"]
     assert_released(backend)
+
+
+def test_a_lost_driver_s_keepers_are_freed_only_once_the_new_world_holds_a_snapshot(tmp_path):
+    """The first world after a takeover restores from the lost driver's keepers; they are freed
+    once that world holds a snapshot of its own, not when it forms (a failure in its first steps
+    would otherwise rewind to a checkpoint, or lose the state)."""
+    import json
+
+    from ray_elastic.control.keepers import TakenOver
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    log = [{"kind": "run_started"}, {"kind": "steps", "steps": list(range(8)), "losses": [1.0] * 8}]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log))
+    backend = FakeBackend(slices=2)
+    backend.left_behind = [TakenOver(object(), "gone", ("old-slice", 0), [5, 6, 7])]
+    config = ElasticConfig(num_slices=2, global_batch_size=48, slice=SliceSpec("v4", "2x2x1"))
+    trainer = ElasticTrainer(DigitsMLPTask(), config, progress=False, run_dir=str(run_dir))
+    trainer.backend_cls = backend
+    result = trainer.fit(STEPS)
+    assert result.summary["resumed_from_snapshot"] == 7 and result.steps == list(range(8, STEPS))
+    assert backend.released_after_steps is not None and backend.released_after_steps >= 1

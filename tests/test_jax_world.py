@@ -92,6 +92,14 @@ def _snapshot_process(process_id: int, coordinator: str) -> None:
         out["swapped"] = "placed"
     except ValueError as e:
         out["swapped"] = str(e)
+    # The model's parameters renamed so that two same-shaped leaves swap places (what the snapshot
+    # says its arrays were called differs from the model's): refused, as Orbax refuses a rename.
+    renamed = dict(snap, paths=snap["paths"][:2][::-1] + snap["paths"][2:])
+    try:
+        jax_world.TrainLoop(task, plan, process_id, 0, mesh, 1024, batches, restore=renamed)
+        out["renamed"] = "placed"
+    except ValueError as e:
+        out["renamed"] = str(e)
     # A snapshot copied on the device after step 0 is still step 0's state once step 1, dispatched
     # before the copy was read out, has donated (reused) the state's buffers.
     fresh = lambda: jax_world.TrainLoop(task, plan, process_id, 0, mesh, 1024, batches)  # noqa: E731
@@ -217,6 +225,7 @@ def test_a_snapshot_block_is_placed_by_its_index_not_its_position():
     for r in _run_world(["snapshot"]):
         assert r["sharded"] > 0 and r["same_ok"]
         assert "refusing to place it by position" in r["swapped"], r["swapped"]
+        assert "named otherwise than the model" in r["renamed"], r["renamed"]
         assert r["copy_ok"] and r["copy_differs_from_live"]
         assert r["pipelined"] == r["blocking"] and r["blocking"][-1] < r["blocking"][0]
 

@@ -220,3 +220,23 @@ def test_a_rerun_with_a_changed_model_is_refused_before_any_slice_is_reserved(tm
     from ray_elastic.state.checkpoints import latest_checkpoint
 
     RayBackend.check_task(DigitsMLPTask(hidden=32), config, latest_checkpoint(directory))
+
+
+def test_the_snapshot_identity_changes_when_parameters_are_renamed_or_settings_differ():
+    """A rerun restores a lost driver's snapshots only under the same identity: a rename that swaps
+    two same-shaped leaves' order, another learning rate (a task field) or another seed is another run."""
+    from ray_elastic import ElasticConfig, SliceSpec
+    from ray_elastic.control.preflight import run_settings, snapshot_layout
+    from ray_elastic.examples.digits_mlp import DigitsMLPTask
+
+    cfg = ElasticConfig(num_slices=2, global_batch_size=48, slice=SliceSpec("v4", "2x2x1"))
+    task = DigitsMLPTask()
+    paths = [a[0] for a in snapshot_layout(task, cfg)[0]]
+    assert any("l1" in p for p in paths) and any("l2" in p for p in paths), paths  # named, in restore order
+    assert run_settings(task, cfg) == run_settings(DigitsMLPTask(), cfg)
+    other = DigitsMLPTask()
+    other.learning_rate = 0.5
+    assert run_settings(other, cfg) != run_settings(task, cfg)
+    import dataclasses
+
+    assert run_settings(task, dataclasses.replace(cfg, seed=1)) != run_settings(task, cfg)

@@ -40,7 +40,13 @@ from ray_elastic.errors import (
 from ray_elastic.observe import event_types as ev
 from ray_elastic.observe import goodput, results
 from ray_elastic.observe.events import EventLog
-from ray_elastic.observe.observers import ProgressBar, RayMetricsObserver, StandbyReplenisher, UserCallbacks
+from ray_elastic.observe.observers import (
+    ProgressBar,
+    RayMetricsObserver,
+    StandbyReplenisher,
+    UntilDone,
+    UserCallbacks,
+)
 from ray_elastic.observe.results import FitResult, RecoveryRecord, WorldChange
 from ray_elastic.observe.tensorboard import TensorBoardWriter, tensorboard_location
 from ray_elastic.policy.failure import FailurePolicy
@@ -266,7 +272,7 @@ class ElasticTrainer:
 
     def _add_observers(self, num_steps: int) -> None:
         listeners = self.events.listeners
-        listeners.append(StandbyReplenisher(self.gens.replenish))
+        listeners += [StandbyReplenisher(self.gens.replenish), UntilDone(self.gens.donors_released)]
         metrics = self.backend.run_metrics(self.name)
         if metrics is not None:
             listeners.append(RayMetricsObserver(metrics, self.events.events))

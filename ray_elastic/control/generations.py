@@ -418,11 +418,10 @@ class Generations:
         return record
 
     def replenish(self) -> bool:
-        """Start warm standby processes on member hosts that lack some, and free the earlier driver's
-        keepers once this world holds a snapshot of its own; True once both are done."""
-        return self.backend.replenish(self.members) and self._donors_released()
+        """Start warm standby processes on member hosts that lack some; True once none lacks any."""
+        return self.backend.replenish(self.members)
 
-    def _donors_released(self) -> bool:
+    def donors_released(self) -> bool:
         """The earlier driver's keepers this run did not take are freed once a world of this run
         holds a complete snapshot (until then a failure restores from them, not from a checkpoint)."""
         if not self.taken_over_slices:

@@ -134,6 +134,9 @@ def run_settings(task: TrainTask, config: ElasticConfig) -> tuple:
     def is_plain(v) -> bool:
         return isinstance(v, plain) or (isinstance(v, (tuple, list)) and all(isinstance(x, plain) for x in v))
 
-    fields = sorted((k, repr(v)) for k, v in vars(task).items() if is_plain(v))
+    found: dict = {}
+    for owner in [*reversed(type(task).__mro__[:-1]), task]:  # class defaults, then the instance's own
+        found.update({k: v for k, v in vars(owner).items() if not k.startswith("_") and is_plain(v)})
+    fields = sorted((k, repr(v)) for k, v in found.items())
     c = config
     return (fields, c.seed, c.global_batch_size, c.batch_policy, c.lr_rule, c.microbatch_size)

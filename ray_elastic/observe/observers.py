@@ -137,6 +137,18 @@ class UserCallbacks(EventListener):
             self.on_event_cb(event)
 
 
+class UntilDone(EventListener):
+    """Calls ``step()`` at every ``steps`` line of the log until it returns True (the controller
+    frees a lost driver's keepers so, once the new world holds a snapshot of its own)."""
+
+    def __init__(self, step: Callable[[], bool]):
+        self.step, self.done = step, False
+
+    def on_event(self, event: ev.Event) -> None:
+        if not self.done and isinstance(event, ev.Steps):
+            self.done = self.step()
+
+
 class StandbyReplenisher(EventListener):
     """Starts warm standby processes once a new world has finished its first step: starting
     processes earlier competes for the CPUs that forming and the first steps need. The pool

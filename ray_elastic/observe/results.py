@@ -383,8 +383,9 @@ class PreviousRun:
 
 
 def previous_run(run_dir: Optional[str]) -> PreviousRun:
-    """The run before this one in ``run_dir``'s log (this one's ``run_started`` is its last run so
-    far); ``PreviousRun(None, True)`` without one. Steps from its first non-finite loss on do not count."""
+    """The runs before this one in ``run_dir``'s log (this one's ``run_started`` was written last,
+    unless a concurrent rerun's came after it); ``PreviousRun(None, True)`` without one. Steps from
+    a run's first non-finite loss on do not count."""
     path = os.path.join(run_dir, "events.jsonl") if run_dir else ""
     if not path or not os.path.exists(path):
         return PreviousRun(None, True)
@@ -404,5 +405,13 @@ def previous_run(run_dir: Optional[str]) -> PreviousRun:
                 steps.append(step)
     if len(runs) < 3:
         return PreviousRun(None, True)
-    steps, flags = runs[-2]
-    return PreviousRun(max(steps) if steps else None, flags[0])
+    # The lost runs before this one (a lost driver, then reruns that were themselves lost or
+    # superseded, a concurrent rerun's start among them), back to the last run that ended.
+    lost = []
+    for steps, flags in reversed(runs[1:-1]):
+        if flags[0]:
+            break
+        lost.extend(steps)
+    if not lost and runs[-2][1][0]:  # the run before ended: nothing of it is lost
+        return PreviousRun(max(runs[-2][0], default=None), True)
+    return PreviousRun(max(lost, default=None), False)
