@@ -104,6 +104,8 @@ def test_a_rerun_after_the_driver_is_killed_resumes_from_its_keepers_rewinding_n
         last = _start_and_kill_at(_cmd(run_dir, ckpt), run_dir, 30, log, sim_cluster.address)
     assert 30 <= last < STEPS - 5
     assert len(_keepers()) == 3, "the keepers (one per slice host, and the run's owner record) must outlive the driver"
+    secret = os.path.join(run_dir, ".ray-elastic-secret")  # what a takeover needs: readable by the owner only
+    assert os.stat(secret).st_mode & 0o777 == 0o600
 
     env = {**os.environ, "RAY_ADDRESS": sim_cluster.address}
     second = subprocess.run(_cmd(run_dir, ckpt), env=env, capture_output=True, text=True, timeout=300)
@@ -261,6 +263,84 @@ def test_two_concurrent_reruns_one_takes_the_run_the_other_stops(sim_cluster, tm
     assert summary["resumed_from_snapshot"] is not None and summary["resumed_from_snapshot"] >= 0, summary
     assert last >= 30 and summary["steps"] < STEPS
     assert _keepers() == []
+
+
+def test_a_rerun_asked_for_fewer_steps_than_were_run_is_refused_and_the_keepers_wait(sim_cluster, tmp_path):
+    """fit(620) after a driver of fit(1000) was lost at 650 would save the state after 650 as
+    checkpoint 620: refused with what to do, before any slice is taken, and the keepers are left
+    for a rerun that asks for more (which resumes from them, rewinding nothing)."""
+    ensure_slices(sim_cluster, 3)
+    run_dir, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
+    with open(tmp_path / "first.log", "w") as log:
+        last = _start_and_kill_at(_cmd(run_dir, ckpt), run_dir, 30, log, sim_cluster.address)
+    env = {**os.environ, "RAY_ADDRESS": sim_cluster.address}
+    short = subprocess.run(_cmd(run_dir, ckpt, steps=20), env=env, capture_output=True, text=True, timeout=300)
+    assert short.returncode != 0 and "already trained step" in short.stdout + short.stderr, short.stderr[-3000:]
+    assert len(_keepers()) == 3 and not os.path.exists(os.path.join(ckpt, "20"))
+    again = subprocess.run(_cmd(run_dir, ckpt), env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert _summary(again.stdout)["resumed_from_snapshot"] == last
+    assert _keepers() == []
+
+
+def test_an_explicit_resume_from_wins_over_a_lost_run_s_keepers(sim_cluster, tmp_path):
+    """A run dir reused within the orphan timeout with ``resume_from``: the named checkpoint is
+    restored (not the lost run's memory), the keepers are released and an event says why."""
+    ensure_slices(sim_cluster, 3)
+    env = {**os.environ, "RAY_ADDRESS": sim_cluster.address}
+    other = str(tmp_path / "other-ckpt")
+    made = subprocess.run(
+        _cmd(str(tmp_path / "other"), other, steps=30), env=env, capture_output=True, text=True, timeout=300
+    )
+    assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
+    run_dir, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
+    with open(tmp_path / "first.log", "w") as log:
+        _start_and_kill_at(_cmd(run_dir, ckpt), run_dir, 50, log, sim_cluster.address)
+    cmd = _cmd(run_dir, ckpt, "--resume-from", other, steps=40)
+    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    summary = _summary(rerun.stdout)
+    assert summary["resumed_from_checkpoint"] == 30 and summary["resumed_from_snapshot"] is None, summary
+    assert summary["steps"] == 10 and _logged_steps(run_dir)[-1] == list(range(30, 40))
+    (rerun_event,) = [e for e in _events(run_dir) if e["kind"] == "rerun"]
+    assert "resume_from" in rerun_event["released"]
+    assert _keepers() == []
+
+
+def test_keepers_of_a_run_no_rerun_can_find_die_with_their_driver_and_an_unplaced_one_keeps(sim_cluster):
+    """Without a run id, run or checkpoint directory the keepers are not detached (nothing could
+    take them over); a keeper started for a host not placed yet takes the driver's snapshots."""
+    from ray._private.state import actors
+
+    from ray_elastic import ElasticConfig
+    from ray_elastic.control.keepers import Keepers, RunIdentity
+    from ray_elastic.control.placement import UNPLACED
+    from ray_elastic.control.pool import WorkerPool
+
+    keepers = Keepers(RunIdentity.of("random", "digits", (), findable=False), orphan_timeout_s=60)
+    assert keepers.take_over() == []
+    node = ray.get_runtime_context().get_node_id()
+    keeper = keepers.keeper(node)
+
+    class Unplaced:  # a slice reservation whose bundle Ray has not placed yet
+        spec = sim_cluster.slice_spec
+
+        def node_ids(self):
+            return [UNPLACED]
+
+        def host_strategy(self, host):
+            return "DEFAULT"
+
+    config = ElasticConfig(num_slices=1, global_batch_size=48, slice=sim_cluster.slice_spec)
+    pool = WorkerPool(ray.put(None), config, keepers)
+    bundle_keeper = pool.keeper(Unplaced(), 0)
+    try:
+        assert ray.get(keeper.renew.remote(keepers.epoch)) is True
+        assert actors(keeper._actor_id.hex())["IsDetached"] is False
+        snap = {"leaves": [], "ranges": []}
+        assert ray.get(bundle_keeper.keep.remote(0, 3, snap, keepers.epoch)) is True
+    finally:
+        pool.shutdown()
 
 
 def test_a_keeper_refuses_an_older_driver_and_is_taken_only_with_the_run_s_secret(sim_cluster):

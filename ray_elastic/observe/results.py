@@ -406,12 +406,16 @@ def previous_run(run_dir: Optional[str]) -> PreviousRun:
     if len(runs) < 3:
         return PreviousRun(None, True)
     # The lost runs before this one (a lost driver, then reruns that were themselves lost or
-    # superseded, a concurrent rerun's start among them), back to the last run that ended.
-    lost = []
-    for steps, flags in reversed(runs[1:-1]):
-        if flags[0]:
+    # superseded, a concurrent rerun's start among them), back to the last run that ended after
+    # training (one that trained nothing, such as a refused rerun, changes nothing).
+    lost: list[int] = []
+    any_lost = False
+    for steps, (ended, *_) in reversed(runs[1:-1]):
+        if ended and steps:
+            if not any_lost:
+                return PreviousRun(max(steps), True)
             break
-        lost.extend(steps)
-    if not lost and runs[-2][1][0]:  # the run before ended: nothing of it is lost
-        return PreviousRun(max(runs[-2][0], default=None), True)
-    return PreviousRun(max(lost, default=None), False)
+        if not ended:
+            any_lost = True
+            lost.extend(steps)
+    return PreviousRun(max(lost, default=None), not any_lost)
