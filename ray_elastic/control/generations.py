@@ -426,8 +426,9 @@ class Generations:
         holds a complete snapshot (until then a failure restores from them, not from a checkpoint)."""
         if not self.taken_over_slices:
             return True
-        newest = self.store.latest_complete(list(self.world.plan.slice_names)) if self.world is not None else {}
-        if not any(self.store.refs(n, s)[0].generation == self.world.plan.generation for n, s in newest.items()):
+        plan = self.world.plan if self.world is not None else None
+        newest = self.store.latest_complete(list(plan.slice_names)) if plan is not None else {}
+        if plan is None or not any(self.store.refs(n, s)[0].generation == plan.generation for n, s in newest.items()):
             return False
         self.taken_over_slices = set()
         self.backend.release_unclaimed_keepers()
