@@ -207,6 +207,19 @@ def test_the_log_of_a_lost_run_counts_steps_up_to_its_first_non_finite_loss(tmp_
     ]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
     assert previous_run(str(tmp_path)) == PreviousRun(3, False)
+    # An older driver still alive logs steps after this run's start: they are the lost run's too.
+    (tmp_path / "events.jsonl").write_text(
+        "".join(
+            json.dumps(e) + "\n"
+            for e in lines[:2] + lines[3:] + [{"kind": "steps", "steps": [3, 4], "losses": [1.0, 0.9]}]
+        )
+    )
+    assert previous_run(str(tmp_path)) == PreviousRun(4, False)
+    # A run that ended after training: nothing of it is lost.
+    (tmp_path / "events.jsonl").write_text(
+        "".join(json.dumps(e) + "\n" for e in lines[:2] + [{"kind": "run_finished"}, lines[3]])
+    )
+    assert previous_run(str(tmp_path)) == PreviousRun(2, True)
 
 
 @pytest.mark.parametrize("state", STATES, ids=[s.value for s in STATES])

@@ -99,6 +99,7 @@ class Keepers:
         self._stop = threading.Event()
         self._renewer: Optional[threading.Thread] = None
         self._handed_back = False
+        self._owner_claim: Optional[tuple] = None  # (owner record, its take_over ref) until the claim is read
 
     def check(self) -> None:
         """Raise :class:`SupersededError` once a newer driver owns the run (learned from any refusal)."""
@@ -113,28 +114,27 @@ class Keepers:
         (another secret), is left alone: it frees itself when its lease runs out."""
         if not self.identity.findable:
             return []
-        owner = self._owner()
         found = {
             a["name"]: ray.get_actor(a["name"], namespace=NAMESPACE)
             for a in ray.util.list_named_actors(all_namespaces=True)
             if a.get("namespace") == NAMESPACE and a["name"].startswith(self.identity.key + "/")
         }
-        found[self._owner_name] = owner
+        if self._owner_name not in found:  # started now; its claim is read by the lease thread, not waited for
+            owner = self._owner()
+            ref: ray.ObjectRef = owner.take_over.remote(self.epoch, self.identity.snapshot, self.identity.secret)
+            self._owner_claim = (owner, ref)
         names, handles = list(found), list(found.values())
         status = _answers([k.status.remote(self.identity.secret) for k in handles])
         self.epoch = max([self.epoch] + [s["epoch"] + 1 for s in status if s is not None])
-        claims = _answers(
+        claims = _answers(  # (an owner record that exists is claimed here, with the others)
             [
                 k.take_over.remote(self.epoch, self.identity.snapshot, self.identity.secret) if s else None
                 for k, s in zip(handles, status)
             ]
         )
         for name, keeper, s, claim in zip(names, handles, status, claims):
-            if claim is None or not claim["taken"]:
-                if claim is not None and claim["why"] == "newer":
-                    self.superseded.set()
+            if not self._claimed(keeper, claim):
                 continue
-            self._all.append(keeper)
             self.dropped += claim["dropped"]
             if name != self._owner_name:
                 place = tuple(claim["place"]) if claim["place"] else None
@@ -142,6 +142,28 @@ class Keepers:
                 self.taken_over[s["node_id"]] = TakenOver(keeper, s["node_id"], place, steps)
         self.check()
         return list(self.taken_over.values())
+
+    def _claimed(self, keeper: ray.actor.ActorHandle, claim: Optional[dict]) -> bool:
+        """Whether ``claim`` (a ``take_over`` answer; None: none) made ``keeper`` this driver's; a
+        refusal because a newer driver owns it marks this driver superseded."""
+        if claim is None or not claim["taken"]:
+            if claim is not None and claim["why"] == "newer":
+                self.superseded.set()
+            return False
+        self._all.append(keeper)
+        return True
+
+    def _claim_owner(self, wait_s: float = 0.0) -> None:
+        """Read the claim of the owner record started by :meth:`take_over` (from the lease thread:
+        its process starts while the driver reserves slices); a newer driver's record supersedes this one."""
+        if self._owner_claim is None:
+            return
+        owner, ref = self._owner_claim
+        if not ray.wait([ref], timeout=wait_s)[0]:
+            return  # not answered yet: the next renewal looks again
+        self._owner_claim = None
+        (claim,) = _answers([ref], timeout_s=0)
+        self._claimed(owner, claim)
 
     @property
     def _owner_name(self) -> str:
@@ -213,6 +235,7 @@ class Keepers:
 
         def renew() -> None:
             while not self._stop.wait(every):
+                self._claim_owner()
                 answers = _answers([k.renew.remote(self.epoch) for k in list(self._all)], timeout_s=every)
                 if any(a is False for a in answers):
                     logger.error("another driver has taken this run over: stopping")
@@ -232,6 +255,9 @@ class Keepers:
     def shutdown(self) -> None:
         """The run is over: stop renewing and remove every keeper this driver still owns."""
         self._stop.set()
+        self._claim_owner(wait_s=ANSWER_S)  # a short run may end before its lease thread read it
+        if self._owner_claim is not None and not (self.superseded.is_set() or self._handed_back):
+            _kill(self._owner_claim[0])  # its process never answered: nothing of the run is in it
         self.remove(list(self._all))
         self._all.clear()
         self.taken_over.clear()

@@ -60,8 +60,9 @@ class RayBackend:
     def take_over_keepers(self) -> list[TakenOver]:
         """The keepers an earlier driver of this run left, now this driver's (then its lease starts:
         a driver that takes this run over later stops this one)."""
-        self.keepers.start_lease(self._superseded)  # the owner record is leased from its takeover on
-        return self.keepers.take_over()
+        found = self.keepers.take_over()
+        self.keepers.start_lease(self._superseded)
+        return found
 
     def release_unclaimed_keepers(self) -> None:
         self.keepers.release_unclaimed()

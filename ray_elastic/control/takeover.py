@@ -29,8 +29,10 @@ def take_over_run(
     """Take over what a lost driver of this run left (see the module); returns what its log says.
     Raises ``ValueError`` when it ran past ``num_steps`` (its keepers are left for a rerun that asks
     for more) and :class:`~ray_elastic.errors.SupersededError` when a newer driver owns the run."""
-    previous = results.previous_run(run_dir)
     found = backend.take_over_keepers()
+    # Read after the takeover: an older driver still alive adds no snapshot from now on, and the
+    # step its last acknowledgement pinned in the keepers is in its log by now.
+    previous = results.previous_run(run_dir)
     released = bool(found) and resume_from is not None
     if released:  # the user named the state to start from: the lost run's memory is not it
         backend.release_unclaimed_keepers()

@@ -383,9 +383,9 @@ class PreviousRun:
 
 
 def previous_run(run_dir: Optional[str]) -> PreviousRun:
-    """The runs before this one in ``run_dir``'s log (this one's ``run_started`` was written last,
-    unless a concurrent rerun's came after it); ``PreviousRun(None, True)`` without one. Steps from
-    a run's first non-finite loss on do not count."""
+    """The runs before this one in ``run_dir``'s log, read before this one trains (its
+    ``run_started`` is written; a concurrent rerun's may follow); ``PreviousRun(None, True)``
+    without one. Steps from a run's first non-finite loss on do not count."""
     path = os.path.join(run_dir, "events.jsonl") if run_dir else ""
     if not path or not os.path.exists(path):
         return PreviousRun(None, True)
@@ -407,9 +407,10 @@ def previous_run(run_dir: Optional[str]) -> PreviousRun:
         return PreviousRun(None, True)
     # The lost runs before this one (a lost driver, then reruns that were themselves lost or
     # superseded, a concurrent rerun's start among them), back to the last run that ended after
-    # training (one that trained nothing, such as a refused rerun, changes nothing).
-    lost: list[int] = []
-    any_lost = False
+    # training (one that trained nothing, such as a refused rerun, changes nothing). This run has
+    # logged no step yet: steps after its ``run_started`` are an older driver's, still running.
+    lost: list[int] = list(runs[-1][0])
+    any_lost = bool(lost)
     for steps, (ended, *_) in reversed(runs[1:-1]):
         if ended and steps:
             if not any_lost:
