@@ -16,7 +16,7 @@ from typing import Callable, Optional
 from ray_elastic.control.states import OutcomeKind, RunOutcome
 from ray_elastic.control.world import FormationTimes
 from ray_elastic.decide import ErrorKind, is_snapshot_step
-from ray_elastic.errors import CapacityTimeoutError, FormingError, ProcessFailed, StorageError
+from ray_elastic.errors import CapacityTimeoutError, FormingError, ProcessFailed, StorageError, SupersededError
 from ray_elastic.state.snapshots import SnapshotRef
 
 
@@ -197,6 +197,10 @@ class FakeBackend:
 
     def hand_back_keepers(self) -> None:
         pass
+
+    def confirm_owner(self) -> None:
+        if self.superseded:
+            raise SupersededError("another driver took this run over")
 
     def connect(self, run_id: str, *, home=None, findable=True) -> None:
         pass

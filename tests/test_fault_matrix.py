@@ -267,3 +267,31 @@ def test_a_lost_driver_s_keepers_are_freed_only_once_the_new_world_holds_a_snaps
     result = trainer.fit(STEPS)
     assert result.summary["resumed_from_snapshot"] == 7 and result.steps == list(range(8, STEPS))
     assert backend.released_after_steps is not None and backend.released_after_steps >= 1
+
+
+def test_a_rerun_at_the_run_s_last_step_trains_nothing_and_says_so(tmp_path, caplog):
+    """The lost driver had trained every step: the rerun resumes after the last one, trains none
+    and returns a result (no IndexError from an empty loss list)."""
+    import json
+
+    from ray_elastic.control.keepers import TakenOver
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    log = [{"kind": "run_started"}, {"kind": "steps", "steps": list(range(STEPS)), "losses": [1.0] * STEPS}]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log))
+    backend = FakeBackend(slices=2)
+    backend.left_behind = [TakenOver(object(), "gone", ("old-slice", 0), [STEPS - 2, STEPS - 1])]
+    config = ElasticConfig(num_slices=2, global_batch_size=48, slice=SliceSpec("v4", "2x2x1"))
+    trainer = ElasticTrainer(DigitsMLPTask(), config, progress=False, run_dir=str(run_dir))
+    trainer.backend_cls = backend
+    result = trainer.fit(STEPS)
+    assert result.steps == [] and result.summary["resumed_from_snapshot"] == STEPS - 1
+    assert result.summary["final_loss"] is None and "trains none" in caplog.text
+    with pytest.raises(ValueError, match="already trained step"):
+        backend.left_behind = [TakenOver(object(), "gone", ("old-slice", 0), [STEPS + 5])]
+        log[1] = {"kind": "steps", "steps": list(range(STEPS + 6)), "losses": [1.0] * (STEPS + 6)}
+        (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log))
+        again = ElasticTrainer(DigitsMLPTask(), config, progress=False, run_dir=str(run_dir))
+        again.backend_cls = backend
+        again.fit(STEPS)

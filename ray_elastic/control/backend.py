@@ -72,6 +72,8 @@ class Backend(Protocol):
 
     def release_unclaimed_keepers(self) -> None: ...
 
+    def confirm_owner(self) -> None: ...  # asks the keepers now; raises SupersededError when one refuses
+
     def hand_back_keepers(self) -> None: ...  # left unrenewed for a later rerun (this one is refused)
 
     @property

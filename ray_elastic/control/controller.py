@@ -252,6 +252,7 @@ class ElasticTrainer:
         while outcome.kind is not OutcomeKind.DONE:
             change = self._intake(outcome, change)
             outcome = self._next_world(change) or self._run(num_steps)
+        self.backend.confirm_owner()  # a driver superseded at the very end does not return success
         self._enter(S.FINISHED)
         self.events.emit(ev.RunFinished(steps=len(self.ledger.metrics), wall_s=time.perf_counter() - t_start))
         return startup_s
@@ -307,7 +308,7 @@ class ElasticTrainer:
             outcome = dataclasses.replace(outcome, drain_s=time.perf_counter() - t_drain)
         self.record.world_ran(world, start, time.perf_counter() - t0, outcome, streams)
         if outcome.kind is OutcomeKind.DONE:  # the last checkpoint commits before the run is finished
-            self._check_owner()  # a superseded driver writes no checkpoint
+            self.backend.confirm_owner()  # asked now, not at the next renewal: no checkpoint of a superseded driver
             outcome = final_checkpoint(self.config, self.world, self.ledger, num_steps)
         return outcome
 

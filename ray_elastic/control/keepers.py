@@ -106,6 +106,14 @@ class Keepers:
         if self.superseded.is_set():
             raise SupersededError("another driver took this run over (a rerun of it): this driver stopped")
 
+    def confirm(self) -> None:
+        """Ask every keeper now whether this driver still owns the run (before a last effect: the
+        final checkpoint, returning success); raise :class:`SupersededError` if one refuses."""
+        self._claim_owner(wait_s=ANSWER_S)
+        if any(a is False for a in _answers([k.renew.remote(self.epoch) for k in list(self._all)])):
+            self.superseded.set()
+        self.check()
+
     # ------------------------------------------------------------- a rerun
     def take_over(self) -> list[TakenOver]:
         """Find the run's keepers left by an earlier driver and take them over (the owner record

@@ -67,6 +67,9 @@ class RayBackend:
     def release_unclaimed_keepers(self) -> None:
         self.keepers.release_unclaimed()
 
+    def confirm_owner(self) -> None:
+        self.keepers.confirm()
+
     def hand_back_keepers(self) -> None:
         self.keepers.hand_back()
 

@@ -8,6 +8,7 @@ before it trains (its final checkpoint would be labelled with a step it is not).
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 from ray_elastic.control.backend import Backend
@@ -15,6 +16,8 @@ from ray_elastic.control.generations import Generations
 from ray_elastic.control.recorder import RunRecorder
 from ray_elastic.observe import results
 from ray_elastic.state import checkpoints
+
+logger = logging.getLogger(__name__)
 
 
 def take_over_run(
@@ -56,5 +59,12 @@ def take_over_run(
             f"{gens.taken_over_step} as checkpoint {num_steps}. Call fit(num_steps > {gens.taken_over_step}), "
             "or use another run_dir / run_id for a new run (the keepers are left for a rerun until "
             "orphan_timeout_s)"
+        )
+    if gens.taken_over_step == num_steps - 1:
+        logger.warning(
+            "the lost driver of this run already trained every step of fit(%d) (its keepers hold step %d): "
+            "this run trains none, and commits the final checkpoint if there is a checkpoint_dir",
+            num_steps,
+            gens.taken_over_step,
         )
     return previous

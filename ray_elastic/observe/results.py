@@ -289,8 +289,8 @@ def summarize(
         hosts_per_slice=hosts_per_slice,
         mesh=last.mesh,
         global_batch_size=last.global_batch_size,
-        first_loss=losses[0],
-        final_loss=losses[-1],
+        first_loss=losses[0] if losses else None,  # None: the run resumed at its last step
+        final_loss=losses[-1] if losses else None,
         generations=len(worlds),
         failures=count(ev.FailureEvent),
         recoveries=len(recoveries),
@@ -302,7 +302,7 @@ def summarize(
         max_recovery_s=round(max((r.recovery_s for r in recoveries), default=0.0), 3),
         startup_s=round(startup_s, 3),
         compile_s=round(worlds[0].times["compile_s"], 3),
-        median_step_s=steady[len(steady) // 2],
+        median_step_s=steady[len(steady) // 2] if steady else None,
         snapshot_every=intervals[-1] if intervals else None,
         max_rewind_steps=max(intervals) - 1 if intervals and min(intervals) > 0 else None,
     )
