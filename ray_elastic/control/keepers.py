@@ -99,6 +99,7 @@ class Keepers:
         self._stop = threading.Event()
         self._renewer: Optional[threading.Thread] = None
         self._handed_back = False
+        self._claiming = threading.Lock()
         self._owner_claim: Optional[tuple] = None  # (owner record, its take_over ref) until the claim is read
 
     def check(self) -> None:
@@ -164,14 +165,21 @@ class Keepers:
     def _claim_owner(self, wait_s: float = 0.0) -> None:
         """Read the claim of the owner record started by :meth:`take_over` (from the lease thread:
         its process starts while the driver reserves slices); a newer driver's record supersedes this one."""
-        if self._owner_claim is None:
+        # The lease thread and the driver's own confirmation both read it; the lease thread never
+        # waits for the other (its renewals are due).
+        if not self._claiming.acquire(blocking=wait_s > 0):
             return
-        owner, ref = self._owner_claim
-        if not ray.wait([ref], timeout=wait_s)[0]:
-            return  # not answered yet: the next renewal looks again
-        self._owner_claim = None
-        (claim,) = _answers([ref], timeout_s=0)
-        self._claimed(owner, claim)
+        try:
+            if self._owner_claim is None:
+                return
+            owner, ref = self._owner_claim
+            if not ray.wait([ref], timeout=wait_s)[0]:
+                return  # not answered yet: the next renewal looks again
+            self._owner_claim = None
+            (claim,) = _answers([ref], timeout_s=0)
+            self._claimed(owner, claim)
+        finally:
+            self._claiming.release()
 
     @property
     def _owner_name(self) -> str:
