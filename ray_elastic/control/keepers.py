@@ -221,12 +221,14 @@ class Keepers:
 
     def release_unclaimed(self) -> None:
         """The previous driver's keepers on nodes this run did not take (their snapshots were read)."""
-        self.remove([old.keeper for old in self.taken_over.values()])
+        self.remove([old.keeper for old in self.taken_over.values()], wait=False)  # (called while training)
         self.taken_over.clear()
 
-    def remove(self, keepers: list) -> None:
+    def remove(self, keepers: list, wait: bool = True) -> None:
         """Kill ``keepers`` that this driver owns (each confirms it; one a newer driver owns says so,
-        and this driver learns it was superseded); others (a bundle's own keeper) are killed."""
+        and this driver learns it was superseded); others (a bundle's own keeper) are killed.
+        ``wait=False``: the answers are awaited on a thread (a lost node's keeper never answers, and
+        the driver is dropping its slice meanwhile)."""
         ours = {k._actor_id for k in self._all}
         for keeper in keepers:
             if keeper._actor_id not in ours:
@@ -234,14 +236,21 @@ class Keepers:
         leased = [k for k in keepers if k._actor_id in ours]
         if self.superseded.is_set() or self._handed_back or not leased:
             return
-        answers = _answers([k.release.remote(self.epoch) for k in leased])
-        for keeper, released in zip(leased, answers):
-            if released is False:  # a newer driver owns it: not ours to remove
-                self.superseded.set()
-                continue
-            _kill(keeper)  # released, or no answer in ANSWER_S: a lost node's or a hung one
         gone = {k._actor_id for k in leased}
-        self._all = [k for k in self._all if k._actor_id not in gone]
+        self._all = [k for k in self._all if k._actor_id not in gone]  # renewed no more either way
+        refs = [k.release.remote(self.epoch) for k in leased]
+
+        def finish() -> None:
+            for keeper, released in zip(leased, _answers(refs)):
+                if released is False:  # a newer driver owns it: not ours to remove
+                    self.superseded.set()
+                    continue
+                _kill(keeper)  # released, or no answer in ANSWER_S: a lost node's or a hung one
+
+        if wait:
+            finish()
+        else:
+            threading.Thread(target=finish, name="ray-elastic-release", daemon=True).start()
 
     # ------------------------------------------------------------- the lease
     def start_lease(self, on_superseded: Callable[[], None]) -> None:

@@ -87,7 +87,7 @@ class WorkerPool:
         """A new, empty keeper for a host whose keeper died (its snapshots died with it)."""
         old = self._keepers.pop((id(res), host), None)
         if old is not None:
-            self.run_keepers.remove([old])
+            self.run_keepers.remove([old], wait=False)
         return self.keeper(res, host)
 
     def claim_chips(self, prepared: list[ray.ObjectRef]) -> None:
@@ -188,7 +188,7 @@ class WorkerPool:
                 kill(s.actor)
             keeper = self._keepers.pop((id(res), h), None)
             if keeper is not None:
-                self.run_keepers.remove([keeper])
+                self.run_keepers.remove([keeper], wait=False)
 
     def stop_processes(self) -> None:
         """Kill every standby (a superseded driver stops; its keepers are the new driver's)."""
