@@ -112,4 +112,16 @@ def left_behind(before: tuple[set, set, set], timeout_s: float = 30.0) -> dict:
         if not any(left.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
+    if left["processes"]:  # say what they are: a leaked process's class and what it runs
+        left["processes"] = [_describe(int(pid)) for pid in left["processes"]]
     return {k: v for k, v in left.items() if v}
+
+
+def _describe(pid: int) -> str:
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return f"{pid} {proc.cmdline()[:1]} parent {proc.ppid()} ({psutil.Process(proc.ppid()).cmdline()[:1]})"
+    except (psutil.Error, IndexError):
+        return f"{pid} (gone)"

@@ -374,6 +374,25 @@ def test_a_keeper_refuses_an_older_driver_and_is_taken_only_with_the_run_s_secre
         ray.kill(keeper)
 
 
+def test_another_job_without_the_run_s_secret_neither_takes_nor_stops_its_keepers(sim_cluster):
+    """A driver of another job that names the same run (same run id and task) but lacks the secret
+    kept in the run's directory takes nothing over, learns nothing, and removes nothing."""
+    from ray_elastic.control.keepers import Keepers, RunIdentity
+
+    owner = Keepers(RunIdentity.of("shared-name", "digits", (), secret="the run's"), orphan_timeout_s=60)
+    assert owner.take_over() == []
+    keeper = owner.keeper(ray.get_runtime_context().get_node_id())
+    try:
+        assert ray.get(keeper.begin.remote(0, 0, ("slice-0", 0), owner.epoch))
+        other = Keepers(RunIdentity.of("shared-name", "digits", (), secret="a guess"), orphan_timeout_s=60)
+        assert other.take_over() == [] and not other.superseded.is_set()
+        other.shutdown()
+        assert ray.get(keeper.renew.remote(owner.epoch)) is True  # still the owner's, alive
+        owner.confirm()  # and the owner was not superseded
+    finally:
+        owner.shutdown()
+
+
 def test_a_keeper_renews_its_lease_while_it_copies_a_snapshot(sim_cluster):
     """Renewals run on the keeper's own lease thread: one never queues behind a ``keep`` copy (here
     one that takes 4 s; before, the renewal waited for it and a short lease lapsed)."""
