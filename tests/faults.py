@@ -85,13 +85,16 @@ def cluster_state() -> tuple[set, set, set]:
     ]
     actors = {aid for aid, a in ours if a["State"] != "DEAD"}
     running = set()
+    live = {a.get("Pid") for _, a in ours if a["State"] != "DEAD"}
     for _, a in ours:
-        if a["State"] == "DEAD" and a.get("Pid"):
+        if a["State"] == "DEAD" and a.get("Pid") and a["Pid"] not in live:
             try:
                 proc = psutil.Process(a["Pid"])
-                # Not a reused pid, and not on a host the test froze (SIGSTOP: nothing there runs, its
-                # raylet included, until the host is killed or resumed).
-                if proc.cmdline()[0].startswith("ray::") and proc.status() != psutil.STATUS_STOPPED:
+                # The actor's own process (``ray::SliceWorker``, ``ray::SnapshotKeeper.keep``), not a
+                # reused pid (a long suite wraps the pid space: a DashboardAgent took one), and not
+                # on a host the test froze (SIGSTOP: nothing there runs until it is killed or resumed).
+                cls = a["ActorClassName"].rsplit(".", 1)[-1]
+                if proc.cmdline()[0].startswith(f"ray::{cls}") and proc.status() != psutil.STATUS_STOPPED:
                     running.add(a["Pid"])
             except (psutil.Error, IndexError):
                 pass

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -211,7 +212,8 @@ def test_sim_command_serves_ray_job_submit_and_kills_a_slice_on_request(tmp_path
             time.sleep(0.5)
         sim.stdin.write("kill\n")
         sim.stdin.flush()
-        killed = wait_line("killed ").split()[1]
+        # The slice's name (Ray's own log lines may be glued onto the sim's line: "...-2\x1b[33m(raylet)").
+        killed = re.match(r"killed (sim-[a-z0-9]+-\d+-\d+)", wait_line("killed ")).group(1)
         while (
             client.get_job_status(job_id) not in (JobStatus.SUCCEEDED, JobStatus.FAILED)
             and time.monotonic() < deadline + 120
