@@ -89,10 +89,11 @@ _breaches: dict = {}
 @pytest.fixture(autouse=True)
 def nothing_left_behind():
     """Every test on a live cluster: once it is over (``fit`` returned or raised, whatever the
-    exit), no placement group and no actor that ray-elastic started during it is still alive, and
-    no process on a simulated TPU host broke a rule of the TPU runtime (that it did not expect)."""
+    exit), no placement group and no actor that ray-elastic started during it is still alive, no
+    process holds a simulated host's chips (the next test's world would be refused there), and no
+    process on a simulated TPU host broke a rule of the TPU runtime (that it did not expect)."""
     import ray
-    from faults import cluster_state, left_behind
+    from faults import chips_held, cluster_state, left_behind
 
     before = cluster_state() if ray.is_initialized() else None
     _breaches["current"] = Breaches()
@@ -102,6 +103,8 @@ def nothing_left_behind():
     if before is not None and ray.is_initialized():
         left = left_behind(before)
         assert not left, f"left behind after the test: {left}"
+        held = chips_held()
+        assert not held, f"chips still held after the test: {held}"
 
 
 def _shares_cluster(module) -> bool:

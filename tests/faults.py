@@ -120,6 +120,43 @@ def left_behind(before: tuple[set, set, set], timeout_s: float = 30.0) -> dict:
     return {k: v for k, v in left.items() if v}
 
 
+def chips_held(timeout_s: float = 30.0) -> list[str]:
+    """The simulated TPU hosts whose chips a live process still holds (``host: pid (what it runs)``),
+    after waiting up to ``timeout_s`` for killed owners to exit: a process still exiting when the
+    next test starts would make that test's first world on the host refused (one owner per host).
+    A frozen process (SIGSTOP, a hung host the test made) is not counted."""
+    import fcntl
+    import glob
+
+    import psutil
+
+    from ray_elastic.sim.tpu_runtime import runtime_dir
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = []
+        for path in glob.glob(os.path.join(runtime_dir(), "hosts", "*", "libtpu_lockfile")):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            except BlockingIOError:
+                pid = os.pread(fd, 64, 0).decode(errors="replace").strip()
+                try:
+                    if psutil.Process(int(pid)).status() == psutil.STATUS_STOPPED:
+                        continue
+                except (psutil.Error, ValueError):
+                    pass
+                held.append(
+                    f"{os.path.basename(os.path.dirname(path))}: {_describe(int(pid)) if pid.isdigit() else pid}"
+                )
+            finally:
+                os.close(fd)
+        if not held or time.monotonic() > deadline:
+            return held
+        time.sleep(0.2)
+
+
 def _describe(pid: int) -> str:
     import psutil
 

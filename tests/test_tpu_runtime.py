@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import psutil
 import pytest
 import ray
 from faults import FaultPlan, ensure_slices, in_thread, kill_process_of_slice, slice_name
@@ -54,6 +55,24 @@ def megascale(coordinator_ip: str, num_slices: int, slice_id: int) -> dict:
     }
 
 
+def stop(*procs) -> None:
+    """Kill the processes and wait until they are gone: a killed process holds its host's chips
+    until it has exited, and the next test opens them."""
+    pids = ray.get([p.pid.remote() for p in procs])
+    for p in procs:
+        ray.kill(p)
+    running = []
+    for pid in pids:
+        try:
+            running.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(running, timeout=10)
+    for proc in alive:  # still exiting (or stuck in JAX's shutdown): ours to end
+        proc.kill()
+    psutil.wait_procs(alive, timeout=10)
+
+
 @pytest.fixture
 def cluster(sim_cluster):
     ensure_slices(sim_cluster, 3)
@@ -66,7 +85,7 @@ def test_a_process_that_opens_the_chips_outside_a_world_is_refused(cluster, tpu_
     try:
         assert ray.get(p.open.remote({})).startswith("refused")
     finally:
-        ray.kill(p)
+        stop(p)
     (b,) = tpu_breaches.take()
     assert b["rule"] == "megascale" and "outside a JAX world" in b["message"]
 
@@ -80,8 +99,7 @@ def test_a_stale_slice_count_after_a_resize_is_refused(cluster, tpu_breaches):
         coordinator = f"{ip}:{free_port()}"
         answers = ray.get([p.open.remote(megascale(ip, 3, i), coordinator, 2, i) for i, p in enumerate(procs)])
     finally:
-        for p in procs:
-            ray.kill(p)
+        stop(*procs)
     assert all(a.startswith("refused") for a in answers), answers
     found = tpu_breaches.take()
     assert found and all(b["rule"] == "megascale" for b in found)
@@ -97,8 +115,7 @@ def test_two_live_processes_on_one_host_the_second_is_refused(cluster, tpu_breac
         answer = ray.get(second.open.remote(megascale(ip, 1, 0), f"{ip}:{free_port()}"))
         owner = ray.get(first.pid.remote())
     finally:
-        ray.kill(first)
-        ray.kill(second)
+        stop(first, second)
     assert answer.startswith("refused") and f"already in use by process with pid {owner}" in answer
     (b,) = tpu_breaches.take()
     assert b["rule"] == "one-owner"
