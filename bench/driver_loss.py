@@ -1,7 +1,7 @@
 """A lost driver: SIGKILL the ``ray-elastic train`` process between two checkpoints, then rerun it.
 
 Three simulated slices train the digits MLP for ``--steps`` steps with a checkpoint every
-``--every`` steps and a snapshot every step. The driver is killed once it has reported
+``--every`` steps, snapshots as the default chooses them. The driver is killed once it has reported
 ``--kill-at`` steps (between two checkpoints), and the same command runs again:
 
 - **in memory** (ray-elastic): the rerun takes the lost driver's snapshot keepers over and
@@ -37,7 +37,7 @@ def command(run_dir: str, ckpt: str, steps: int, every: int) -> list[str]:
     return [
         BIN, "train", "--example", "mlp", "--num-slices", "3", "--devices-per-host", "2",
         "--global-batch", str(GBS), "--seed", str(SEED), "--steps", str(steps), "--steps-per-chunk", "5",
-        "--snapshot-every", "1", "--checkpoint-dir", ckpt, "--checkpoint-every", str(every),
+        "--checkpoint-dir", ckpt, "--checkpoint-every", str(every),
         "--run-dir", run_dir, "--json", "--no-progress",
     ]  # fmt: skip
 
@@ -135,7 +135,7 @@ def main() -> None:
     with SimulatedTPUCluster(num_slices=3, log_to_driver=False) as cluster:
         cfg = ElasticConfig(
             num_slices=3, global_batch_size=GBS, slice=cluster.slice_spec, seed=SEED, steps_per_chunk=5,
-            snapshot_every=1, standby_workers=0,
+            standby_workers=0,
         )  # fmt: skip
         reference = ElasticTrainer(DigitsMLPTask(), cfg, progress=False).fit(args.steps).losses
         rows = [one(cluster, args, True, reference), one(cluster, args, False, reference)]

@@ -39,7 +39,7 @@ def gcs_restart_while_training(cluster, args) -> dict:
 
     cfg = ElasticConfig(
         num_slices=3, global_batch_size=dl.GBS, slice=cluster.slice_spec, seed=dl.SEED, steps_per_chunk=5,
-        snapshot_every=1, standby_workers=0,
+        standby_workers=0,
     )  # fmt: skip
     arrivals: list[tuple[int, float]] = []
     outage: dict = {}

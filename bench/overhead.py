@@ -15,7 +15,11 @@ configuration always follows the same one), and the medians of the steady-state 
 per step (the run's second half) are compared. On a shared 2-core machine two runs
 of one configuration back to back differ by 10-15%: a 3% goal needs more
 repetitions of the few runs it compares (``--only bare,default,no_snapshots --reps 6``).
-Last line, one JSON object: ``{"overhead_ratio": ... (default settings, small model),
+What keeping every step costs is measured apart: ``every_step`` (``snapshot_every=1``) against
+``no_snapshots`` on the same model, ``every_step_cost`` = the ratio of their medians - 1 (also
+``_large`` and ``_llm``; the goal: 3% on the small models, 5% on the LLM example):
+``--only every_step,no_snapshots,every_step_llm,no_snapshots_llm --reps 5``.
+Last line, one JSON object: ``{"every_step_cost": ..., "overhead_ratio": ... (default settings, small model),
 "overhead_ratio_large": ..., "overhead_ratio_no_snapshots": ..., "snapshot_every_chosen": ..., ...}``
 (the ratios of the runs chosen).
 
@@ -222,12 +226,15 @@ def main() -> None:
         "bare_large": ("large", lambda c, n: run_bare(n, "large", 1)),
         "default_large": ("large", lambda c, n: run_ray(n, c.slice_spec, "large", **snap)),
         "no_snapshots_large": ("large", lambda c, n: run_ray(n, c.slice_spec, "large", snapshot_every=0)),
+        "every_step_large": ("large", lambda c, n: run_ray(n, c.slice_spec, "large", snapshot_every=1)),
         "no_snapshots_no_standbys_large": (
             "large",
             lambda c, n: run_ray(n, c.slice_spec, "large", snapshot_every=0, standby_workers=0),
         ),
         "bare_llm": ("llm", lambda c, n: run_bare(n, "llm", 1)),
         "default_llm": ("llm", lambda c, n: run_ray(n, c.slice_spec, "llm", **snap)),
+        "no_snapshots_llm": ("llm", lambda c, n: run_ray(n, c.slice_spec, "llm", snapshot_every=0)),
+        "every_step_llm": ("llm", lambda c, n: run_ray(n, c.slice_spec, "llm", snapshot_every=1)),
     }
     if args.environment:
         runs |= {  # what Ray sets inside a num_cpus=0 actor: does it matter here?
@@ -265,6 +272,11 @@ def main() -> None:
     def last(k: str, field: str, name: str) -> dict:
         return {name: got[k][-1][field]} if k in got else {}
 
+    costs = {  # what keeping every step costs: snapshots every step against snapshots off, minus one
+        "every_step_cost": ("every_step", "no_snapshots"),
+        "every_step_cost_large": ("every_step_large", "no_snapshots_large"),
+        "every_step_cost_llm": ("every_step_llm", "no_snapshots_llm"),
+    }
     ratios = {
         "overhead_ratio": ("default", "bare"),
         "overhead_ratio_large": ("default_large", "bare_large"),
@@ -281,6 +293,7 @@ def main() -> None:
     print(
         json.dumps(
             {
+                **{out: round(r - 1, 4) for out, (k, base) in costs.items() if (r := ratio(k, base)) is not None},
                 **{out: r for out, (k, base) in ratios.items() if (r := ratio(k, base)) is not None},
                 **last("default", "snapshot_every", "snapshot_every_chosen"),
                 **last("default_large", "snapshot_every", "snapshot_every_chosen_large"),

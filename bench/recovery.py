@@ -109,7 +109,7 @@ def run_mode(
     hosts: int,
     timeline: bool = False,
     settle_timeout_s: float = 180.0,
-    snapshot_every="1",
+    snapshot_every="auto",
     model_name: str = "mlp",
 ) -> dict:
     """One run that fires ``faults`` in order; returns per-fault rows, grow pauses and rewinds."""
@@ -363,9 +363,9 @@ def main() -> None:
     )
     ap.add_argument(
         "--snapshot-every",
-        default="1",
-        help='snapshot interval (1: zero rewind, the figures below; "auto": the default users get, '
-        "whose recoveries may rewind up to the interval it picks)",
+        default="auto",
+        help='snapshot interval ("auto": the default users get, which keeps every step where a copy '
+        "fits its budget; an integer to force one)",
     )
     ap.add_argument(
         "--tpu-startup",

@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -33,18 +34,29 @@ def in_thread(fn, *args, delay: float = 0.0) -> threading.Thread:
 
 
 class FaultPlan:
-    """Calls ``faults[step](trainer)`` once, when step ``step`` has finished (from ``on_step``)."""
+    """Calls ``faults[step](trainer)`` once, when step ``step`` has finished (from ``on_step``).
 
-    def __init__(self, faults: dict):
+    A fault run off the driver's thread (its function returns the thread, :func:`in_thread`) must
+    land before the run ends: at ``settle_by`` (a step) the driver waits for it, so a kill slowed by
+    loaded cores cannot arrive after the last step (a run with no failure to see)."""
+
+    def __init__(self, faults: dict, settle_by: Optional[int] = None):
         self.faults = dict(faults)
         self.trainer = None
         self.fired: list[tuple[int, float]] = []
+        self.settle_by = settle_by
+        self._threads: list[threading.Thread] = []
 
     def on_step(self, m: dict) -> None:
         fault = self.faults.pop(m["step"], None)
         if fault is not None:
             self.fired.append((m["step"], time.time()))
-            fault(self.trainer)
+            started = fault(self.trainer)
+            if isinstance(started, threading.Thread):
+                self._threads.append(started)
+        if self.settle_by is not None and m["step"] >= self.settle_by:
+            for t in self._threads:
+                t.join()
 
 
 def kill_process_of_slice(trainer, slice_index: int) -> None:

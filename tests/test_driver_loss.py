@@ -3,6 +3,7 @@ same run takes them over and resumes from memory, an older driver that still liv
 abandoned run's keepers free everything after ``orphan_timeout_s`` (the simulated cluster, the
 driver a real ``ray-elastic train`` process killed with SIGKILL)."""
 
+import functools
 import json
 import os
 import signal
@@ -416,12 +417,15 @@ def test_a_keeper_renews_its_lease_while_it_copies_a_snapshot(sim_cluster):
 
 
 NOTEBOOK_CELL = """
+import time
 from ray_elastic import ElasticConfig, ElasticTrainer, SliceSpec
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
 config = ElasticConfig(num_slices=2, global_batch_size={gbs}, slice=SliceSpec("v4", "2x2x1", 2), seed={seed},
                        steps_per_chunk=5, snapshot_every=1, standby_workers=0)
 def say(m):
     print("step", m["step"], flush=True)
+    if m["step"] == {hold}:
+        time.sleep(3600)  # the kernel is killed here, whatever the steps' speed
 result = ElasticTrainer(DigitsMLPTask(), config, progress=False, run_dir={run_dir!r}, on_step=say).fit({steps})
 print("summary", result.summary["resumed_from_snapshot"], result.summary["steps_rewound_on_resume"], flush=True)
 """
@@ -437,10 +441,10 @@ def test_a_notebook_cell_rerun_after_the_kernel_died_resumes_from_its_keepers(si
     ensure_slices(sim_cluster, 3)
     os.environ["RAY_ADDRESS"] = sim_cluster.address  # the kernels connect to this cluster
     run_dir = str(tmp_path / "run")
-    cell = NOTEBOOK_CELL.format(gbs=GBS, seed=SEED, run_dir=run_dir, steps=STEPS)
+    cell = functools.partial(NOTEBOOK_CELL.format, gbs=GBS, seed=SEED, run_dir=run_dir, steps=STEPS)
     try:
         first = Kernel(str(tmp_path))
-        first.kc.execute(cell)
+        first.kc.execute(cell(hold=30))
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             try:
@@ -454,7 +458,7 @@ def test_a_notebook_cell_rerun_after_the_kernel_died_resumes_from_its_keepers(si
         last = max(_logged_steps(run_dir)[-1])
         second = Kernel(str(tmp_path))
         try:
-            printed, reply = second.run(cell, timeout=300)
+            printed, reply = second.run(cell(hold=-1), timeout=300)
         finally:
             second.close()
     finally:

@@ -65,14 +65,16 @@ def test_the_step_traced_ahead_trains_like_the_worlds_own(tmp_path):
 def _snapshot_process(process_id: int, coordinator: str) -> None:
     """A one-slice world of 2 processes: snapshot, restore into the same mesh (fine), then into a
     mesh whose fsdp axis puts the other process's devices first (refused, not placed by position)."""
+    import jax
     import numpy as np
     from jax.sharding import Mesh
 
     from ray_elastic.decide import FSDP_AXIS, REPLICA_AXIS, plan_world
     from ray_elastic.examples.digits_mlp import DigitsMLPTask
-    from ray_elastic.slice import host_blocks, jax_world
+    from ray_elastic.slice import jax_world, snapshot_pack
     from ray_elastic.slice import mesh as world_mesh
     from ray_elastic.slice.data import StepBatches
+    from ray_elastic.state.snapshot_slots import unpack
 
     task = DigitsMLPTask()
     plan = plan_world(0, ["s0"], NUM_PROCESSES, DEVICES, BATCH)
@@ -102,16 +104,19 @@ def _snapshot_process(process_id: int, coordinator: str) -> None:
         out["renamed"] = str(e)
     # A snapshot copied on the device after step 0 is still step 0's state once step 1, dispatched
     # before the copy was read out, has donated (reused) the state's buffers.
+    # It is packed (one byte buffer per device) and unpacked into the blocks a restore takes.
     fresh = lambda: jax_world.TrainLoop(task, plan, process_id, 0, mesh, 1024, batches)  # noqa: E731
-    live = fresh()
-    live.compile(0, snapshots=True)
+    live = jax_world.TrainLoop(task, plan, process_id, 0, mesh, 1024, batches, pack=True)
+    layout = snapshot_pack.layout(jax.tree.leaves(live.state), live.leaf_paths)
     live.dispatch(0)
-    copy = live.snapshot_copy()
+    packed = live.packed  # the step packed its new state
     live.dispatch(1)
     live.finish(), live.finish()
     after_0 = fresh()
     after_0.run(0, 1, in_flight=0)
-    want, got = after_0.snapshot(), host_blocks.host_blocks(copy)
+    rows = snapshot_pack.host_rows(packed, layout)
+    want, got = after_0.snapshot(), {"leaves": unpack(layout, rows), "ranges": list(layout.ranges)}
+    out["rows"] = layout.rows
     out["copy_ok"] = got["ranges"] == want["ranges"] and all(
         np.array_equal(a, b) for a, b in zip(got["leaves"], want["leaves"])
     )
@@ -226,7 +231,8 @@ def test_a_snapshot_block_is_placed_by_its_index_not_its_position():
         assert r["sharded"] > 0 and r["same_ok"]
         assert "refusing to place it by position" in r["swapped"], r["swapped"]
         assert "named otherwise than the model" in r["renamed"], r["renamed"]
-        assert r["copy_ok"] and r["copy_differs_from_live"]
+        assert r["copy_ok"] and r["copy_differs_from_live"]  # packed, unpacked: step 0's blocks
+        assert r["rows"] == DEVICES  # one packed buffer per device
         assert r["pipelined"] == r["blocking"] and r["blocking"][-1] < r["blocking"][0]
 
 

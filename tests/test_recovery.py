@@ -126,8 +126,8 @@ def _say_if_slow(trainer, t0: float, limit_s: float) -> None:
         warnings.warn(f"a fit took {took:.0f} s ({tail:.1f} s after its last event):\n{timeline(events)}")
 
 
-def run(cluster, faults: dict, steps: int = STEPS, **cfg_kw):
-    plan = FaultPlan(faults)
+def run(cluster, faults: dict, steps: int = STEPS, check_rewound: bool = True, **cfg_kw):
+    plan = FaultPlan(faults, settle_by=steps - 5)
     trainer = ElasticTrainer(DigitsMLPTask(), config(cluster, **cfg_kw), progress=False, on_step=plan.on_step)
     plan.trainer = trainer
     t0 = time.monotonic()
@@ -135,7 +135,9 @@ def run(cluster, faults: dict, steps: int = STEPS, **cfg_kw):
     _say_if_slow(trainer, t0, SLOW_FIT_S)  # seen once: 104 s
     assert not plan.faults, f"faults never fired: {plan.faults}"
     assert result.steps == list(range(steps))
-    assert result.summary["steps_rewound"] == 0, result.recoveries
+    assert not check_rewound or result.summary["steps_rewound"] == 0, result.recoveries
+    formed = [e for e in result.events if e["kind"] == "world_formed"]
+    assert all(e["snapshots_by_call"] == 0 for e in formed), formed  # every holder wrote its keeper's ring
     return trainer, result
 
 
@@ -187,7 +189,7 @@ def test_every_node_loss_is_seen_by_its_signal(cluster, baseline, position):
 
     def kill(t):
         victim["name"] = slice_name(t, position)
-        in_thread(cluster.kill_slice, victim["name"])
+        return in_thread(cluster.kill_slice, victim["name"])
 
     trainer, result = run(cluster, {20: kill}, **WARM)
     failures = [e for e in result.events if e["kind"] == "failure"]
@@ -471,7 +473,7 @@ def test_a_keeper_lost_while_its_host_lives_is_replaced_and_costs_no_step(cluste
     formed = [e for e in result.events if e["kind"] == "world_formed"]
     not_kept = [e for e in result.events if e["kind"] == "snapshot_not_kept"]
     assert not_kept and {n["slice"] for e in not_kept for n in e["first"]} == {formed[0]["slices"][0]}
-    assert "ActorDiedError" in not_kept[0]["first"][0]["why"], not_kept[0]
+    assert "KeeperGone" in not_kept[0]["first"][0]["why"], not_kept[0]  # its process saw it exit
     assert formed[0]["restore_evidence"]["snapshot_steps"] == {}  # the first world starts fresh
     assert [len(e["slices"]) for e in formed] == [3, 3], formed  # nothing failed to form, no slice dropped
     assert [e["kind"] for e in result.events].count("failure") == 1
@@ -598,9 +600,9 @@ def test_replacement_dying_on_arrival(cluster, baseline):
 
 
 def test_replica_resize_to_min_then_grow_back(cluster, baseline_long):
-    """With the default ``snapshot_every="auto"``: a world takes a snapshot after every step for its
-    first steps (so the loss at step 5 rewinds nothing), then every few; the grow-back stops at a
-    step between two snapshots and must still rewind nothing."""
+    """With a snapshot every 4 steps (what "auto" picks for a state too large to copy every step):
+    the slice lost at step 5 may cost up to 3 steps, but the grow-back stops at a step between two
+    snapshots and must still rewind nothing (the smaller world snapshots the step it stops at)."""
     prov = cluster.provisioner(delay_s=1.0)
     try:
         trainer, result = run(
@@ -608,12 +610,14 @@ def test_replica_resize_to_min_then_grow_back(cluster, baseline_long):
             {5: lambda t: in_thread(cluster.kill_slice, slice_name(t, 2))},
             steps=LONG_STEPS,
             min_slices=2,
-            snapshot_every="auto",
+            snapshot_every=4,
+            check_rewound=False,
             **WARM,
         )
     finally:
         prov.stop()
     (rec,) = result.recoveries
+    assert rec.steps_rewound <= 3
     assert rec.slices == 2
     ups = [e for e in result.events if e["kind"] == "scale_up"]
     intervals = [e["every"] for e in result.events if e["kind"] == "snapshot_interval" and e["ts"] < ups[0]["ts"]]
@@ -956,7 +960,7 @@ def test_scale_batch_policy_with_linear_lr_rule(cluster, baseline):
 def test_auto_snapshot_interval_bounds_the_rewind(cluster, baseline):
     """snapshot_every="auto" with a budget no snapshot can meet: the interval grows past one step,
     is reported (event and summary), and a lost slice rewinds at most interval - 1 steps."""
-    plan = FaultPlan({30: lambda t: in_thread(cluster.kill_slice, slice_name(t, 2))})
+    plan = FaultPlan({30: lambda t: in_thread(cluster.kill_slice, slice_name(t, 2))}, settle_by=STEPS - 5)
     trainer = ElasticTrainer(
         DigitsMLPTask(),
         config(cluster, snapshot_every="auto", snapshot_budget=1e-4),

@@ -206,7 +206,7 @@ class ElasticTrainer:
                 events=self.events.events,
             )
         try:
-            startup_s = self._loop(num_steps, resume, t_start, resume_from)
+            self._loop(num_steps, resume, t_start, resume_from)
         except BaseException as e:
             failed_in = self.state.value
             if not self.state.is_terminal:
@@ -228,7 +228,6 @@ class ElasticTrainer:
             events=self.events.events,
             num_steps=num_steps,
             first_step=self._first_step,
-            startup_s=startup_s,
             wall_s=time.perf_counter() - t_start,
             hosts_per_slice=cfg.slice.num_hosts,
             gp=gp,
@@ -236,9 +235,9 @@ class ElasticTrainer:
 
     def _loop(
         self, num_steps: int, resume: Optional[checkpoints.CheckpointInfo], t_start: float, resume_from: Optional[str]
-    ) -> float:
+    ) -> None:
         """Take over what a lost driver of the run left, reserve, form the first world, then run and
-        take in outcomes until the steps are done. Returns the seconds until the first world ran."""
+        take in outcomes until the steps are done."""
         self.backend.connect(self.run_id, home=self.run_dir or self.config.checkpoint_dir, findable=self._findable)
         previous = take_over_run(self.backend, self.gens, self.record, self.run_dir, num_steps, resume, resume_from)
         self._lost_steps = previous.last_step + 1 if previous.last_step is not None and not previous.ended else 0
@@ -248,14 +247,12 @@ class ElasticTrainer:
         first = self.gens.reserve(on_wait=self._waiting_for_slices)
         change = WorldChange(OutcomeKind.DONE, first, "first world", time.time(), time.time())
         outcome = self._next_world(change, resume) or self._run(num_steps)
-        startup_s = time.perf_counter() - t_start
         while outcome.kind is not OutcomeKind.DONE:
             change = self._intake(outcome, change)
             outcome = self._next_world(change) or self._run(num_steps)
         self.backend.confirm_owner()  # a driver superseded at the very end does not return success
         self._enter(S.FINISHED)
         self.events.emit(ev.RunFinished(steps=len(self.ledger.metrics), wall_s=time.perf_counter() - t_start))
-        return startup_s
 
     def _new_run(self, num_steps: int, resume: Optional[checkpoints.CheckpointInfo], resume_dir: Optional[str]) -> None:
         """Everything one run owns starts fresh, so a trainer can ``fit`` again."""

@@ -51,14 +51,12 @@ KEEPER_ANSWER_S = 0.3  # a live keeper answers in milliseconds; one on a lost no
 # Once a slice whose keepers answer holds the newest step, how long the other holders get to hand it
 # over too (a writer takes milliseconds; one stuck behind a step that waits for a dead peer never does).
 OTHER_HOLDERS_S = 1.0
+ACK_EVERY_S = 1.0  # a holder's keeper hears what the driver has at most this often (a call costs its CPU)
 NOT_KEPT_LISTED = 5  # snapshots not kept listed per world in the event (all are counted)
 
 
 class StepStreams:
-    """Runs steps on ``world`` and feeds ``store`` and ``on_metrics``.
-
-    ``on_interval(step, every)`` is told when the snapshot interval changes (``snapshot_every="auto"``).
-    """
+    """Runs steps on ``world`` and feeds ``store`` and ``on_metrics`` (``on_interval``: a new snapshot interval)."""
 
     def __init__(
         self,
@@ -91,6 +89,7 @@ class StepStreams:
         self._snapshot_steps: list[int] = []  # steps newly kept by some holder, not yet reported
         self.not_kept: list[dict] = []  # the first few a holder's keeper did not take: {"slice", "step", "why"}
         self.not_kept_count = 0  # and how many in all (a dead keeper misses every step)
+        self._acked_at: dict[int, float] = {}  # process -> when its keeper was last told
         self._reported = self._snapshot_reported = -1
         self._submitted = False  # a world's first chunk redoes an eval a failure lost
         self.hosts = HostWatch(world)
@@ -316,7 +315,8 @@ class StepStreams:
             if step > self._snapshot_reported:
                 self._snapshot_reported = step
                 self._snapshot_steps.append(step)
-        if item["kept"]:  # the keeper holds on to what we know of until we say we know of newer
+        if item["kept"] and time.monotonic() - self._acked_at.get(p, 0.0) >= ACK_EVERY_S:
+            self._acked_at[p] = time.monotonic()  # the keeper holds on to what we know of until we say newer
             acked = max(item["kept"]) if self.logged_step is None else min(max(item["kept"]), self.logged_step())
             self.world.keepers[p].ack.remote(plan.generation, acked, self.world.epoch)
         self.cadence.snapshot_seconds.extend(item["snapshot_s"])

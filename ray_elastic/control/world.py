@@ -45,6 +45,14 @@ class FormationTimes:
     standbys_used: int = 0
     processes_starting: int = 0  # taken before they had started (Python, JAX, data): forming waited for them
     compiled_from_cache: int = 0  # processes whose step came from the persistent cache (not compiled)
+    snapshots_by_call: int = 0  # holders that could not map their keeper's ring: a call per snapshot
+
+    def joined(self, joins: list[dict]) -> None:
+        """What the processes' ``join_world`` said: the slowest of each phase."""
+        self.jax_init_s = max(j["init_s"] for j in joins)
+        self.chips_wait_s = max(j["chips_wait_s"] for j in joins)
+        self.state_load_s = max(j["snapshot_fetch_s"] + j["state_s"] for j in joins)
+        self.snapshots_by_call = sum(j["snapshots_in_place"] is False for j in joins)
 
 
 def host_labels(reservations: list[SliceReservation]) -> Optional[list[list[dict]]]:
@@ -342,9 +350,7 @@ class World:
             )
             host_infos = [i for sp in hosts.prepared for i in ray.get(sp, timeout=config.jax_init_timeout_s)]
             deaths = DeathWatch([_beacon(i) for i in host_infos])
-            times.jax_init_s = max(j["init_s"] for j in joins)
-            times.chips_wait_s = max(j["chips_wait_s"] for j in joins)
-            times.state_load_s = max(j["snapshot_fetch_s"] + j["state_s"] for j in joins)
+            times.joined(joins)
             flat = [w for sw in hosts.workers for w in sw]
             hosts.compile(start_step, config.jax_init_timeout_s, _alive(watch, deaths, hosts.owners), times)
             chans, relays = pool.relays.reach(

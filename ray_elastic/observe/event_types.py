@@ -328,6 +328,7 @@ class WorldFormed(Event):
         "standbys_used",
         "processes_starting",
         "compiled_from_cache",
+        "snapshots_by_call",
     )
 
     @property

@@ -102,7 +102,7 @@ class RunSummary:
     checkpoint_restores: int = 0
     steps_rewound: int = 0
     max_recovery_s: float = 0.0
-    startup_s: Optional[float] = None
+    startup_s: Optional[float] = None  # reserving, starting, jax.distributed, the first state (the goodput's startup)
     compile_s: Optional[float] = None
     median_step_s: Optional[float] = None
     snapshot_every: Optional[int] = None  # the last snapshot interval (``snapshot_every="auto"`` picks it)
@@ -258,7 +258,6 @@ def summarize(
     events: list[ev.Event],
     num_steps: int,
     first_step: int,
-    startup_s: float,
     wall_s: float,
     hosts_per_slice: int,
     gp: goodput.Goodput,
@@ -300,7 +299,7 @@ def summarize(
         checkpoint_restores=count(ev.CheckpointRestore),
         steps_rewound=rewound,
         max_recovery_s=round(max((r.recovery_s for r in recoveries), default=0.0), 3),
-        startup_s=round(startup_s, 3),
+        startup_s=round(gp.badput_s.get("startup", 0.0), 3),  # as the goodput table counts it
         compile_s=round(worlds[0].times["compile_s"], 3),
         median_step_s=steady[len(steady) // 2] if steady else None,
         snapshot_every=intervals[-1] if intervals else None,

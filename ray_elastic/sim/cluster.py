@@ -48,6 +48,7 @@ from ray_elastic.sim.one_machine import (
 )
 from ray_elastic.sim.provisioner import Provisioner
 from ray_elastic.sim.redis import RedisServer
+from ray_elastic.state.snapshot_slots import remove_orphans
 from ray_elastic.tpu import SliceSpec
 
 logger = logging.getLogger(__name__)
@@ -440,3 +441,4 @@ class SimulatedTPUCluster(SliceFaults):
         if getattr(self, "redis", None) is not None:
             self.redis.stop()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+        remove_orphans()  # the snapshot rings of keepers its killed hosts took with them

@@ -14,7 +14,6 @@ import time
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 
@@ -28,12 +27,14 @@ from ray_elastic.slice.host_blocks import block_range, host_blocks, leaf_paths
 logger = logging.getLogger(__name__)
 
 
-def _programs(task, plan: WorldPlan, seed: int, fsdp_min_size: int, mesh, rules, scale_updates: bool):
+def _programs(task, plan: WorldPlan, seed: int, fsdp_min_size: int, mesh, rules, scale_updates: bool, pack: bool):
     """State spec, shardings and the train step for ``mesh`` (concrete, or abstract to trace ahead of
     a world). One definition for both, so what is traced ahead is what runs."""
     spec = sp.state_spec(task, seed, plan.lr_scale if scale_updates else None)
     shardings = sp.state_shardings(spec, mesh, rules, fsdp_min_size)
-    batch_sharding, step = sp.train_program(task, spec, shardings, mesh, plan.num_microbatches, plan.data_parallel)
+    batch_sharding, step = sp.train_program(
+        task, spec, shardings, mesh, plan.num_microbatches, plan.data_parallel, pack
+    )
     return spec, shardings, batch_sharding, step
 
 
@@ -43,7 +44,14 @@ def program_key(plan: WorldPlan) -> tuple:
 
 
 def trace_ahead(
-    task, plan: WorldPlan, seed: int, fsdp_min_size: int, batches: StepBatches, scale_updates: bool = False, rules=()
+    task,
+    plan: WorldPlan,
+    seed: int,
+    fsdp_min_size: int,
+    batches: StepBatches,
+    scale_updates: bool = False,
+    rules=(),
+    pack: bool = False,
 ) -> jax.stages.Traced:
     """Trace the train step for a world laid out like ``plan``, before any world exists.
 
@@ -52,7 +60,7 @@ def trace_ahead(
     while it waits, and joining one only lowers and loads (:meth:`TrainLoop.compile`).
     """
     mesh = AbstractMesh(tuple(plan.mesh_shape.values()), tuple(plan.mesh_shape))
-    spec, shardings, batch_sharding, step = _programs(task, plan, seed, fsdp_min_size, mesh, rules, scale_updates)
+    spec, shardings, batch_sharding, step = _programs(task, plan, seed, fsdp_min_size, mesh, rules, scale_updates, pack)
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), spec.abstract, shardings)
     example = batches.rows(0, 0, 1)  # one row: the fields' trailing shapes and dtypes
     batch = {
@@ -72,6 +80,7 @@ def trace_for(task, config, plan: WorldPlan, batches: StepBatches) -> jax.stages
         batches,
         scale_updates=config.lr_rule is not None,
         rules=config.logical_axis_rules,
+        pack=config.snapshot_every != 0,
     )
 
 
@@ -124,6 +133,7 @@ class TrainLoop:
             (blocks and their index ranges, checked against this world's shardings); ``None``
             initialises fresh parameters.
         scale_updates: wrap the optimizer with the plan's ``lr_scale`` (scale policy + lr rule).
+        pack: the step also packs its new state for a snapshot (:attr:`packed`; the run snapshots).
         checkpointer: this world's :class:`~ray_elastic.state.checkpoints.Checkpointer` (None: no checkpoints).
         checkpoint_step: load this committed checkpoint (steps completed) instead of ``restore``,
             resharded onto this world's mesh, from ``restore_from`` (a Checkpointer) or ``checkpointer``.
@@ -149,6 +159,7 @@ class TrainLoop:
         rules=(),
         eval_batches=None,
         prefetch: int = 2,
+        pack: bool = False,
     ):
         self.task = task
         self.plan = plan
@@ -160,12 +171,12 @@ class TrainLoop:
         self._rows = BatchPrefetcher(batches, *self.row_range, depth=prefetch)
         self._in_flight: collections.deque = collections.deque()  # (step, metrics, dispatched at)
         self._last_finish: Optional[float] = None
-        self._copy = None  # the jitted device-side copy of the state, for snapshots
         self._eval = None  # the jitted eval step, compiled at the first evaluation
 
         self.spec, self.state_shardings, self.batch_sharding, self._step = _programs(
-            task, plan, seed, fsdp_min_size, mesh, rules, scale_updates
+            task, plan, seed, fsdp_min_size, mesh, rules, scale_updates, pack
         )
+        self.packed: Optional[jax.Array] = None  # the newest dispatched step's state, packed (``pack``)
         self.leaf_paths = leaf_paths(self.spec.abstract)
         self.sharded_params = sum(1 for sh in jax.tree.leaves(self.state_shardings) if any(sh.spec))
         self.checkpointer = checkpointer
@@ -225,16 +236,13 @@ class TrainLoop:
     def close(self) -> None:
         self._rows.close()
 
-    def compile(self, step: int, traced: Optional[jax.stages.Traced] = None, snapshots: bool = False) -> dict:
+    def compile(self, step: int, traced: Optional[jax.stages.Traced] = None) -> dict:
         """Compile the step (from the persistent cache when warm); seconds of each phase.
 
         ``traced``: from :func:`trace_ahead` for this world's layout (tracing is then already
         done; it is lowered for this world's devices). ``load_s`` is XLA compiling, or loading
-        the executable on a persistent-cache hit. ``snapshots``: also compile the state's copy
-        (:meth:`snapshot_copy`), so the first snapshot does not hold up a step.
+        the executable on a persistent-cache hit.
         """
-        if snapshots:
-            self._copy = self._copy_program().lower(self.state).compile()
         t0 = time.perf_counter()
         if traced is not None:
             self._step, phases = lower_and_compile(traced, self.mesh.devices)
@@ -259,7 +267,8 @@ class TrainLoop:
         """Start step ``step`` and return before it has run (JAX dispatches asynchronously);
         :meth:`finish` reads it. The device queue then never drains between steps."""
         t0 = time.perf_counter()
-        self.state, metrics = self._step(self.state, self.global_batch_array(step))
+        self.state, metrics, *packed = self._step(self.state, self.global_batch_array(step))
+        self.packed = packed[0] if packed else None
         self._in_flight.append((step, metrics, t0))
 
     def in_flight(self) -> int:
@@ -326,18 +335,3 @@ class TrainLoop:
         """Host copy of this process's part of the train state (params and optimizer state): per
         leaf the block (``leaves``) and its global index range (``ranges``). Waits for the state."""
         return host_blocks(jax.tree.leaves(self.state), self.leaf_paths)
-
-    def _copy_program(self):
-        """A jitted copy of the state onto new buffers with the state's shardings."""
-        return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self.state_shardings)
-
-    def snapshot_copy(self) -> list[jax.Array]:
-        """A device-side copy of the state after the last dispatched step, already on its way to
-        the host: the next step may donate the state's buffers while the copy is read out in the
-        background (:func:`host_blocks`). Costs one more copy of the state in device memory."""
-        if self._copy is None:
-            self._copy = self._copy_program()
-        leaves = jax.tree.leaves(self._copy(self.state))
-        for x in leaves:
-            x.copy_to_host_async()
-        return leaves

@@ -27,19 +27,6 @@ def set_niceness(niceness: Optional[int]) -> None:
             return
 
 
-def block_until_ready(leaves) -> None:
-    import jax
-
-    jax.block_until_ready(leaves)
-
-
-def jax_world_host_blocks(leaves, paths: tuple = ()) -> dict:
-    """The host copy of a snapshot (JAX side; imported here only when a snapshot is written)."""
-    from ray_elastic.slice.host_blocks import host_blocks
-
-    return host_blocks(leaves, paths)
-
-
 @contextlib.contextmanager
 def world_errors(what: str, everything: bool = False):
     """Raise what fails here as :class:`SliceDownError` when it is the world's fault, not the task's:

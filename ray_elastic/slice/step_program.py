@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from ray_elastic.decide.layout import FSDP_AXIS, REPLICA_AXIS, partition
 from ray_elastic.errors import TrainingCodeError
+from ray_elastic.slice.snapshot_pack import pack_body, packed_sharding
 from ray_elastic.task import RESERVED_METRICS, TrainTask, step_layout
 
 BATCH_SPEC = P((REPLICA_AXIS, FSDP_AXIS))
@@ -138,22 +139,26 @@ def _check_metrics(metrics, what: str) -> dict:
     return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 
 
-def train_program(task: TrainTask, spec: StateSpec, shardings, mesh, num_microbatches: int, data_shards: int):
-    """The jitted train step ``(raw state, batch) -> (raw state, metrics)`` for ``mesh``."""
+def train_program(
+    task: TrainTask, spec: StateSpec, shardings, mesh, num_microbatches: int, data_shards: int, pack: bool = False
+):
+    """The jitted train step ``(raw state, batch) -> (raw state, metrics)`` for ``mesh``; with
+    ``pack``, also the new state packed for a snapshot (``(raw state, metrics, packed)``, see
+    :mod:`~ray_elastic.slice.snapshot_pack`): one more output of the step, no program of its own."""
     batch_sharding = NamedSharding(mesh, BATCH_SPEC)
+    packing = pack_body(tuple(sh.spec for sh in jax.tree.leaves(shardings)), mesh) if pack else None
 
     def train_step(raw, batch):
         model, optimizer = nnx.merge(spec.graphdef, from_raw(raw, spec.keys))
         with step_layout(num_microbatches, data_shards), _mesh_context(mesh):
             metrics = task.train_step(model, optimizer, batch)
-        return to_raw(nnx.state((model, optimizer))), _check_metrics(metrics, "train_step")
+        new = to_raw(nnx.state((model, optimizer)))
+        if packing is None:
+            return new, _check_metrics(metrics, "train_step")
+        return new, _check_metrics(metrics, "train_step"), packing(*jax.tree.leaves(new))
 
-    step = jax.jit(
-        train_step,
-        in_shardings=(shardings, batch_sharding),
-        out_shardings=(shardings, NamedSharding(mesh, P())),
-        donate_argnums=0,
-    )
+    outs = (shardings, NamedSharding(mesh, P())) + ((packed_sharding(mesh),) if pack else ())
+    step = jax.jit(train_step, in_shardings=(shardings, batch_sharding), out_shardings=outs, donate_argnums=0)
     return batch_sharding, step
 
 

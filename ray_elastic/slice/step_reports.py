@@ -20,6 +20,11 @@ class StepReports:
         self._finished.append(metrics)
 
     @property
+    def streamed(self) -> int:
+        """The newest step streamed to the driver (-1: none)."""
+        return self._reported
+
+    @property
     def last(self) -> dict:
         """The newest finished step's metrics (not yet streamed)."""
         return self._finished[-1]

@@ -5,15 +5,14 @@ started ahead of need (a *standby*: Python, JAX and the task's data already
 loaded) and promoted when the next generation forms. The controller never sends
 it per-step work: it asks for chunks of steps. One step is always in flight (the
 next is dispatched before the last one's loss is read); snapshot-keeping processes
-hand their snapshots to the host's keeper from a background thread and stream
-their metrics a few times a second, each step only once its snapshot is kept.
+copy their snapshots into the host keeper's shared-memory ring from a background thread
+and stream their metrics a few times a second, each step only once its snapshot is kept.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import os
 import threading
@@ -24,11 +23,11 @@ import ray
 
 from ray_elastic.decide import WorldPlan, is_checkpoint_step, is_eval_step, is_snapshot_step
 from ray_elastic.detect.liveness import Beacon
-from ray_elastic.slice.process import block_until_ready, jax_world_host_blocks, set_niceness, world_errors
+from ray_elastic.slice.process import set_niceness, world_errors
 from ray_elastic.slice.step_reports import StepReports
 from ray_elastic.slice.tpu_env import clear_stale_lock, megascale_env, set_world_env, wait_until_gone
 from ray_elastic.state.checkpoints import checkpoint_metadata
-from ray_elastic.state.snapshot_keeper import SnapshotWriter
+from ray_elastic.state.snapshot_writer import SnapshotWriter
 from ray_elastic.state.snapshots import SnapshotRef
 
 logger = logging.getLogger(__name__)
@@ -64,12 +63,11 @@ class SliceWorker:
         self._tracing: list = []  # the same futures, for ``traced_ahead`` (``compile`` pops ``traced``)
         self._prepared = threading.Event()
         self.last_step = -1
-        self.saving_since: Optional[float] = (
-            None  # inside a checkpoint save since (monotonic): not a hang, up to save_timeout_s
-        )
+        self.saving_since: Optional[float] = None  # inside a checkpoint save since: not a hang (save_timeout_s)
         self.evaluating = False  # inside an eval (no step finishes meanwhile: not a hang)
         self._port_holder = None  # process 0: the coordinator's port, held until JAX binds it
-        self.writer: Optional[SnapshotWriter] = None  # snapshot holders: hands snapshots to the keeper
+        self.writer: Optional[SnapshotWriter] = None  # snapshot holders: copies snapshots to the keeper's ring
+        self._snapshots = None  # and what packs them (``slice.snapshotting``), one per world
         self.reports = StepReports()  # finished steps and kept snapshots, until streamed
         self._snapshot_step = -1  # the newest step handed to the writer
         self._compiled_ahead = False  # once per world, after its first chunk (process 0)
@@ -183,6 +181,9 @@ class SliceWorker:
             self.prepare()
         if self.loop is not None:
             self.loop.close()
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
         self.plan = plan
         ours = jw.program_key(plan)
         for key, ahead in self.traced.items():
@@ -215,17 +216,22 @@ class SliceWorker:
                 restore_from=source,
                 rules=c.logical_axis_rules,
                 eval_batches=self.eval_batches,
+                pack=c.snapshot_every != 0,
             )
         if source is not checkpointer:
             source.close()
         if checkpoint_step is not None:
             self.last_step = checkpoint_step - 1
         if keeper is not None and plan.takes_snapshots(self.process_id):
-            self.writer = SnapshotWriter(keeper, plan.generation, epoch)
+            from ray_elastic.slice.snapshotting import Snapshots
+
+            self._snapshots = Snapshots(keeper, plan.generation, epoch, self.loop, lambda: self.reports.streamed)
+            self.writer = self._snapshots.writer
         return {
             "chips_wait_s": t_chips,
             "init_s": t_init,
             "snapshot_fetch_s": t_fetch,
+            "snapshots_in_place": self.writer.in_place if self.writer is not None else None,
             "state_s": time.perf_counter() - t2,
             "checkpoint_metadata": self.loop.restored_metadata,
             "mesh_shape": dict(mesh.shape),
@@ -280,7 +286,7 @@ class SliceWorker:
             except Exception as e:  # noqa: BLE001 - the world's own trace raises it where it counts
                 logger.warning("tracing ahead failed: %r", e)
         with world_errors("compiling the step"):
-            return self.loop.compile(step, traced, snapshots=self.writer is not None)
+            return self.loop.compile(step, traced)
 
     @ray.method(num_returns="streaming")
     def run_chunk(
@@ -322,14 +328,14 @@ class SliceWorker:
                 yield from self._evaluate(step, streams, every)
             if streams and time.monotonic() >= flush_at:
                 flush_at = time.monotonic() + FLUSH_S
-                item = self._report()
+                item = self.reports.take(self.writer)
                 if item:
                     yield item
         if num_steps == 0 or end - 1 >= final_step:
             self._finish_all(end - 1, planned_stop=num_steps == 0 and start_step <= final_step)
         if num_steps and not self._compiled_ahead:
             self._compile_ahead()
-        yield self._report()
+        yield self.reports.take(self.writer)
 
     def _step(self, step: int, final_step: int, every: int) -> None:
         """Dispatch ``step``; after it, a checkpoint or a snapshot when due; keep ``IN_FLIGHT`` steps in flight."""
@@ -372,7 +378,7 @@ class SliceWorker:
                 self._snapshot(step)  # the state the eval sees is kept before the eval can fail
             self.writer.wait()
         if streams:
-            item = self._report()
+            item = self.reports.take(self.writer)
             if item:
                 yield item
         self.evaluating = True
@@ -392,11 +398,8 @@ class SliceWorker:
             compile_smaller_in_background(self.task, self.config, self.plan, self.batches)
 
     def _snapshot(self, step: int) -> None:
-        """Hand the state after ``step`` (the newest dispatched) to the writer: copied on the device
-        now, to the host and the keeper in the writer's thread."""
-        copy = self.loop.snapshot_copy()
-        host_copy = functools.partial(jax_world_host_blocks, copy, self.loop.leaf_paths)
-        self.writer.submit(step, host_copy, functools.partial(block_until_ready, copy))
+        """Hand the state after ``step`` (the newest dispatched) to the writer."""
+        self._snapshots.submit(self.loop, step)
         self._snapshot_step = step
 
     def run_chunk_quiet(
@@ -420,9 +423,6 @@ class SliceWorker:
                 metrics["checkpoints_committed"] = finished
         self.last_step = metrics["step"]
         self.reports.finished(metrics)
-
-    def _report(self) -> dict:
-        return self.reports.take(self.writer)
 
     @contextlib.contextmanager
     def _saving(self):

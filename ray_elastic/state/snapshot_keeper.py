@@ -1,13 +1,15 @@
-"""In-memory snapshots off the step's critical path: a keeper per slice host, fed from a writer thread.
+"""In-memory snapshots off the step's critical path: a keeper per slice host, its process writing in place.
 
 A snapshot must outlive the process that took it (a killed process is the most
 common fault) and die with its node (a snapshot on a lost host must never be
 trusted). Ray 2.56 removed ``ray.put(..., _owner=...)``, so an object a process
 puts dies with that process; instead a small :class:`SnapshotKeeper` actor per
 slice host, started in the slice's placement group and living as long as the
-reservation, holds the newest snapshots of that host's process in its own
-memory. The slice process hands them over from :class:`SnapshotWriter`'s
-background thread, so the step loop only dispatches a device-side copy and goes on.
+reservation, owns the newest snapshots of that host's process: a shared-memory ring
+(:mod:`ray_elastic.state.snapshot_slots`) the process's
+:class:`~ray_elastic.state.snapshot_writer.SnapshotWriter` copies each step's state into
+from a background thread, so the step loop only dispatches a device-side copy and goes on,
+and no call crosses to the keeper per step.
 
 The keeper answers which (generation, step) snapshots it holds; the driver asks at
 recovery and learns the rest from the steps the writer reports as kept, piggy-backed
@@ -18,16 +20,18 @@ finished on every process: a held step is a finished step.
 
 from __future__ import annotations
 
-import concurrent.futures
+import atexit
 import hashlib
 import logging
 import os
 import threading
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import ray
+
+from ray_elastic.state.snapshot_slots import SlotLayout, SlotSegment, remove_orphans
 
 logger = logging.getLogger(__name__)
 KEEP_STEPS = 3  # per host: the newest three, so the hosts of one slice (in lockstep, but handing over
@@ -68,6 +72,10 @@ def _digest(secret: Optional[str]) -> Optional[str]:
 class SnapshotKeeper:
     """The newest snapshots of one slice host's process, by (generation, step).
 
+    Its process writes them in place into a shared-memory ring the keeper owns, one per world
+    (:meth:`open_segment`, :mod:`ray_elastic.state.snapshot_slots`): no call per step. A process
+    that cannot map it (not on the keeper's host) hands them over by :meth:`keep` instead.
+
     It outlives the driver for ``orphan_timeout_s`` (see :mod:`ray_elastic.control.keepers`): the
     driver renews its lease, a new driver of the same run takes it over with a higher ``epoch``
     (and the run's ``secret``: another job cannot), and one whose lease runs out frees its
@@ -83,7 +91,8 @@ class SnapshotKeeper:
         secret: Optional[str] = None,
     ):
         self.keep_steps = keep_steps
-        self._entries: dict[tuple[int, int], dict] = {}
+        self._entries: dict[tuple[int, int], dict] = {}  # handed over by call
+        self._segments: list[tuple[int, SlotSegment]] = []  # (generation it is filed under, its ring)
         self._generation, self._start = -1, 0
         self._acked = (-1, -1)  # the newest (generation, step) of this host the driver has received
         self.identity, self.epoch = identity, epoch  # whose snapshots these are; the driver that owns them
@@ -91,6 +100,8 @@ class SnapshotKeeper:
         self._released = False
         self.place: Optional[tuple[str, int]] = None  # (slice name, host index) of the process it keeps for
         self._renewed = time.monotonic()
+        remove_orphans()  # rings of keepers killed on this host before they could remove them
+        atexit.register(self._free)
         if orphan_timeout_s is not None:
             threading.Thread(target=self._expire, args=(orphan_timeout_s,), name="lease", daemon=True).start()
 
@@ -99,8 +110,14 @@ class SnapshotKeeper:
         while time.monotonic() - self._renewed < timeout_s:
             time.sleep(min(1.0, timeout_s / 10))
         logger.warning("no driver renewed this keeper's lease for %.0fs: freeing its snapshots and exiting", timeout_s)
-        self._entries.clear()
+        self._free()
         os._exit(0)
+
+    def _free(self) -> None:
+        self._entries.clear()
+        for _, seg in self._segments:
+            seg.close(unlink=True)
+        self._segments = []
 
     @ray.method(concurrency_group="lease")
     def status(self, secret: Optional[str] = None) -> Optional[dict]:
@@ -124,21 +141,25 @@ class SnapshotKeeper:
         ``taken`` False (``why``): an equal or newer driver has it (the caller was superseded), or
         the secret is not the run's, or it was released. With another ``identity`` (another task,
         model or training settings) it is taken, but what it held is dropped: it cannot be
-        restored. What it held is filed under :data:`PREVIOUS_DRIVER`, below the new run's first world.
+        restored. What it held is filed under :data:`PREVIOUS_DRIVER`, below the new run's first
+        world, and the lost driver's processes can write no more.
         """
         if _digest(secret) != self._secret or self._released:
             return {"taken": False, "why": "released" if self._released else "secret"}
         if epoch <= self.epoch:
             return {"taken": False, "why": "newer"}
         self.epoch, self._renewed = epoch, time.monotonic()
+        for _, seg in self._segments:
+            seg.seal()
         dropped = 0
         if identity != self.identity:
-            dropped, self.identity = len(self._entries), identity
-            self._entries.clear()
+            dropped, self.identity = len(self.held()), identity
+            self._free()
         self._entries = {(PREVIOUS_DRIVER, step): v for (_, step), v in self._entries.items()}
+        self._segments = [(PREVIOUS_DRIVER, seg) for _, seg in self._segments]
         self._generation, self._acked = (
             PREVIOUS_DRIVER,
-            (PREVIOUS_DRIVER, max((k[1] for k in self._entries), default=-1)),
+            (PREVIOUS_DRIVER, max((k[1] for k in self.held()), default=-1)),
         )
         return {"taken": True, "place": self.place, "held": self.held(), "dropped": dropped}
 
@@ -148,7 +169,7 @@ class SnapshotKeeper:
         if epoch != self.epoch:
             return False
         self._released = True
-        self._entries.clear()
+        self._free()
         return True
 
     def begin(self, generation: int, start_step: int, place: Optional[tuple[str, int]] = None, epoch: int = 0) -> bool:
@@ -162,7 +183,23 @@ class SnapshotKeeper:
         self.place = tuple(place) if place is not None else self.place
         for key in [k for k in self._entries if k[1] >= start_step]:
             del self._entries[key]
+        for gen, seg in self._segments:
+            if gen < generation:
+                seg.seal(before_step=start_step)
+        self._evict()
         return True
+
+    def open_segment(self, generation: int, layout: SlotLayout, epoch: Optional[int] = None) -> Optional[str]:
+        """A ring for ``generation``'s process to write its snapshots into (the file's path); None
+        when refused (a late world, or a driver that was taken over)."""
+        if generation < self._generation or (epoch is not None and epoch != self.epoch):
+            return None
+        for gen, seg in [x for x in self._segments if x[0] == generation]:
+            seg.close(unlink=True)
+        self._segments = [x for x in self._segments if x[0] != generation]
+        seg = SlotSegment.create(generation, layout, layout.slots())
+        self._segments.append((generation, seg))
+        return seg.path
 
     def keep(self, generation: int, step: int, snapshot: dict, epoch: Optional[int] = None) -> bool:
         """Hold ``snapshot`` (blocks and ranges, copied out of the call's arguments); False when
@@ -183,93 +220,41 @@ class SnapshotKeeper:
         if epoch < self.epoch:
             return
         self._acked = max(self._acked, (generation, step))
+        for gen, seg in self._segments:
+            if gen == generation:
+                seg.acknowledge(*self._acked)
         self._evict()
 
     def _evict(self) -> None:
-        for key in evictable(list(self._entries), self.keep_steps, self._acked):
-            del self._entries[key]
+        """What :func:`evictable` lets go, from calls' entries and sealed rings (a live ring's
+        writer overwrites its own slots); a sealed ring left empty is removed."""
+        for key in evictable(self.held(), self.keep_steps, self._acked):
+            self._entries.pop(key, None)
+            for gen, seg in self._segments:
+                if gen == key[0]:
+                    seg.drop(key[1])
+        for gen, seg in [x for x in self._segments if x[1].sealed_view is not None and not x[1].steps()]:
+            seg.close(unlink=True)
+            self._segments.remove((gen, seg))
 
     def held(self) -> list[tuple[int, int]]:
         """(generation, step) of every snapshot held."""
-        return sorted(self._entries)
+        return sorted(set(self._entries) | {(gen, step) for gen, seg in self._segments for step in seg.steps()})
 
     def fetch(self, generation: int, step: int, epoch: int = 0) -> dict:
         """The snapshot of ``step`` kept by ``generation``'s process, for the owning driver's
         processes (KeyError when it is gone; PermissionError for another epoch)."""
         if epoch != self.epoch:
             raise PermissionError(f"snapshot keeper: epoch {epoch} does not own it")
-        return self._entries[(generation, step)]
-
-
-class SnapshotWriter:
-    """Hands snapshots to the host's keeper from a background thread, one at a time.
-
-    ``submit`` takes a callable that produces the host copy (it waits for the device copy
-    the step loop dispatched) and returns at once, unless the previous snapshot is still
-    being written: then it waits for it, so a snapshot is never skipped (skipping would
-    leave a reported step without its snapshot). What a snapshot costs (``seconds``) is the wall
-    time from the moment its device copy is ready (``ready``: before that it waits for the step
-    itself) until the keeper holds it, plus any wait in ``submit``. CPU time alone was measured
-    to miss most of it on the large bench model (the memory traffic of the copies; the device copy).
-    """
-
-    def __init__(self, keeper, generation: int, epoch: Optional[int] = None):
-        self.keeper = keeper
-        self.generation, self.epoch = generation, epoch
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot-writer")
-        self._future: Optional[concurrent.futures.Future] = None
-        self._lock = threading.Lock()
-        self._kept: list[int] = []
-        self._not_kept: list[tuple[int, str]] = []  # (step, why): the driver reports them as events
-        self._pending: Optional[int] = None
-        self.seconds: list[float] = []  # per snapshot: host copy + hand-over, and the wait in ``submit``
-
-    def submit(self, step: int, host_copy: Callable[[], dict], ready: Callable[[], None] = lambda: None) -> None:
-        t0 = time.perf_counter()
-        self.wait()
-        waited = time.perf_counter() - t0
-        self._pending = step
-        self._future = self._pool.submit(self._write, step, host_copy, ready, waited)
-
-    def _write(self, step: int, host_copy: Callable[[], dict], ready: Callable[[], None], waited: float) -> None:
-        kept, why = False, "refused by the keeper: a newer world has begun"
-        try:
-            ready()
-            t0 = time.perf_counter()
-            kept = ray.get(self.keeper.keep.remote(self.generation, step, host_copy(), self.epoch))
-        except Exception as e:  # noqa: BLE001 - the step goes on without this snapshot; recovery may rewind
-            logger.warning("snapshot of step %d not kept: %r", step, e)
-            why = repr(e)[:300]
-            t0 = time.perf_counter()
-        with self._lock:
-            if kept:
-                self._kept.append(step)
-            else:
-                self._not_kept.append((step, why))
-            self.seconds.append(time.perf_counter() - t0 + waited)
-
-    def wait(self) -> None:
-        """Until the snapshot in flight is kept; raises what writing it raised."""
-        if self._future is not None:
-            future, self._future = self._future, None
-            try:
-                future.result()
-            finally:
-                self._pending = None
-
-    def pending(self) -> Optional[int]:
-        """The step whose snapshot is being written (None: none)."""
-        if self._future is not None and self._future.done():
-            self.wait()
-        return self._pending
-
-    def take_kept(self) -> tuple[list[int], list[float], list[tuple[int, str]]]:
-        """Steps kept, seconds spent and (step, why) of snapshots not kept, since the last call."""
-        with self._lock:
-            kept, self._kept = self._kept, []
-            seconds, self.seconds = self.seconds, []
-            not_kept, self._not_kept = self._not_kept, []
-        return kept, seconds, not_kept
+        if (generation, step) in self._entries:
+            return self._entries[(generation, step)]
+        for gen, seg in reversed(self._segments):  # the newest ring first
+            if gen == generation and step in seg.steps():
+                try:
+                    return seg.read(step)
+                except KeyError:
+                    continue
+        raise KeyError((generation, step))
 
 
 def ask_keepers(

@@ -1,0 +1,184 @@
+"""Steady state against Ray Train's JaxTrainer on its benchmark workload: what keeping every step costs.
+
+The workload: an MLP 64-256-256-10 (``DigitsMLPTask(hidden=256)``) with Adam, global batch 192,
+3 workers of 2 CPU devices each, data parallel. Ray Train v2's ``JaxTrainer`` runs it as its
+users write it (one ``jax.distributed`` world, a jitted step that donates the state, the next step
+dispatched before the last loss is read, a ``ray.train.report`` every 20 steps), on a local Ray
+instance; ray-elastic runs it on 3 simulated slices of 1 host x 2 devices, with snapshots after
+every step (``every_step``), with its default (``default``) and with snapshots off. Each run is a
+fresh subprocess; runs are interleaved, each repetition in an order rotated by one. The figure is
+the mean time per step over the second half of each run (the interval between finished steps);
+medians over repetitions are compared.
+
+    .venv/bin/python bench/vs_ray_train.py [--steps 800] [--reps 2] [--only ray_train,every_step]
+
+Last line, one JSON object: ``{"every_step_vs_ray_train": ..., "default_vs_ray_train": ...,
+"every_step_cost": ..., "step_ms": {...}, "cpu_probe_s": [...]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+BATCH, WORKERS, DEVICES, HIDDEN, REPORT_EVERY = 192, 3, 2, 256, 20
+
+
+def ray_train_loop(config: dict) -> None:
+    """One JaxTrainer worker: the MLP trained data-parallel over the world's devices."""
+    import time
+
+    import jax
+    import numpy as np
+    import optax
+    import ray.train
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from ray_elastic.examples.digits_mlp import MLP, load_digits
+
+    steps, rank = config["steps"], jax.process_index()
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    model = MLP(64, HIDDEN, 10, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+    state = jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
+    rows = NamedSharding(mesh, PartitionSpec("data"))
+
+    def step(state, x, y):
+        model, optimizer = nnx.merge(graphdef, state)
+
+        def loss_fn(m):
+            return optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    step = jax.jit(step, donate_argnums=0)
+    pixels, labels = load_digits()
+    x_all, y_all = (pixels / 16.0).astype(np.float32), labels.astype(np.int32)
+    per = BATCH // jax.process_count()
+    order = np.random.default_rng(0).permutation(len(y_all))
+
+    def batch(s: int):
+        idx = order[(np.arange(per) + s * BATCH + rank * per) % len(y_all)]
+        return (
+            jax.make_array_from_process_local_data(rows, x_all[idx]),
+            jax.make_array_from_process_local_data(rows, y_all[idx]),
+        )
+
+    finished, pending = [], None
+    for s in range(steps):
+        state, loss = step(state, *batch(s))
+        if pending is not None:
+            float(pending)
+            finished.append(time.perf_counter())
+        pending = loss
+        if s % REPORT_EVERY == REPORT_EVERY - 1:
+            ray.train.report({"step": s})
+    float(pending)
+    finished.append(time.perf_counter())
+    times = np.diff(finished)
+    ray.train.report({"step_s": float(np.mean(times[len(times) // 2 :])), "steps": steps})
+
+
+def run_ray_train(steps: int) -> float:
+    import ray
+    from ray.train import RunConfig
+    from ray.train.v2.api.config import ScalingConfig
+    from ray.train.v2.jax import JaxTrainer
+
+    storage = tempfile.mkdtemp(prefix="vs-ray-train-")
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}"}
+    ray.init(num_cpus=WORKERS, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
+    try:
+        trainer = JaxTrainer(
+            ray_train_loop,
+            train_loop_config={"steps": steps},
+            scaling_config=ScalingConfig(num_workers=WORKERS),
+            run_config=RunConfig(storage_path=storage, name="bench"),
+        )
+        return trainer.fit().metrics["step_s"]
+    finally:
+        ray.shutdown()
+
+
+def run_ray_elastic(steps: int, snapshot_every) -> float:
+    from ray_elastic import ElasticConfig, ElasticTrainer
+    from ray_elastic.examples.digits_mlp import DigitsMLPTask
+    from ray_elastic.sim.cluster import SimulatedTPUCluster
+
+    with SimulatedTPUCluster(num_slices=WORKERS, devices_per_host=DEVICES, log_to_driver=False) as cluster:
+        kw = {} if snapshot_every is None else {"snapshot_every": snapshot_every}
+        if snapshot_every == 0:
+            kw["allow_restart_from_scratch"] = True  # no faults here
+        cfg = ElasticConfig(num_slices=WORKERS, global_batch_size=BATCH, slice=cluster.slice_spec, **kw)
+        result = ElasticTrainer(DigitsMLPTask(hidden=HIDDEN), cfg, progress=False).fit(steps)
+        times = result.step_times_s[steps // 2 :]
+        return statistics.mean(times)
+
+
+RUNS = {
+    "ray_train": lambda n: run_ray_train(n),
+    "every_step": lambda n: run_ray_elastic(n, 1),
+    "default": lambda n: run_ray_elastic(n, None),
+    "no_snapshots": lambda n: run_ray_elastic(n, 0),
+}
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--one":
+        print(json.dumps({"step_s": RUNS[sys.argv[2]](int(sys.argv[3]))}))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=800)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--only", default=None, help=f"comma-separated runs (default: all): {', '.join(RUNS)}")
+    args = ap.parse_args()
+    names = list(RUNS) if args.only is None else args.only.split(",")
+    if set(names) - set(RUNS):
+        ap.error(f"--only: the runs are {', '.join(RUNS)}")
+    from machine import cpu_probe_s, hour
+
+    probes = [cpu_probe_s()]
+    got: dict[str, list[float]] = {k: [] for k in names}
+    for rep in range(args.reps):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            out = subprocess.run(
+                [sys.executable, __file__, "--one", name, str(args.steps)],
+                check=True,
+                capture_output=True,
+                text=True,
+                env={**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="rvt-", dir="/tmp")},
+            )
+            got[name].append(json.loads(out.stdout.strip().splitlines()[-1])["step_s"])
+            print(f"rep {rep} {name:<14} {got[name][-1] * 1e3:8.2f} ms/step", flush=True)
+    probes.append(cpu_probe_s())
+    print(f"machine: {hour(probes)}", flush=True)
+    med = {k: statistics.median(v) for k, v in got.items()}
+    print("median ms/step: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in med.items()))
+    print("min-max ms/step: " + ", ".join(f"{k} {min(v) * 1e3:.1f}-{max(v) * 1e3:.1f}" for k, v in got.items()))
+
+    def ratio(a: str, b: str):
+        return round(med[a] / med[b], 4) if a in med and b in med else None
+
+    out = {
+        "every_step_vs_ray_train": ratio("every_step", "ray_train"),
+        "default_vs_ray_train": ratio("default", "ray_train"),
+        "every_step_cost": round(r - 1, 4) if (r := ratio("every_step", "no_snapshots")) else None,
+        "step_ms": {k: round(v * 1e3, 2) for k, v in med.items()},
+        "steps": args.steps,
+        "reps": args.reps,
+        "cpu_probe_s": probes,
+    }
+    print(json.dumps({k: v for k, v in out.items() if v is not None}))
+
+
+if __name__ == "__main__":
+    main()

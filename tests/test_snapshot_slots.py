@@ -1,0 +1,143 @@
+"""The shared-memory ring a keeper owns and its process writes snapshots into in place
+(``ray_elastic.state.snapshot_slots``): what is readable after a writer died mid-copy, which
+slots a writer never overwrites, what sealing freezes, and who cleans up after a killed keeper.
+Real files in /dev/shm, real processes; no cluster."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ray_elastic.state.snapshot_slots import PREFIX, SlotLayout, SlotSegment, remove_orphans, shm_dir
+
+LAYOUT = SlotLayout.of([(64, 32), ()], ["float32", "int32"], [((0, 64), (0, 32)), ()], ("['w']", "['count']"))
+
+
+def fill(step: int):
+    """What a device program's packing of this state after ``step`` writes into a slot's row."""
+
+    def write(rows):
+        blocks = [np.full((64, 32), step, np.float32), np.array(step, np.int32)]
+        for p in LAYOUT.pieces:
+            raw = np.frombuffer(blocks[p.leaf].tobytes(), np.uint8)
+            rows[p.row][p.offset : p.offset + raw.size] = raw
+
+    return write
+
+
+@pytest.fixture
+def ring():
+    keeper = SlotSegment.create(0, LAYOUT, 4)
+    writer = SlotSegment.open(keeper.path, LAYOUT)
+    yield keeper, writer
+    writer.close()
+    keeper.close(unlink=True)
+
+
+def test_a_written_step_is_read_back_whole_and_the_newest_steps_stay(ring):
+    keeper, writer = ring
+    for step in range(10):
+        assert writer.write(0, step, fill(step))
+    assert keeper.steps() == [6, 7, 8, 9]
+    snap = keeper.read(9)
+    assert snap["step"] == 9 and snap["paths"] == LAYOUT.paths and snap["ranges"] == list(LAYOUT.ranges)
+    assert np.all(snap["leaves"][0] == 9) and snap["leaves"][0].shape == (64, 32) and int(snap["leaves"][1]) == 9
+    with pytest.raises(KeyError):
+        keeper.read(5)
+
+
+def test_the_acknowledged_and_the_streamed_steps_are_never_overwritten(ring):
+    keeper, writer = ring
+    for step in range(4):
+        writer.write(0, step, fill(step))
+    keeper.acknowledge(0, 1)  # the driver has step 1 of this host
+    for step in range(4, 20):
+        writer.write(0, step, fill(step), keep=(12,))  # and the process streamed up to 12
+    assert keeper.steps() == [1, 12, 18, 19]
+    assert np.all(keeper.read(1)["leaves"][0] == 1) and np.all(keeper.read(12)["leaves"][0] == 12)
+    keeper.acknowledge(1, 19)  # another world's acknowledgement pins nothing here
+    for step in range(20, 23):
+        writer.write(0, step, fill(step), keep=(12,))
+    assert keeper.steps() == [12, 20, 21, 22]
+
+
+def _die_mid_write(path: str) -> None:
+    writer = SlotSegment.open(path, LAYOUT)
+
+    def hang(rows):
+        rows[0][:4096] = 99  # half the block, then the process is killed
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    writer.write(0, 5, hang)
+
+
+def test_a_slot_its_process_died_writing_is_never_read(ring):
+    keeper, writer = ring
+    for step in range(4):
+        writer.write(0, step, fill(step))
+    proc = multiprocessing.get_context("spawn").Process(target=_die_mid_write, args=(keeper.path,))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == -signal.SIGKILL
+    assert keeper.steps() == [1, 2, 3]  # step 0's slot was being overwritten: gone; 5 never complete
+    with pytest.raises(KeyError):
+        keeper.read(5)
+    assert np.all(keeper.read(3)["leaves"][0] == 3)
+
+
+def test_a_sealed_ring_takes_no_more_writes_and_keeps_what_it_held(ring):
+    keeper, writer = ring
+    for step in range(4):
+        writer.write(0, step, fill(step))
+    keeper.seal(before_step=3)  # a new world runs step 3 again
+    assert keeper.steps() == [0, 1, 2]
+    assert writer.write(0, 4, fill(4)) is False and keeper.steps() == [0, 1, 2]
+    keeper.drop(0)
+    assert keeper.steps() == [1, 2]
+
+
+def test_a_late_write_racing_the_seal_does_not_count(ring):
+    """The writer passed its check before the seal: the slot it overwrote is no longer taken."""
+    keeper, writer = ring
+    for step in range(4):
+        writer.write(0, step, fill(step))
+    keeper.seal()
+    writer.header[3] = 0  # as if the seal had landed after the writer looked
+    writer.write(0, 4, fill(4))
+    assert 4 not in keeper.steps() and len(keeper.steps()) == 3
+
+
+def test_a_ring_of_another_layout_is_refused(ring):
+    keeper, _ = ring
+    other = SlotLayout.of([(8, 8)], ["float32"], [((0, 8), (0, 8))], ("['w']",))
+    with pytest.raises(ValueError, match="not a snapshot segment of this layout"):
+        SlotSegment.open(keeper.path, other)
+
+
+def test_slots_fit_a_memory_budget():
+    assert LAYOUT.slots() == 16  # a small state: as many as the ring takes
+    big = SlotLayout.of([(1 << 28,)], ["float32"], [((0, 1 << 28),)], ("['w']",))  # 1 GiB per slot
+    assert big.slots() == 4  # never fewer than four
+
+
+def test_the_rings_of_a_keeper_that_was_killed_are_removed_by_the_next_one():
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = os.path.join(shm_dir(), f"{PREFIX}{dead.pid}-test")
+    live = os.path.join(shm_dir(), f"{PREFIX}{os.getpid()}-test")
+    for path in (orphan, live):
+        with open(path, "wb") as f:
+            f.write(b"x")
+    try:
+        assert remove_orphans() >= 1
+        assert not os.path.exists(orphan) and os.path.exists(live)
+    finally:
+        for path in (orphan, live):
+            if os.path.exists(path):
+                os.unlink(path)
