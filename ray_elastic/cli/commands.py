@@ -104,7 +104,8 @@ def cmd_demo(args) -> int:
             result.summary["killed_slice"] = f"{killed['name']} after step {killed['step']}"
             result.summary["detection_s"] = round(rec.detected_at - killed["at"], 3)
             result.summary["kill_to_training_again_s"] = round(rec.ready_at - killed["at"], 3)
-        print_summary(result, args.json, goodput_printed=not args.no_progress)
+    # After the cluster is gone: what Ray prints about the killed slice's raylet comes before the result.
+    print_summary(result, args.json, goodput_printed=not args.no_progress)
     if not args.json:
         from ray_elastic.observe import report
 

@@ -26,8 +26,8 @@ def snapshot_interval(
 ) -> int:
     """``snapshot_every="auto"``: the smallest interval at which snapshots cost at most ``budget`` of
     the run's time. A snapshot costing ``c`` seconds every ``k`` steps of ``t`` seconds costs
-    ``c / (k t)``; ``c`` is the larger of what it cost its process (see ``SnapshotWriter``: host copy
-    and hand-over to the keeper, and any wait of the step loop) and what it cost the steps
+    ``c / (k t)``; ``c`` is the larger of what it cost its process (see ``SnapshotWriter``: the
+    writer thread's CPU time for the copy into the keeper's ring, and any wait of the step loop) and what it cost the steps
     (``step_cost``, :func:`snapshot_cost_in_steps`). Medians of the recent measurements; ``current``
     until both exist, and while the new interval is within an eighth of it. The rewind this allows
     is at most ``k - 1`` steps."""

@@ -135,6 +135,9 @@ class SlotSegment:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, data_at + nslots * max(layout.slot_bytes, ALIGN))
+            # Its memory taken now, not page by page in the process's first writes (a first step's
+            # snapshot would look costly, and "auto" would widen the interval for nothing).
+            os.posix_fallocate(fd, 0, data_at + nslots * max(layout.slot_bytes, ALIGN))
         except OSError:
             os.close(fd)
             os.unlink(path)

@@ -66,9 +66,11 @@ class SnapshotWriter:
 
     ``submit`` returns at once, unless the previous snapshot is still being written: then it
     waits for it, so a snapshot is never skipped (skipping would leave a reported step without
-    its snapshot). What a snapshot costs (``seconds``) is the wall time from the moment its device
-    copy is ready (``ready``: before that it waits for the step itself) until the keeper holds
-    it, plus any wait in ``submit``. ``streamed``: the newest step this process has streamed to
+    its snapshot). What a snapshot costs (``seconds``) is what it takes from the steps: the CPU
+    time the writer thread spent on it (from the moment the packed state is ready until the
+    keeper holds it; it competes with the steps for the host's cores) plus any wait of the step
+    loop in ``submit``. The copy's wall time is not a cost: it runs beside the steps, and on
+    busy cores it mostly measures waiting for one. ``streamed``: the newest step this process has streamed to
     the driver, whose slot is never overwritten (the driver may restore it before it acknowledges it).
     """
 
@@ -91,6 +93,7 @@ class SnapshotWriter:
         self._kept: list[int] = []
         self._not_kept: list[tuple[int, str]] = []  # (step, why): the driver reports them as events
         self._pending: Optional[int] = None
+        self._ready: Callable[[], None] = lambda: None  # waits for the state the snapshot in flight copies
         self.seconds: list[float] = []  # per snapshot: host copy + hand-over, and the wait in ``submit``
 
     def _open_ring(self) -> Optional[SlotSegment]:
@@ -131,17 +134,19 @@ class SnapshotWriter:
     ) -> None:
         """Keep the state after ``step``: ``fill`` writes its blocks into a slot's arrays,
         ``host_copy`` makes them (for a keeper reached by call), ``ready`` waits for the device copy."""
+        if self._future is not None:
+            self._ready()  # the step the snapshot in flight copies: the step's own time, not the snapshot's
         t0 = time.perf_counter()
         self.wait()
         waited = time.perf_counter() - t0
-        self._pending = step
+        self._pending, self._ready = step, ready
         self._future = self._pool.submit(self._write, step, fill, host_copy, ready, waited)
 
     def _write(self, step: int, fill, host_copy, ready, waited: float) -> None:
         kept, why = False, REFUSED
         try:
             ready()
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             if self.segment is not None or self._gone:
                 kept = self._write_ring(step, fill)
             else:
@@ -149,13 +154,13 @@ class SnapshotWriter:
         except Exception as e:  # noqa: BLE001 - the step goes on without this snapshot; recovery may rewind
             logger.warning("snapshot of step %d not kept: %r", step, e)
             why = repr(e)[:300]
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
         with self._lock:
             if kept:
                 self._kept.append(step)
             else:
                 self._not_kept.append((step, why))
-            self.seconds.append(time.perf_counter() - t0 + waited)
+            self.seconds.append(time.thread_time() - t0 + waited)
 
     def wait(self) -> None:
         """Until the snapshot in flight is kept; raises what writing it raised."""
