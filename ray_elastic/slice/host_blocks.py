@@ -7,13 +7,15 @@ import jax
 import numpy as np
 
 
+def index_range(index, shape) -> tuple:
+    """A shard's index (slices, ``None`` ends meaning the whole dimension) as (start, stop) per dimension."""
+    return tuple((sl.start or 0, dim if sl.stop is None else sl.stop) for sl, dim in zip(index, shape))
+
+
 def block_range(indices, shape) -> tuple:
     """The global (start, stop) per dimension of the block a process's shards (``indices``: their
     index tuples) form; raises when they do not tile it (a block with holes cannot be restored)."""
-    keys = {
-        tuple((sl.start or 0, dim if sl.stop is None else sl.stop) for sl, dim in zip(index, shape))
-        for index in indices
-    }
+    keys = {index_range(index, shape) for index in indices}
     rng = tuple((min(k[d][0] for k in keys), max(k[d][1] for k in keys)) for d in range(len(shape)))
     volume = lambda k: int(np.prod([b - a for a, b in k]))  # noqa: E731
     if sum(volume(k) for k in keys) != volume(rng):
@@ -48,6 +50,6 @@ def local_block(arr: jax.Array) -> tuple[np.ndarray, tuple]:
     rng = block_range([sh.index for sh in arr.addressable_shards], arr.shape)
     block = np.empty([b - a for a, b in rng], dtype=arr.dtype)
     for sh in arr.addressable_shards:
-        key = [(sl.start or 0, dim if sl.stop is None else sl.stop) for sl, dim in zip(sh.index, arr.shape)]
+        key = index_range(sh.index, arr.shape)
         block[tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(key, rng))] = np.asarray(sh.data)
     return block, rng

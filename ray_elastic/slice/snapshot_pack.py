@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ray_elastic.slice.host_blocks import block_range
+from ray_elastic.slice.host_blocks import block_range, index_range
 from ray_elastic.state.snapshot_slots import ALIGN, Piece, SlotLayout, aligned
 
 WORD = 8  # each shard starts at a multiple of this many bytes in its device's buffer
@@ -69,10 +69,7 @@ def layout(leaves: list[jax.Array], paths: tuple = ()) -> SlotLayout:
     for leaf_index, x in enumerate(leaves):
         where = x.sharding.devices_indices_map(x.shape)
         indices = [where[d] for d in devices]
-        keys = [
-            tuple((sl.start or 0, dim if sl.stop is None else sl.stop) for sl, dim in zip(index, x.shape))
-            for index in indices
-        ]
+        keys = [index_range(index, x.shape) for index in indices]
         rng = block_range(indices, x.shape) if x.ndim else ()
         shapes.append(tuple(b - a for a, b in rng))
         ranges.append(rng)

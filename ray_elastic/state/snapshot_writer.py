@@ -1,7 +1,7 @@
 """The slice process's side of a snapshot: the state after a step copied into the host keeper's ring.
 
-One background thread, one snapshot at a time: the step loop only dispatches a device-side copy
-and goes on; this thread waits for it and copies it into a free slot of the ring the keeper owns
+One background thread, one snapshot at a time: the step itself packed its new state on the
+device and the step loop goes on; this thread waits for it and copies it into a free slot of the ring the keeper owns
 (:mod:`ray_elastic.state.snapshot_slots`), with no call to the keeper. A process whose keeper's
 ring it cannot map (the keeper is not on its host) hands each snapshot over by a call instead.
 """
@@ -17,6 +17,7 @@ import time
 from typing import Callable, Optional
 
 import numpy as np
+import psutil
 import ray
 
 from ray_elastic.state.snapshot_slots import SlotLayout, SlotSegment
@@ -39,26 +40,16 @@ class _ExitWatch:
             self.fd = os.pidfd_open(pid)
             self._poll = select.poll()
             self._poll.register(self.fd, select.POLLIN)
-        except (AttributeError, OSError):  # no pidfd here (old kernel): signal 0 says whether it exists
+        except (AttributeError, OSError):  # no pidfd here (old kernel): ask psutil
             self.fd = None
 
     def __call__(self) -> bool:
-        return bool(self._poll.poll(0)) if self.fd is not None else not _exists(self.pid)
+        return bool(self._poll.poll(0)) if self.fd is not None else not psutil.pid_exists(self.pid)
 
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 class SnapshotWriter:
@@ -94,7 +85,7 @@ class SnapshotWriter:
         self._not_kept: list[tuple[int, str]] = []  # (step, why): the driver reports them as events
         self._pending: Optional[int] = None
         self._ready: Callable[[], None] = lambda: None  # waits for the state the snapshot in flight copies
-        self.seconds: list[float] = []  # per snapshot: host copy + hand-over, and the wait in ``submit``
+        self.seconds: list[float] = []  # per snapshot: the thread's CPU time, and the wait in ``submit``
 
     def _open_ring(self) -> Optional[SlotSegment]:
         """The keeper's ring for this world; None (snapshots go by call) when it refused or the
@@ -133,7 +124,7 @@ class SnapshotWriter:
         ready: Callable[[], None] = lambda: None,
     ) -> None:
         """Keep the state after ``step``: ``fill`` writes its blocks into a slot's arrays,
-        ``host_copy`` makes them (for a keeper reached by call), ``ready`` waits for the device copy."""
+        ``host_copy`` makes them (for a keeper reached by call), ``ready`` waits for the packed state."""
         if self._future is not None:
             self._ready()  # the step the snapshot in flight copies: the step's own time, not the snapshot's
         t0 = time.perf_counter()
