@@ -8,7 +8,7 @@ slice host, started in the slice's placement group and living as long as the
 reservation, owns the newest snapshots of that host's process: a shared-memory ring
 (:mod:`ray_elastic.state.snapshot_slots`) the process's
 :class:`~ray_elastic.state.snapshot_writer.SnapshotWriter` copies each step's state into
-from a background thread, so the step loop only dispatches a device-side copy and goes on,
+from a background thread (the step itself packed it on the device, so the step loop goes on),
 and no call crosses to the keeper per step.
 
 The keeper answers which (generation, step) snapshots it holds; the driver asks at
