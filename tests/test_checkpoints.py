@@ -331,8 +331,12 @@ def test_a_save_that_never_ends_is_a_failed_save_not_a_busy_world(sim_cluster, l
     finally:
         monkeypatch.undo()
         stuck.stop()
-    (failure,) = [e for e in trainer.events.events if e["kind"] == "failure"]
-    assert set(failure["kinds"].values()) == {"storage"} and "over save_timeout_s=3" in failure["error"], str(failure)
+    failures = [e for e in trainer.events.events if e["kind"] == "failure"]
+    # the failure that stopped the run is the hung save; one before it (a world starved of the
+    # 2 cores past the 1 s watchdog) was recovered from, as any other: it must not name the storage
+    *recovered, failure = failures
+    assert set(failure["kinds"].values()) == {"storage"} and "over save_timeout_s=3" in failure["error"], failures
+    assert all("storage" not in f["kinds"].values() for f in recovered), failures
 
 
 def test_transient_storage_errors_are_retried_not_failures(sim_cluster, local_gcs, reference, monkeypatch):

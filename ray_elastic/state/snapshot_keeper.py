@@ -110,8 +110,10 @@ class SnapshotKeeper:
         while time.monotonic() - self._renewed < timeout_s:
             time.sleep(min(1.0, timeout_s / 10))
         logger.warning("no driver renewed this keeper's lease for %.0fs: freeing its snapshots and exiting", timeout_s)
-        self._free()
-        os._exit(0)
+        try:
+            self._free()
+        finally:  # whatever freeing raised, an abandoned keeper must not outlive its lease
+            os._exit(0)
 
     def _free(self) -> None:
         self._entries.clear()
