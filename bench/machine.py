@@ -27,3 +27,31 @@ def hour(probes: list[float]) -> str:
     """'normal' when every probe was within a normal hour's range, else 'slow (x N)'."""
     worst = max(probes)
     return "normal" if worst <= NORMAL_S else f"slow (x{worst / NORMAL_S:.1f} of a normal hour's slowest probe)"
+
+
+ROLES = {"SliceWorker": "slices", "SnapshotKeeper": "keepers"}  # the actors' process titles name their class
+
+
+def cpu_seconds_by_role() -> dict[str, float]:
+    """CPU seconds (user + system) used so far by this run's processes, by role: ``driver`` (this
+    process), ``slices`` (the JAX processes), ``keepers``, and ``ray`` (every other Ray process:
+    raylets, the GCS, agents, idle workers). Differences over a window of steps say where a
+    configuration's CPU goes, far more steadily than wall-clock step times on a shared machine."""
+    import psutil
+
+    me = psutil.Process().pid
+    out = {"driver": 0.0, "slices": 0.0, "keepers": 0.0, "ray": 0.0}
+    for p in psutil.process_iter(["cmdline", "cpu_times"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+            t = p.info["cpu_times"]
+        except (psutil.Error, TypeError):
+            continue
+        if t is None:
+            continue
+        role = "driver" if p.pid == me else next((r for k, r in ROLES.items() if k in cmd), None)
+        if role is None and ("ray::" in cmd or "raylet" in cmd or "gcs_server" in cmd or "/ray/" in cmd):
+            role = "ray"
+        if role is not None:
+            out[role] += t.user + t.system
+    return out

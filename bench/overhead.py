@@ -34,6 +34,7 @@ import os
 import statistics
 import subprocess
 import sys
+from typing import Optional
 
 NUM_SLICES, DEVICES, BATCH, CHUNK = 3, 2, 48, 20
 MODELS = {"small": dict(seq_len=32, d_model=32, num_layers=1), "large": dict(seq_len=32, d_model=256, num_layers=2)}
@@ -151,6 +152,8 @@ def run_bare(
 
 
 def run_ray(steps: int, spec, model: str, **overrides) -> dict:
+    from machine import cpu_seconds_by_role
+
     from ray_elastic import ElasticConfig, ElasticTrainer
 
     kw = dict(snapshot_replicas=NUM_SLICES) | layout(model) | overrides
@@ -158,10 +161,13 @@ def run_ray(steps: int, spec, model: str, **overrides) -> dict:
         kw["allow_restart_from_scratch"] = True  # no faults here
     cfg = ElasticConfig(num_slices=NUM_SLICES, global_batch_size=BATCH, slice=spec, steps_per_chunk=CHUNK, **kw)
     warm_from: list[int] = []  # the first step reported once every standby of every host had started and traced
+    cpu: dict[int, dict] = {}  # step -> CPU seconds by role when it was reported (steady state's first and last)
 
     def on_step(m: dict) -> None:
         if not warm_from and trainer.backend.warm(trainer.gens.members, every=True):
             warm_from.append(m["step"])
+        if m["step"] in (max(steps // 2, warm_from[0] if warm_from else steps), steps - 1) and m["step"] not in cpu:
+            cpu[m["step"]] = cpu_seconds_by_role()
 
     trainer = ElasticTrainer(task(model), cfg, progress=False, on_step=on_step)
     result = trainer.fit(steps)
@@ -171,8 +177,10 @@ def run_ray(steps: int, spec, model: str, **overrides) -> dict:
     # time is the interval between finished steps, as the bare loop measures it.
     first = max(steps // 2, warm_from[0] if warm_from else steps)
     times = result.step_times_s[first:] or result.step_times_s[steps // 2 :]
+    (a, at), (b, bt) = sorted(cpu.items()) if len(cpu) == 2 else ((0, {}), (1, {}))
     return {
         "step_s": statistics.mean(times),
+        "cpu_ms_per_step": {k: round((bt[k] - at[k]) / (b - a) * 1e3, 2) for k in bt},
         "snapshot_every": result.summary["snapshot_every"],
         "steady_steps": len(times),
         "warm_at_step": warm_from[0] if warm_from else None,
@@ -266,6 +274,24 @@ def main() -> None:
         )
     )
 
+    cpu = {  # per run name: the median CPU ms per steady step of each role, and of them all
+        k: {
+            role: round(statistics.median(r["cpu_ms_per_step"][role] for r in v), 2) for role in v[0]["cpu_ms_per_step"]
+        }
+        for k, v in got.items()
+        if v[0].get("cpu_ms_per_step")
+    }
+    for by_role in cpu.values():
+        by_role["all"] = round(sum(by_role.values()), 2)
+    print("median CPU ms/step: " + "; ".join(f"{k} {v}" for k, v in cpu.items()))
+
+    def cpu_cost(k: str, base: str) -> Optional[dict]:
+        """What ``k`` adds to ``base``'s CPU per step, by role, and as a fraction of all of base's."""
+        if k not in cpu or base not in cpu:
+            return None
+        extra = {role: round(cpu[k][role] - cpu[base][role], 2) for role in cpu[k]}
+        return {"fraction": round(extra["all"] / cpu[base]["all"], 4), "extra_ms_per_step": extra}
+
     def ratio(k: str, base: str):
         return round(med[k] / med[base], 4) if k in med and base in med else None  # None: not run (--only)
 
@@ -295,6 +321,7 @@ def main() -> None:
             {
                 **{out: round(r - 1, 4) for out, (k, base) in costs.items() if (r := ratio(k, base)) is not None},
                 **{out: r for out, (k, base) in ratios.items() if (r := ratio(k, base)) is not None},
+                **{f"{out}_cpu": c for out, (k, base) in costs.items() if (c := cpu_cost(k, base)) is not None},
                 **last("default", "snapshot_every", "snapshot_every_chosen"),
                 **last("default_large", "snapshot_every", "snapshot_every_chosen_large"),
                 **last("default_llm", "snapshot_every", "snapshot_every_chosen_llm"),
