@@ -18,7 +18,12 @@ repetitions of the few runs it compares (``--only bare,default,no_snapshots --re
 What keeping every step costs is measured apart: ``every_step`` (``snapshot_every=1``) against
 ``no_snapshots`` on the same model, ``every_step_cost`` = the ratio of their medians - 1 (also
 ``_large`` and ``_llm``; the goal: 3% on the small models, 5% on the LLM example):
-``--only every_step,no_snapshots,every_step_llm,no_snapshots_llm --reps 5``.
+``--only every_step,no_snapshots,every_step_llm,no_snapshots_llm --reps 5``. Beside each wall-clock
+cost, ``every_step_cost_cpu`` (``_large``, ``_llm``): the CPU time per steady step of every process
+of the run (driver, slices, keepers, Ray's own), median over the repetitions, every step against
+off: ``fraction`` of all of it and ``extra_ms_per_step`` by role. Run-to-run wall-clock noise here
+(5-15%) is larger than the goal; CPU time is what the snapshots take from the steps on a saturated
+machine, and it varies far less.
 Last line, one JSON object: ``{"every_step_cost": ..., "overhead_ratio": ... (default settings, small model),
 "overhead_ratio_large": ..., "overhead_ratio_no_snapshots": ..., "snapshot_every_chosen": ..., ...}``
 (the ratios of the runs chosen).

@@ -123,13 +123,13 @@ def run_ray_train(steps: int) -> float:
         ray.shutdown()
 
 
-def run_ray_elastic(steps: int, snapshot_every) -> float:
+def run_ray_elastic(steps: int, snapshot_every, **overrides) -> float:
     from ray_elastic import ElasticConfig, ElasticTrainer
     from ray_elastic.examples.digits_mlp import DigitsMLPTask
     from ray_elastic.sim.cluster import SimulatedTPUCluster
 
     with SimulatedTPUCluster(num_slices=WORKERS, devices_per_host=DEVICES, log_to_driver=False) as cluster:
-        kw = {} if snapshot_every is None else {"snapshot_every": snapshot_every}
+        kw = ({} if snapshot_every is None else {"snapshot_every": snapshot_every}) | overrides
         if snapshot_every == 0:
             kw["allow_restart_from_scratch"] = True  # no faults here
         cfg = ElasticConfig(num_slices=WORKERS, global_batch_size=BATCH, slice=cluster.slice_spec, **kw)
@@ -143,6 +143,8 @@ RUNS = {
     "every_step": lambda n: run_ray_elastic(n, 1),
     "default": lambda n: run_ray_elastic(n, None),
     "no_snapshots": lambda n: run_ray_elastic(n, 0),
+    # what the warm standby processes (one per host, idle until a recovery) cost on these 2 cores
+    "no_snapshots_no_standbys": lambda n: run_ray_elastic(n, 0, standby_workers=0),
 }
 
 
@@ -186,6 +188,8 @@ def main() -> None:
         "every_step_vs_ray_train": ratio("every_step", "ray_train"),
         "default_vs_ray_train": ratio("default", "ray_train"),
         "every_step_cost": round(r - 1, 4) if (r := ratio("every_step", "no_snapshots")) else None,
+        "no_snapshots_vs_ray_train": ratio("no_snapshots", "ray_train"),
+        "no_standbys_vs_ray_train": ratio("no_snapshots_no_standbys", "ray_train"),
         "step_ms": {k: round(v * 1e3, 2) for k, v in med.items()},
         "steps": args.steps,
         "reps": args.reps,

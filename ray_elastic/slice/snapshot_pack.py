@@ -4,7 +4,7 @@ A snapshot after every step must cost the step almost nothing, and what costs is
 (kilobytes to megabytes: microseconds to copy) but the work per array: a copy program with one
 output per leaf, a host transfer, a wait and a numpy copy for each of them. Packing makes it one
 output per device: the program (a ``shard_map``, no collective) bit-casts each of the device's
-shards to bytes and concatenates them; the host side then moves one buffer per device into the
+shards to 32-bit words and concatenates them; the host side then moves one buffer per device into the
 keeper's slot. The slot's :class:`~ray_elastic.state.snapshot_slots.SlotLayout` records where each
 shard sits in the buffer and in the process's block of its leaf, so a keeper unpacks a snapshot
 into the blocks a restore takes (:func:`~ray_elastic.state.snapshot_slots.unpack`).
@@ -25,23 +25,28 @@ from ray_elastic.state.snapshot_slots import ALIGN, Piece, SlotLayout, aligned
 WORD = 8  # each shard starts at a multiple of this many bytes in its device's buffer
 
 
-def _as_bytes(x: jax.Array) -> jax.Array:
+def _as_words(x: jax.Array) -> jax.Array:
+    """``x``'s bytes as 32-bit words (XLA's CPU backend concatenates words about twice as fast as
+    bytes), padded with zeros to a multiple of ``WORD`` bytes: the same bytes, in memory order."""
     flat = x.reshape(-1)
     if flat.dtype == jnp.bool_:
         flat = flat.astype(jnp.uint8)
-    out = jax.lax.bitcast_convert_type(flat, jnp.uint8).reshape(-1)
-    pad = -out.size % WORD
-    return jnp.concatenate([out, jnp.zeros(pad, jnp.uint8)]) if pad else out
+    per = 4 // flat.dtype.itemsize  # elements per word (0: an element spans words)
+    if per > 1:
+        flat = jnp.concatenate([flat, jnp.zeros(-flat.size % per, flat.dtype)]).reshape(-1, per)
+    out = jax.lax.bitcast_convert_type(flat, jnp.uint32).reshape(-1)
+    pad = -out.size % (WORD // 4)
+    return jnp.concatenate([out, jnp.zeros(pad, jnp.uint32)]) if pad else out
 
 
 def pack_body(specs: tuple, mesh) -> Callable[..., jax.Array]:
     """Per device, its shards of the leaves (sharded by ``specs`` on ``mesh``) as one row of bytes:
-    a ``(devices, bytes)`` uint8 array, row-sharded over every mesh axis. No collective: usable
+    a ``(devices, words)`` uint32 array, row-sharded over every mesh axis. No collective: usable
     inside the train step (the snapshot then costs no program of its own) or on its own."""
     axes = tuple(mesh.axis_names)
 
     def pack(*local):
-        return jnp.concatenate([_as_bytes(x) for x in local])[None, :]
+        return jnp.concatenate([_as_words(x) for x in local])[None, :]
 
     return jax.shard_map(pack, mesh=mesh, in_specs=tuple(specs), out_specs=PartitionSpec(axes), check_vma=False)
 
@@ -99,7 +104,7 @@ def host_rows(packed: jax.Array, layout: SlotLayout) -> list[np.ndarray]:
     row = {d: i for i, d in enumerate(layout.row_devices)}
     out: list = [None] * layout.rows
     for sh in packed.addressable_shards:
-        out[row[sh.device.id]] = np.asarray(sh.data).reshape(-1)
+        out[row[sh.device.id]] = np.asarray(sh.data).reshape(-1).view(np.uint8)
     return out
 
 
