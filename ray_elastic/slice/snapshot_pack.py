@@ -109,8 +109,11 @@ def host_rows(packed: jax.Array, layout: SlotLayout) -> list[np.ndarray]:
 
 
 def fill(packed: jax.Array, layout: SlotLayout, views: list[np.ndarray]) -> None:
-    """Copy this process's rows of ``packed`` into a slot's row views."""
-    for view, host in zip(views, host_rows(packed, layout)):
+    """Copy this process's rows of ``packed`` that hold a piece into a slot's row views."""
+    read = layout.rows_read
+    for row, (view, host) in enumerate(zip(views, host_rows(packed, layout))):
+        if row not in read:
+            continue
         if host.size > view.size:
             raise ValueError(f"a packed row of {host.size} bytes does not fit the slot's {view.size}")
         view[: host.size] = host

@@ -19,6 +19,7 @@ No Ray and no JAX here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import mmap
 import os
 import tempfile
@@ -94,6 +95,12 @@ class SlotLayout:
     @property
     def slot_bytes(self) -> int:
         return self.rows * self.row_bytes
+
+    @functools.cached_property
+    def rows_read(self) -> frozenset:
+        """The rows a piece is read from: a device whose shards another local device also holds
+        (replicated within the process) adds nothing, and its row need not be copied."""
+        return frozenset(p.row for p in self.pieces)
 
     def slots(self, budget_bytes: int = SLOT_BUDGET_BYTES) -> int:
         """How many slots the ring gets: as many as fit ``budget_bytes``, within MIN_SLOTS..MAX_SLOTS.
