@@ -168,10 +168,13 @@ def run_ray(steps: int, spec, model: str, **overrides) -> dict:
     warm_from: list[int] = []  # the first step reported once every standby of every host had started and traced
     cpu: dict[int, dict] = {}  # step -> CPU seconds by role when it was reported (steady state's first and last)
 
+    def steady_from() -> int:
+        return max(steps // 2, warm_from[0] if warm_from else steps)
+
     def on_step(m: dict) -> None:
         if not warm_from and trainer.backend.warm(trainer.gens.members, every=True):
             warm_from.append(m["step"])
-        if m["step"] in (max(steps // 2, warm_from[0] if warm_from else steps), steps - 1) and m["step"] not in cpu:
+        if m["step"] in (steady_from(), steps - 1) and m["step"] not in cpu:
             cpu[m["step"]] = cpu_seconds_by_role()
 
     trainer = ElasticTrainer(task(model), cfg, progress=False, on_step=on_step)
@@ -180,7 +183,7 @@ def run_ray(steps: int, spec, model: str, **overrides) -> dict:
     # then they start Python and JAX and trace the step for three world sizes on the same two
     # cores (one-time work; on a TPU host it runs on the host CPUs, beside the chips). Each step's
     # time is the interval between finished steps, as the bare loop measures it.
-    first = max(steps // 2, warm_from[0] if warm_from else steps)
+    first = steady_from()
     times = result.step_times_s[first:] or result.step_times_s[steps // 2 :]
     (a, at), (b, bt) = sorted(cpu.items()) if len(cpu) == 2 else ((0, {}), (1, {}))
     return {

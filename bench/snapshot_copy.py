@@ -46,9 +46,9 @@ def one_size(mb: int, reps: int) -> tuple[list[float], list[float]]:
     ]
     pack = snapshot_pack.packer(leaves)
     layout = snapshot_pack.layout(leaves, ("['a']", "['b']"))
-    keeper = SlotSegment.create(0, layout, layout.slots())
-    writer = SlotSegment.open(keeper.path, layout)
     nslots = layout.slots()
+    keeper = SlotSegment.create(0, layout, nslots)
+    writer = SlotSegment.open(keeper.path, layout)
     seconds = []
     try:
         for step in range(nslots + reps):

@@ -12,7 +12,7 @@ into the blocks a restore takes (:func:`~ray_elastic.state.snapshot_slots.unpack
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -33,14 +33,16 @@ def _as_words(x: jax.Array) -> jax.Array:
         flat = flat.astype(jnp.uint8)
     per = 4 // flat.dtype.itemsize  # elements per word (0: an element spans words)
     if per > 1:
-        flat = jnp.concatenate([flat, jnp.zeros(-flat.size % per, flat.dtype)]).reshape(-1, per)
+        if flat.size % per:
+            flat = jnp.concatenate([flat, jnp.zeros(-flat.size % per, flat.dtype)])
+        flat = flat.reshape(-1, per)
     out = jax.lax.bitcast_convert_type(flat, jnp.uint32).reshape(-1)
     pad = -out.size % (WORD // 4)
     return jnp.concatenate([out, jnp.zeros(pad, jnp.uint32)]) if pad else out
 
 
 def pack_body(specs: tuple, mesh) -> Callable[..., jax.Array]:
-    """Per device, its shards of the leaves (sharded by ``specs`` on ``mesh``) as one row of bytes:
+    """Per device, its shards of the leaves (sharded by ``specs`` on ``mesh``) as one row of words:
     a ``(devices, words)`` uint32 array, row-sharded over every mesh axis. No collective: usable
     inside the train step (the snapshot then costs no program of its own) or on its own."""
     axes = tuple(mesh.axis_names)
@@ -99,20 +101,21 @@ def layout(leaves: list[jax.Array], paths: tuple = ()) -> SlotLayout:
     )
 
 
-def host_rows(packed: jax.Array, layout: SlotLayout) -> list[np.ndarray]:
-    """This process's rows of ``packed``, in the layout's order (host arrays; waits for it)."""
+def host_rows(packed: jax.Array, layout: SlotLayout) -> list[Optional[np.ndarray]]:
+    """This process's rows of ``packed`` that a piece is read from, as bytes in the layout's order
+    (host arrays; waits for it); None for a row whose shards another local device holds too."""
     row = {d: i for i, d in enumerate(layout.row_devices)}
     out: list = [None] * layout.rows
     for sh in packed.addressable_shards:
-        out[row[sh.device.id]] = np.asarray(sh.data).reshape(-1).view(np.uint8)
+        if row[sh.device.id] in layout.rows_read:
+            out[row[sh.device.id]] = np.asarray(sh.data).reshape(-1).view(np.uint8)
     return out
 
 
 def fill(packed: jax.Array, layout: SlotLayout, views: list[np.ndarray]) -> None:
     """Copy this process's rows of ``packed`` that hold a piece into a slot's row views."""
-    read = layout.rows_read
-    for row, (view, host) in enumerate(zip(views, host_rows(packed, layout))):
-        if row not in read:
+    for view, host in zip(views, host_rows(packed, layout)):
+        if host is None:
             continue
         if host.size > view.size:
             raise ValueError(f"a packed row of {host.size} bytes does not fit the slot's {view.size}")

@@ -140,11 +140,12 @@ class SlotSegment:
         path = os.path.join(d, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
         data_at = aligned((HEADER_WORDS + nslots * SLOT_WORDS) * 8)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        size = data_at + nslots * max(layout.slot_bytes, ALIGN)
         try:
-            os.ftruncate(fd, data_at + nslots * max(layout.slot_bytes, ALIGN))
+            os.ftruncate(fd, size)
             # Its memory taken now, not page by page in the process's first writes (a first step's
             # snapshot would look costly, and "auto" would widen the interval for nothing).
-            os.posix_fallocate(fd, 0, data_at + nslots * max(layout.slot_bytes, ALIGN))
+            os.posix_fallocate(fd, 0, size)
         except OSError:
             os.close(fd)
             os.unlink(path)
