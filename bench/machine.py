@@ -29,12 +29,18 @@ def hour(probes: list[float]) -> str:
     return "normal" if worst <= NORMAL_S else f"slow (x{worst / NORMAL_S:.1f} of a normal hour's slowest probe)"
 
 
-ROLES = {"SliceWorker": "slices", "SnapshotKeeper": "keepers"}  # the actors' process titles name their class
+ROLES = {  # the actors' process titles name their class; Ray Train's workers and controller too
+    "SliceWorker": "slices",
+    "SnapshotKeeper": "keepers",
+    "RayTrainWorker": "slices",
+    "TrainController": "driver",
+}
 
 
 def cpu_seconds_by_role() -> dict[str, float]:
     """CPU seconds (user + system) used so far by this run's processes, by role: ``driver`` (this
-    process), ``slices`` (the JAX processes), ``keepers``, and ``ray`` (every other Ray process:
+    process, and Ray Train's controller actor), ``slices`` (the JAX processes: the slices'
+    and standbys', or Ray Train's workers), ``keepers``, and ``ray`` (every other Ray process:
     raylets, the GCS, agents, idle workers). Differences over a window of steps say where a
     configuration's CPU goes, far more steadily than wall-clock step times on a shared machine."""
     import psutil

@@ -34,6 +34,7 @@ Last line, one JSON object: ``{"every_step_cost": ..., "overhead_ratio": ... (de
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -156,7 +157,51 @@ def run_bare(
         return json.load(f)
 
 
-def run_ray(steps: int, spec, model: str, **overrides) -> dict:
+SETTLE = 4  # steps at the start of a chunk that an A/B run leaves out: the previous chunk's copies may still run
+
+
+@contextlib.contextmanager
+def alternating_snapshots(chunks: dict[int, int]):
+    """An A/B run in one trainer: the snapshot interval of each chunk alternates between 1 (every
+    step kept) and 0 (none), so both halves share the processes, the compiled step (which packs the
+    state either way) and the machine's hour. ``chunks`` gets each chunk's first step -> interval."""
+    from ray_elastic.control.snapshot_cadence import SnapshotCadence
+
+    def interval_from(self, step: int) -> int:
+        every = 1 if len(chunks) % 2 == 0 else 0
+        chunks[step] = every
+        if not self.intervals or self.intervals[-1][1] != every:
+            self.intervals.append((step, every))
+        return every
+
+    original = SnapshotCadence.interval_from
+    SnapshotCadence.interval_from = interval_from
+    try:
+        yield
+    finally:
+        SnapshotCadence.interval_from = original
+
+
+def ab_cost(times: list[float], chunks: dict[int, int], first: int) -> Optional[float]:
+    """What keeping every step costs, from an A/B run: per snapshotting chunk after ``first``, the
+    median of its settled steps over the median of its neighbours' (chunks without snapshots); the
+    median of those ratios, minus one. Pairs of neighbours cancel the hour's drift."""
+    starts = sorted(chunks)
+    settled = {
+        a: [times[s] for s in range(a + SETTLE, b) if s < len(times)] for a, b in zip(starts, starts[1:] + [len(times)])
+    }
+    ratios = []
+    for i in range(1, len(starts) - 1):
+        a = starts[i]
+        if a < first or chunks[a] != 1 or not settled[a]:
+            continue
+        off = settled[starts[i - 1]] + settled[starts[i + 1]]
+        if off:
+            ratios.append(statistics.median(settled[a]) / statistics.median(off))
+    return round(statistics.median(ratios) - 1, 4) if ratios else None
+
+
+def run_ray(steps: int, spec, model: str, ab: bool = False, **overrides) -> dict:
     from machine import cpu_seconds_by_role
 
     from ray_elastic import ElasticConfig, ElasticTrainer
@@ -178,7 +223,9 @@ def run_ray(steps: int, spec, model: str, **overrides) -> dict:
             cpu[m["step"]] = cpu_seconds_by_role()
 
     trainer = ElasticTrainer(task(model), cfg, progress=False, on_step=on_step)
-    result = trainer.fit(steps)
+    chunks: dict[int, int] = {}
+    with alternating_snapshots(chunks) if ab else contextlib.nullcontext():
+        result = trainer.fit(steps)
     # Steady state: the second half of the run, and only once the standby processes are warm. Until
     # then they start Python and JAX and trace the step for three world sizes on the same two
     # cores (one-time work; on a TPU host it runs on the host CPUs, beside the chips). Each step's
@@ -188,6 +235,7 @@ def run_ray(steps: int, spec, model: str, **overrides) -> dict:
     (a, at), (b, bt) = sorted(cpu.items()) if len(cpu) == 2 else ((0, {}), (1, {}))
     return {
         "step_s": statistics.mean(times),
+        **({"ab_cost": ab_cost(result.step_times_s, chunks, first)} if ab else {}),
         "cpu_ms_per_step": {k: round((bt[k] - at[k]) / (b - a) * 1e3, 2) for k in bt},
         "snapshot_every": result.summary["snapshot_every"],
         "steady_steps": len(times),
@@ -251,6 +299,9 @@ def main() -> None:
         "default_llm": ("llm", lambda c, n: run_ray(n, c.slice_spec, "llm", **snap)),
         "no_snapshots_llm": ("llm", lambda c, n: run_ray(n, c.slice_spec, "llm", snapshot_every=0)),
         "every_step_llm": ("llm", lambda c, n: run_ray(n, c.slice_spec, "llm", snapshot_every=1)),
+        # keeping every step against none, chunk by chunk in one run (see alternating_snapshots)
+        "every_step_ab": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", ab=True, snapshot_every=1)),
+        "every_step_ab_llm": ("llm", lambda c, n: run_ray(n, c.slice_spec, "llm", ab=True, snapshot_every=1)),
     }
     if args.environment:
         runs |= {  # what Ray sets inside a num_cpus=0 actor: does it matter here?
@@ -330,6 +381,11 @@ def main() -> None:
                 **{out: round(r - 1, 4) for out, (k, base) in costs.items() if (r := ratio(k, base)) is not None},
                 **{out: r for out, (k, base) in ratios.items() if (r := ratio(k, base)) is not None},
                 **{f"{out}_cpu": c for out, (k, base) in costs.items() if (c := cpu_cost(k, base)) is not None},
+                **{
+                    f"every_step_cost{sfx}_ab": statistics.median(r["ab_cost"] for r in got[k])
+                    for k, sfx in (("every_step_ab", ""), ("every_step_ab_llm", "_llm"))
+                    if k in got and all(r["ab_cost"] is not None for r in got[k])
+                },
                 **last("default", "snapshot_every", "snapshot_every_chosen"),
                 **last("default_large", "snapshot_every", "snapshot_every_chosen_large"),
                 **last("default_llm", "snapshot_every", "snapshot_every_chosen_llm"),

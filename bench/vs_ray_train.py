@@ -10,12 +10,16 @@ GPUs), on a local Ray instance; ray-elastic runs it on 3 simulated slices of 1 h
 every step (``every_step``), with its default (``default``) and with snapshots off. Each run is a
 fresh subprocess; runs are interleaved, each repetition in an order rotated by one. The figure is
 the mean time per step over the second half of each run (the interval between finished steps);
-medians over repetitions are compared.
+medians over repetitions are compared. Beside it, the CPU time per steady step by role
+(``bench/machine.py: cpu_seconds_by_role``): on these 2 cores everything a run adds besides its
+training processes (a driver, keepers, standby processes, Ray's own) competes with the steps,
+where a TPU host has cores to spare beside its chips; ``slices`` (the training processes) against
+Ray Train's workers says what the training processes themselves cost.
 
     .venv/bin/python bench/vs_ray_train.py [--steps 800] [--reps 2] [--only ray_train,every_step]
 
 Last line, one JSON object: ``{"every_step_vs_ray_train": ..., "default_vs_ray_train": ...,
-"every_step_cost": ..., "step_ms": {...}, "cpu_probe_s": [...]}``.
+"every_step_cost": ..., "step_ms": {...}, "cpu_ms_per_step": {run: {role: ms}}, "cpu_probe_s": [...]}``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 
 BATCH, WORKERS, DEVICES, HIDDEN = 192, 3, 2, 256
 
@@ -85,16 +90,37 @@ def ray_train_loop(config: dict) -> None:
         if pending is not None:
             float(pending)
             finished.append(time.perf_counter())
+            if rank == 0 and s - 1 == steps // 2:  # the steady state starts: the driver reads the CPU clocks
+                open(config["out"] + ".steady", "w").close()
         pending = loss
     float(pending)
     finished.append(time.perf_counter())
+    if rank == 0:
+        open(config["out"] + ".end", "w").close()
+    time.sleep(1.0)  # every worker alive while the driver reads the CPU clocks at the end
     times = np.diff(finished)
     if rank == 0:  # what the bench reads (a report's metrics need a checkpoint to be kept in v2)
         with open(config["out"], "w") as f:
             f.write(str(float(np.mean(times[len(times) // 2 :]))))
 
 
-def run_ray_train(steps: int) -> float:
+def cpu_at_markers(out: str, stop: threading.Event, cpu: dict) -> None:
+    """The driver's side of the CPU probe of a JaxTrainer run: CPU seconds by role when rank 0
+    marks the steady state's start and the run's end (files beside ``out``)."""
+    from machine import cpu_seconds_by_role
+
+    for mark in ("steady", "end"):
+        while not os.path.exists(f"{out}.{mark}"):
+            if stop.wait(0.002):
+                return
+        cpu[mark] = cpu_seconds_by_role()
+
+
+def cpu_ms_per_step(a: dict, b: dict, steps: int) -> dict:
+    return {k: round((b[k] - a[k]) / steps * 1e3, 2) for k in b} if a and b else {}
+
+
+def run_ray_train(steps: int) -> dict:
     import ray
     from ray.train import RunConfig
     from ray.train.v2.api.config import ScalingConfig
@@ -116,14 +142,29 @@ def run_ray_train(steps: int) -> float:
             scaling_config=ScalingConfig(num_workers=WORKERS),
             run_config=RunConfig(storage_path=storage, name="bench"),
         )
-        trainer.fit()
+        cpu: dict = {}
+        stop = threading.Event()
+        probe = threading.Thread(target=cpu_at_markers, args=(os.path.join(storage, "step_s"), stop, cpu))
+        probe.start()
+        try:
+            trainer.fit()
+        finally:
+            stop.set()
+            probe.join()
         with open(os.path.join(storage, "step_s")) as f:
-            return float(f.read())
+            step_s = float(f.read())
+        # from the step after steps // 2 to the last
+        return {
+            "step_s": step_s,
+            "cpu_ms_per_step": cpu_ms_per_step(cpu.get("steady"), cpu.get("end"), steps - 1 - steps // 2),
+        }
     finally:
         ray.shutdown()
 
 
 def run_ray_elastic(steps: int, snapshot_every, **overrides) -> float:
+    from machine import cpu_seconds_by_role
+
     from ray_elastic import ElasticConfig, ElasticTrainer
     from ray_elastic.examples.digits_mlp import DigitsMLPTask
     from ray_elastic.sim.cluster import SimulatedTPUCluster
@@ -133,9 +174,16 @@ def run_ray_elastic(steps: int, snapshot_every, **overrides) -> float:
         if snapshot_every == 0:
             kw["allow_restart_from_scratch"] = True  # no faults here
         cfg = ElasticConfig(num_slices=WORKERS, global_batch_size=BATCH, slice=cluster.slice_spec, **kw)
-        result = ElasticTrainer(DigitsMLPTask(hidden=HIDDEN), cfg, progress=False).fit(steps)
+        cpu: dict = {}
+
+        def on_step(m: dict) -> None:
+            if m["step"] in (steps // 2, steps - 1):
+                cpu[m["step"]] = cpu_seconds_by_role()
+
+        result = ElasticTrainer(DigitsMLPTask(hidden=HIDDEN), cfg, progress=False, on_step=on_step).fit(steps)
         times = result.step_times_s[steps // 2 :]
-        return statistics.mean(times)
+        a, b = cpu.get(steps // 2), cpu.get(steps - 1)
+        return {"step_s": statistics.mean(times), "cpu_ms_per_step": cpu_ms_per_step(a, b, steps - 1 - steps // 2)}
 
 
 RUNS = {
@@ -150,7 +198,7 @@ RUNS = {
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--one":
-        print(json.dumps({"step_s": RUNS[sys.argv[2]](int(sys.argv[3]))}))
+        print(json.dumps(RUNS[sys.argv[2]](int(sys.argv[3]))))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=800)
@@ -164,6 +212,7 @@ def main() -> None:
 
     probes = [cpu_probe_s()]
     got: dict[str, list[float]] = {k: [] for k in names}
+    cpu_runs: dict[str, list[dict]] = {k: [] for k in names}
     for rep in range(args.reps):
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
             out = subprocess.run(
@@ -173,13 +222,22 @@ def main() -> None:
                 text=True,
                 env={**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="rvt-", dir="/tmp")},
             )
-            got[name].append(json.loads(out.stdout.strip().splitlines()[-1])["step_s"])
+            one = json.loads(out.stdout.strip().splitlines()[-1])
+            got[name].append(one["step_s"])
+            cpu_runs[name].append(one["cpu_ms_per_step"])
             print(f"rep {rep} {name:<14} {got[name][-1] * 1e3:8.2f} ms/step", flush=True)
     probes.append(cpu_probe_s())
     print(f"machine: {hour(probes)}", flush=True)
     med = {k: statistics.median(v) for k, v in got.items()}
     print("median ms/step: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in med.items()))
     print("min-max ms/step: " + ", ".join(f"{k} {min(v) * 1e3:.1f}-{max(v) * 1e3:.1f}" for k, v in got.items()))
+
+    cpu = {  # per run: the median CPU ms per steady step of each role, and of them all
+        k: {role: round(statistics.median(r[role] for r in v), 2) for role in v[0]} for k, v in cpu_runs.items() if v[0]
+    }
+    for by_role in cpu.values():
+        by_role["all"] = round(sum(by_role.values()), 2)
+    print("median CPU ms/step: " + "; ".join(f"{k} {v}" for k, v in cpu.items()))
 
     def ratio(a: str, b: str):
         return round(med[a] / med[b], 4) if a in med and b in med else None
@@ -191,6 +249,7 @@ def main() -> None:
         "no_snapshots_vs_ray_train": ratio("no_snapshots", "ray_train"),
         "no_standbys_vs_ray_train": ratio("no_snapshots_no_standbys", "ray_train"),
         "step_ms": {k: round(v * 1e3, 2) for k, v in med.items()},
+        "cpu_ms_per_step": cpu,
         "steps": args.steps,
         "reps": args.reps,
         "cpu_probe_s": probes,
