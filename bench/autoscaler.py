@@ -27,7 +27,7 @@ import time
 
 
 def measure(source: str, hosts: int, repeats: int, demand: bool) -> dict[str, list[float]]:
-    from ray_elastic.control.placement import ReplacementRequest, SliceReservation, reserve_slices
+    from ray_elastic.ray_backend.placement import ReplacementRequest, SliceReservation, reserve_slices
     from ray_elastic.sim.cluster import SimulatedTPUCluster
 
     kw = {"autoscaler": True, "max_slices": 4, "pool_slices": 4} if source == "autoscaler" else {}

@@ -76,7 +76,7 @@ def remove_keepers() -> int:
     """The baseline: the lost driver's keepers gone with it (as before they outlived it)."""
     import ray
 
-    from ray_elastic.control.keepers import NAMESPACE
+    from ray_elastic.ray_backend.keepers import NAMESPACE
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a.get("namespace") == NAMESPACE]
     for name in names:

@@ -8,7 +8,7 @@ Two parts:
    and one lost node (kill -> first step after recovery, and detection).
 2. **Driver model** at 64, 256 and 1024 processes: the controller's real per-step path
    (``StepStreams``: chunks submitted as Ray streaming generators to the snapshot holders and
-   as plain tasks, or through relays (``ray_elastic.control.relay``) from 16 quiet processes up, to the
+   as plain tasks, or through relays (``ray_elastic.ray_backend.relay``) from 16 quiet processes up, to the
    others; every item read, the holders' reports folded into the snapshot store and the step
    ledger) driving scripted streams instead of JAX (a few async Ray actors play every process
    and yield what a slice process yields, at a fixed step time). Reports driver CPU per step,
@@ -145,9 +145,9 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
     import ray
 
     from ray_elastic.config import ElasticConfig, SliceSpec
-    from ray_elastic.control.relay import RelayPool
-    from ray_elastic.control.stepping import StepStreams
     from ray_elastic.decide import plan_world
+    from ray_elastic.ray_backend.relay import RelayPool
+    from ray_elastic.ray_backend.stepping import StepStreams
     from ray_elastic.slice.worker import FLUSH_S
     from ray_elastic.state.snapshots import SnapshotStore
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "ElasticConfig": "ray_elastic.config",
     "SliceSpec": "ray_elastic.tpu",
-    "ElasticTrainer": "ray_elastic.control.controller",
+    "ElasticTrainer": "ray_elastic.trainer",
     "FitResult": "ray_elastic.observe.results",
     "RecoveryRecord": "ray_elastic.observe.results",
     "TrainTask": "ray_elastic.task",
@@ -27,7 +27,6 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from ray_elastic.config import ElasticConfig
-    from ray_elastic.control.controller import ElasticTrainer
     from ray_elastic.errors import (
         CapacityTimeoutError,
         ElasticRuntimeError,
@@ -39,6 +38,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from ray_elastic.observe.results import FitResult, RecoveryRecord
     from ray_elastic.task import TrainTask
     from ray_elastic.tpu import SliceSpec
+    from ray_elastic.trainer import ElasticTrainer
 
 
 def __getattr__(name: str):

@@ -1,4 +1,4 @@
-"""A scripted stand-in for :class:`ray_elastic.control.ray_backend.RayBackend`: no Ray, no JAX, milliseconds.
+"""A scripted stand-in for :class:`ray_elastic.ray_backend.backend.RayBackend`: no Ray, no JAX, milliseconds.
 
 The controller, ``Generations`` and ``plan`` run for real; only the cluster is scripted:
 slices are names with a node that is alive or dead, a world's steps are a loop that
@@ -13,8 +13,8 @@ import dataclasses
 import time
 from typing import Callable, Optional
 
+from ray_elastic.control.backend import FormationTimes
 from ray_elastic.control.states import OutcomeKind, RunOutcome
-from ray_elastic.control.world import FormationTimes
 from ray_elastic.decide import ErrorKind, is_snapshot_step
 from ray_elastic.errors import CapacityTimeoutError, FormingError, ProcessFailed, StorageError, SupersededError
 from ray_elastic.state.snapshots import SnapshotRef

@@ -12,7 +12,9 @@ LAYERS = [
     ["decide", "task", "tpu"],  # pure decisions; the user's task contract; a TPU slice's shape
     ["detect", "state", "policy"],  # failure evidence; snapshots and checkpoints; scaling and failure policies
     ["config", "observe", "slice"],  # settings; events and results; the slice process (JAX)
-    ["control", "sim", "examples"],  # the controller (Ray effects); the simulated cluster; example tasks
+    ["control", "sim", "examples"],  # the controller (no Ray); the simulated cluster; example tasks
+    ["ray_backend"],  # the controller's backend on Ray: placement groups, actors, keepers, step streams
+    ["trainer"],  # ElasticTrainer: the controller wired to the Ray backend
     ["cli"],  # the command line
     ["__main__", "__init__"],  # entry points: ``python -m ray_elastic``, the public API
 ]
@@ -80,6 +82,25 @@ def test_no_import_circle():
             visit(m, [])
 
 
+def test_the_controller_imports_no_ray():
+    """``control`` decides and records; Ray is reached only through the backend it is given: no
+    module of it imports ``ray`` (nor ``ray_backend``, which the layers already forbid)."""
+    found = []
+    for name, path in _modules().items():
+        if _package(name) != "control":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            found += [f"{name}: {n}" for n in names if n == "ray" or n.startswith("ray.")]
+    assert found == []
+
+
 def test_the_ray_backend_and_the_fake_offer_what_the_backend_protocol_names():
     """The seam is explicit: every method of ``control.backend.Backend`` exists on ``RayBackend`` and
     on the tests' ``FakeBackend``, taking the protocol's parameters (extra ones only with defaults)."""
@@ -88,10 +109,10 @@ def test_the_ray_backend_and_the_fake_offer_what_the_backend_protocol_names():
     from fake_backend import FakeBackend, FakeRequest, FakeReservation, FakeStreams, FakeWorld
 
     from ray_elastic.control import backend as seam
-    from ray_elastic.control.placement import ReplacementRequest, SliceReservation
-    from ray_elastic.control.ray_backend import RayBackend
-    from ray_elastic.control.stepping import StepStreams
-    from ray_elastic.control.world import World
+    from ray_elastic.ray_backend.backend import RayBackend
+    from ray_elastic.ray_backend.placement import ReplacementRequest, SliceReservation
+    from ray_elastic.ray_backend.stepping import StepStreams
+    from ray_elastic.ray_backend.world import World
 
     pairs = [
         (seam.Backend, RayBackend),

@@ -13,8 +13,8 @@ import ray
 from faults import FaultPlan, ensure_slices, in_thread, max_rel_err, slice_name
 
 from ray_elastic import ElasticConfig, ElasticTrainer
-from ray_elastic.control.placement import reserve_slices
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
+from ray_elastic.ray_backend.placement import reserve_slices
 
 # Capacity for the three slices the runs need: a reservation made right after another run released
 # its slices can look unsatisfiable to the autoscaler (its resource view lags), which would launch

@@ -16,8 +16,8 @@ import ray
 from faults import cluster_state, ensure_slices, left_behind, max_rel_err
 
 from ray_elastic import ElasticConfig, ElasticTrainer
-from ray_elastic.control.keepers import NAMESPACE
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
+from ray_elastic.ray_backend.keepers import NAMESPACE
 from ray_elastic.state.snapshot_keeper import SnapshotKeeper
 
 SHARE_CLUSTER = True
@@ -319,9 +319,9 @@ def test_keepers_of_a_run_no_rerun_can_find_die_with_their_driver_and_an_unplace
     from ray._private.state import actors
 
     from ray_elastic import ElasticConfig
-    from ray_elastic.control.keepers import Keepers, RunIdentity
-    from ray_elastic.control.placement import UNPLACED
-    from ray_elastic.control.pool import WorkerPool
+    from ray_elastic.ray_backend.keepers import Keepers, RunIdentity
+    from ray_elastic.ray_backend.placement import UNPLACED
+    from ray_elastic.ray_backend.pool import WorkerPool
 
     keepers = Keepers(RunIdentity.of("random", "digits", (), findable=False), orphan_timeout_s=60)
     assert keepers.take_over() == []
@@ -383,7 +383,7 @@ def test_a_keeper_refuses_an_older_driver_and_is_taken_only_with_the_run_s_secre
 def test_another_job_without_the_run_s_secret_neither_takes_nor_stops_its_keepers(sim_cluster):
     """A driver of another job that names the same run (same run id and task) but lacks the secret
     kept in the run's directory takes nothing over, learns nothing, and removes nothing."""
-    from ray_elastic.control.keepers import Keepers, RunIdentity
+    from ray_elastic.ray_backend.keepers import Keepers, RunIdentity
 
     owner = Keepers(RunIdentity.of("shared-name", "digits", (), secret="the run's"), orphan_timeout_s=60)
     assert owner.take_over() == []

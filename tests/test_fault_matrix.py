@@ -151,8 +151,8 @@ def test_a_rerun_restores_only_a_step_every_host_of_a_slice_still_holds():
     clock): the first world restores the newest step that every host of some slice holds, and
     never a fresher checkpoint's rival from memory that is incomplete."""
     from ray_elastic.control.generations import Generations
-    from ray_elastic.control.keepers import TakenOver
     from ray_elastic.decide import RestoreSource
+    from ray_elastic.ray_backend.keepers import TakenOver
 
     config = ElasticConfig(num_slices=2, global_batch_size=48, slice=SliceSpec("v4", "2x2x2"))  # 2 hosts a slice
     gens = Generations(config, FakeBackend(slices=2))
@@ -180,7 +180,7 @@ def test_a_rerun_offers_only_steps_whose_losses_were_logged_as_finite():
     """A snapshot reaches its keeper before its loss is checked: a rerun restores only steps the
     lost driver logged with a finite loss; with no log at all, none past the newest checkpoint."""
     from ray_elastic.control.generations import Generations
-    from ray_elastic.control.keepers import TakenOver
+    from ray_elastic.ray_backend.keepers import TakenOver
 
     config = ElasticConfig(num_slices=1, global_batch_size=48, slice=SliceSpec("v4", "2x2x1"))
     found = [TakenOver(object(), "n0", ("a", 0), [40, 41, 42])]
@@ -253,7 +253,7 @@ def test_a_lost_driver_s_keepers_are_freed_only_once_the_new_world_holds_a_snaps
     would otherwise rewind to a checkpoint, or lose the state)."""
     import json
 
-    from ray_elastic.control.keepers import TakenOver
+    from ray_elastic.ray_backend.keepers import TakenOver
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -274,7 +274,7 @@ def test_a_rerun_at_the_run_s_last_step_trains_nothing_and_says_so(tmp_path, cap
     and returns a result (no IndexError from an empty loss list)."""
     import json
 
-    from ray_elastic.control.keepers import TakenOver
+    from ray_elastic.ray_backend.keepers import TakenOver
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

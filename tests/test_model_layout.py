@@ -216,7 +216,7 @@ def test_a_rerun_with_a_changed_model_is_refused_before_any_slice_is_reserved(tm
         r"checkpoint 2 in .* was written by a model of another shape: it has .*\[64, 32\]",
     )
     # The model that wrote it passes the same check.
-    from ray_elastic.control.ray_backend import RayBackend
+    from ray_elastic.ray_backend.backend import RayBackend
     from ray_elastic.state.checkpoints import latest_checkpoint
 
     RayBackend.check_task(DigitsMLPTask(hidden=32), config, latest_checkpoint(directory))
@@ -226,8 +226,8 @@ def test_the_snapshot_identity_changes_when_parameters_are_renamed_or_settings_d
     """A rerun restores a lost driver's snapshots only under the same identity: a rename that swaps
     two same-shaped leaves' order, another learning rate (a task field) or another seed is another run."""
     from ray_elastic import ElasticConfig, SliceSpec
-    from ray_elastic.control.preflight import run_settings, snapshot_layout
     from ray_elastic.examples.digits_mlp import DigitsMLPTask
+    from ray_elastic.ray_backend.preflight import run_settings, snapshot_layout
 
     cfg = ElasticConfig(num_slices=2, global_batch_size=48, slice=SliceSpec("v4", "2x2x1"))
     task = DigitsMLPTask()

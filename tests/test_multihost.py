@@ -145,7 +145,7 @@ def test_a_reservation_claims_only_a_whole_idle_slice(sim_cluster):
 
     import ray
 
-    from ray_elastic.control.placement import SliceReservation
+    from ray_elastic.ray_backend.placement import SliceReservation
 
     ensure_slices(sim_cluster, 2)
     spec = sim_cluster.slice_spec

@@ -347,7 +347,7 @@ def test_chunks_grow_with_the_world_but_last_at_most_ten_seconds():
 
 
 def test_relay_channels_group_quiet_processes_only_in_large_worlds():
-    from ray_elastic.control.relay import PROCESSES_PER_RELAY, RELAY_MIN_QUIET, channels
+    from ray_elastic.ray_backend.relay import PROCESSES_PER_RELAY, RELAY_MIN_QUIET, channels
 
     small = channels(range(6), [2, 3, 4, 5])
     assert small == [([0], False), ([1], False), ([2], False), ([3], False), ([4], False), ([5], False)]

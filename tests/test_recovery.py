@@ -330,7 +330,7 @@ def _drain_after_process_1_died(late_keep_s=None, node_lost: bool = False, inter
 
     import numpy as np
 
-    from ray_elastic.control.stepping import StepStreams
+    from ray_elastic.ray_backend.stepping import StepStreams
     from ray_elastic.state.snapshots import SnapshotRef, SnapshotStore
 
     keepers = [head_keeper() for _ in range(3)]
@@ -384,7 +384,7 @@ def test_a_surviving_holder_that_never_keeps_the_newest_step_costs_the_recovery_
     behind step 11, stuck in a collective with the dead peer): once another slice holds step 10,
     the drain gives the others ``OTHER_HOLDERS_S``, not the whole 3 s bound (in
     ``bench/recovery.py`` a process kill's recovery started 3.1 s after it, the length of that bound)."""
-    from ray_elastic.control.stepping import OTHER_HOLDERS_S
+    from ray_elastic.ray_backend.stepping import OTHER_HOLDERS_S
 
     store, waited = _drain_after_process_1_died(late_keep_s=None)
     assert store.latest_complete(["slice-0", "slice-2"]) == {"slice-0": 10, "slice-2": 9}
@@ -406,7 +406,7 @@ def test_a_lost_nodes_keeper_does_not_shorten_the_wait_for_the_surviving_holders
     dead process's slice, whose node is gone (its keeper never answers), and process 2's keeper
     gets it 1.5 s into the drain, past ``OTHER_HOLDERS_S``. The drain waits for it: the next world
     restores step 10, not 9."""
-    from ray_elastic.control.stepping import OTHER_HOLDERS_S
+    from ray_elastic.ray_backend.stepping import OTHER_HOLDERS_S
 
     store, waited = _drain_after_process_1_died(late_keep_s=OTHER_HOLDERS_S + 0.5, node_lost=True)
     assert store.complete("slice-2", 10), waited
@@ -799,9 +799,9 @@ def test_a_wait_while_forming_ends_when_a_members_host_is_lost(cluster):
     """A wait while forming (joins, compiles) ends as soon as a member's host loses its node, even
     when that member's own call had already returned: seen in the chaos bench, a newcomer fetching
     its snapshot from a donor lost just then waited out jax.distributed's timeout (119 s)."""
-    from ray_elastic.control.placement import SliceReservation
-    from ray_elastic.control.world import _gather, _placed
     from ray_elastic.errors import FormingError
+    from ray_elastic.ray_backend.placement import SliceReservation
+    from ray_elastic.ray_backend.world import _gather, _placed
 
     res = SliceReservation(cluster.slice_spec)
     assert res.wait(30)
@@ -831,9 +831,9 @@ def test_standbys_start_one_at_a_time_per_host(cluster):
     the trace ahead): a world that had to take a process still starting shared the CPUs with the
     spare started next to it (the bench's cold chain of process kills). A grow-back's newcomers
     start theirs together."""
-    from ray_elastic.control.keepers import Keepers, RunIdentity
-    from ray_elastic.control.placement import SliceReservation
-    from ray_elastic.control.pool import WorkerPool
+    from ray_elastic.ray_backend.keepers import Keepers, RunIdentity
+    from ray_elastic.ray_backend.placement import SliceReservation
+    from ray_elastic.ray_backend.pool import WorkerPool
 
     res = SliceReservation(cluster.slice_spec)
     assert res.wait(30)

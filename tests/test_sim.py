@@ -8,7 +8,7 @@ import psutil
 import pytest
 import ray
 
-from ray_elastic.control.placement import SliceReservation
+from ray_elastic.ray_backend.placement import SliceReservation
 
 SIM_CLUSTER = {"num_slices": 2}
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from ray_elastic.cli.options import config_from_args, load_task, simulated_cluster
-from ray_elastic.control.controller import ElasticTrainer
 from ray_elastic.tpu import SliceSpec
+from ray_elastic.trainer import ElasticTrainer
 
 
 def print_summary(result, as_json: bool, goodput_printed: bool = False) -> None:

@@ -1,10 +1,11 @@
 """The seam between the controller and the cluster: what a backend, its worlds, streams, slice
-reservations and replacement requests offer. :class:`~ray_elastic.control.ray_backend.RayBackend`
+reservations and replacement requests offer. :class:`~ray_elastic.ray_backend.backend.RayBackend`
 is the real one; ``tests/fake_backend.py`` scripts one. The controller and
 :class:`~ray_elastic.control.generations.Generations` reach Ray only through these."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from ray_elastic.control.states import RunOutcome
@@ -21,6 +22,11 @@ class Reservation(Protocol):
     def release(self) -> None: ...
 
 
+def slice_name(reservation: Reservation, index: int) -> str:
+    """A reserved slice's name; one that never joined a world has none yet: named by its position."""
+    return reservation.slice_name or f"new-slice-{index}"
+
+
 class ReplacementRequest(Protocol):
     """A slice asked for (pending demand for the autoscaler): ``poll`` gives it once placed."""
 
@@ -29,13 +35,39 @@ class ReplacementRequest(Protocol):
     def cancel(self) -> None: ...
 
 
+@dataclasses.dataclass
+class FormationTimes:
+    """Seconds spent in each phase of forming a world (for events and goodput)."""
+
+    start_actors_s: float = 0.0
+    jax_init_s: float = 0.0
+    state_load_s: float = 0.0
+    compile_s: float = 0.0  # trace + lower + load, slowest process
+    trace_s: float = 0.0
+    lower_s: float = 0.0
+    load_s: float = 0.0  # XLA compile, or loading from the persistent cache
+    chips_wait_s: float = 0.0  # a host's previous TPU owner still exiting (slowest process)
+    total_s: float = 0.0
+    standbys_used: int = 0
+    processes_starting: int = 0  # taken before they had started (Python, JAX, data): forming waited for them
+    compiled_from_cache: int = 0  # processes whose step came from the persistent cache (not compiled)
+    snapshots_by_call: int = 0  # holders that could not map their keeper's ring: a call per snapshot
+
+    def joined(self, joins: list[dict]) -> None:
+        """What the processes' ``join_world`` said: the slowest of each phase."""
+        self.jax_init_s = max(j["init_s"] for j in joins)
+        self.chips_wait_s = max(j["chips_wait_s"] for j in joins)
+        self.state_load_s = max(j["snapshot_fetch_s"] + j["state_s"] for j in joins)
+        self.snapshots_by_call = sum(j["snapshots_in_place"] is False for j in joins)
+
+
 class WorldHandle(Protocol):
     """One generation of the JAX world, formed on ``reservations`` (plan order)."""
 
     plan: WorldPlan
     workers: list
     reservations: list
-    times: Any  # FormationTimes
+    times: FormationTimes
     join_infos: list[dict]
     host_infos: list[dict]
 
@@ -140,3 +172,12 @@ class Backend(Protocol):
     def dead_slices(self, slice_nodes: dict[str, list[str]], suspects: set[str]) -> set[str]: ...
 
     def unresponsive(self, world: Any) -> set[int]: ...
+
+
+class BackendFactory(Protocol):
+    """What the controller is given: a backend's class (or a stand-in called as one). ``check_task``
+    runs on the driver before any cluster resource is taken."""
+
+    def __call__(self, task: Any, config: Any, address: Optional[str] = None) -> Backend: ...
+
+    def check_task(self, task: Any, config: Any, resume: Any = None) -> None: ...

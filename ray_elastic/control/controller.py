@@ -1,12 +1,13 @@
-"""The single controller: a Ray driver that reserves slices, forms worlds, drives steps, recovers.
+"""The single controller: it reserves slices, forms worlds, drives steps and recovers, through a backend.
 
-``ElasticTrainer(task, config).fit(num_steps)`` is the whole API. ``fit`` is one loop
+``ElasticTrainer(task, config).fit(num_steps)`` (:mod:`ray_elastic.trainer`: this controller on the Ray
+backend) is the whole API. ``fit`` is one loop
 over typed :class:`~ray_elastic.control.states.RunOutcome` s: a world runs until it is done,
 fails, hangs, or stops to grow; every other outcome is taken in (evidence, verdict,
 teardown) and handed to the one path to the next world, which may itself fail while
 forming: that is another turn of the loop, never a recursive call. Decisions are the
 policies' (``policy/``) and pure functions (``decide/``); membership and forming live in
-``generations.py``; every Ray effect goes through the backend (``ray_backend.py``); what
+``generations.py``; every Ray effect goes through the backend (:mod:`ray_elastic.ray_backend`); what
 happened is written down by the recorder (``recorder.py``), and observers listen to it.
 """
 
@@ -20,10 +21,9 @@ import uuid
 from typing import Callable, Optional
 
 from ray_elastic.config import ElasticConfig
-from ray_elastic.control.backend import Backend
+from ray_elastic.control.backend import Backend, BackendFactory
 from ray_elastic.control.final_checkpoint import final_checkpoint, finish_checkpoints
 from ray_elastic.control.generations import Generations
-from ray_elastic.control.ray_backend import RayBackend
 from ray_elastic.control.recorder import RunRecorder
 from ray_elastic.control.resume import resume_point
 from ray_elastic.control.states import ControllerState, OutcomeKind, RunOutcome, check_transition
@@ -59,41 +59,16 @@ S = ControllerState
 DRAIN_S = 0.3
 TEARDOWN_CONFIRM_S = 3.0
 
-__all__ = ["ElasticTrainer"]
+__all__ = ["Controller"]
 
 
-class ElasticTrainer:
-    """Train ``task`` on ``config.num_slices`` TPU slices of a Ray cluster, surviving lost slices.
+class Controller:
+    """The run's controller: its states, decisions and records, driving whatever backend
+    ``backend_cls`` makes (:class:`~ray_elastic.control.backend.Backend`). It imports no Ray:
+    :class:`~ray_elastic.trainer.ElasticTrainer` gives it the Ray backend, tests a scripted one.
+    The arguments are :class:`~ray_elastic.trainer.ElasticTrainer`'s."""
 
-    A trainer can ``fit`` more than once; each call is a new run (fresh worlds, events
-    and records; with ``checkpoint_dir`` it resumes from the newest checkpoint).
-
-    Args:
-        task: model, optimizer, loss and data (runs inside the slice actors).
-        config: slices, batch and elastic settings; validated here, before Ray is touched.
-        address: Ray cluster to connect to when this process is not connected yet
-            (``None``: ``RAY_ADDRESS`` or the job's cluster, as ``ray.init`` decides).
-        progress: show a tqdm progress bar (terminal or notebook).
-        on_step: called with each finished step's metrics dict (``step``, ``loss``, ``step_time_s``).
-        retry_policy: ``(attempt, error) -> bool``, asked before every recovery (as in
-            ``pathwaysutils.elastic.Manager.elastic_retry``); ``None`` retries within
-            ``config.max_failures`` per ``config.failure_window_s``.
-        pre_callback: called before every world is formed, the first one included (as
-            pathwaysutils calls it before every attempt).
-        on_event: called with each elastic event and eval (:data:`~ray_elastic.observe.event_types.ELASTIC`).
-        run_dir: where ``events.jsonl`` is written (``None``: events kept in memory only);
-            ``ray-elastic report RUN_DIR`` draws it.
-        name: the run's name in Ray metrics (default: the run directory's name, else ``ray-elastic``).
-        run_id: what makes a rerun the same run (its snapshot keepers outlive a lost driver for
-            ``config.orphan_timeout_s``, and the rerun resumes from them). Default: the run
-            directory, else the checkpoint directory; without either a run is never resumed so.
-        tensorboard_dir: where TensorBoard scalars go (a local path or ``gs://``); default
-            ``RUN_DIR/tensorboard`` with a ``run_dir``, else none. ``False``: none.
-        on_chunk, on_elastic_event_callback: deprecated names of ``on_step`` (called with
-            ``[metrics]``) and ``on_event``.
-    """
-
-    backend_cls = RayBackend  # the seam tests replace (as Ray Train's ``worker_group_cls``)
+    backend_cls: BackendFactory  # the backend's class (as Ray Train's ``worker_group_cls``); tests replace it
     gens: Generations  # the current run's members, replacements, snapshots and worlds (set by fit)
     backend: Backend
 
@@ -135,7 +110,7 @@ class ElasticTrainer:
 
     @property
     def world(self):
-        """The current generation's :class:`~ray_elastic.control.world.World` (None before the first)."""
+        """The current generation's :class:`~ray_elastic.ray_backend.world.World` (None before the first)."""
         gens = getattr(self, "gens", None)  # set by each fit
         return gens.world if gens else None
 

@@ -16,10 +16,10 @@ from typing import Callable, Optional
 
 from ray_elastic.config import ElasticConfig
 from ray_elastic.control.backend import Backend, WorldHandle
-from ray_elastic.control.placement import REPORT_EVERY_S
-from ray_elastic.control.placement import slice_name as _name
+from ray_elastic.control.backend import slice_name as _name
 from ray_elastic.control.states import OutcomeKind, RunOutcome
 from ray_elastic.decide import (
+    REPORT_EVERY_S,
     Action,
     ErrorKind,
     NextWorld,

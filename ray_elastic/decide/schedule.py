@@ -14,6 +14,7 @@ def is_snapshot_step(step: int, every: int) -> bool:
 
 
 MAX_SNAPSHOT_EVERY = 1000  # the longest interval "auto" picks
+REPORT_EVERY_S = 5.0  # how often a wait (for slices, for a world's processes) says what it still waits for
 
 
 def snapshot_interval(

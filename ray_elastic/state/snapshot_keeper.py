@@ -76,7 +76,7 @@ class SnapshotKeeper:
     (:meth:`open_segment`, :mod:`ray_elastic.state.snapshot_slots`): no call per step. A process
     that cannot map it (not on the keeper's host) hands them over by :meth:`keep` instead.
 
-    It outlives the driver for ``orphan_timeout_s`` (see :mod:`ray_elastic.control.keepers`): the
+    It outlives the driver for ``orphan_timeout_s`` (see :mod:`ray_elastic.ray_backend.keepers`): the
     driver renews its lease, a new driver of the same run takes it over with a higher ``epoch``
     (and the run's ``secret``: another job cannot), and one whose lease runs out frees its
     snapshots and exits. Calls of an older epoch are refused; only the owning epoch releases it.

@@ -19,19 +19,14 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray.util.tpu import SlicePlacementGroup
 
+from ray_elastic.decide import REPORT_EVERY_S
 from ray_elastic.errors import CapacityTimeoutError
 from ray_elastic.tpu import POD_TYPE_LABEL, SLICE_NAME_LABEL, WORKER_ID_LABEL, SliceSpec
 
 logger = logging.getLogger(__name__)
-REPORT_EVERY_S = 5.0  # how often a wait for slices says what it still waits for
 JOINING_WAIT_S = 30.0  # a claimed slice whose hosts are still registering is waited for this long
 WATCH_JOINING_S = 0.2
 UNPLACED = "<unplaced>"  # no node: never among the live ones
-
-
-def slice_name(reservation, index: int) -> str:
-    """A reserved slice's name; one that never joined a world has none yet: named by its position."""
-    return reservation.slice_name or f"new-slice-{index}"
 
 
 class SliceReservation:

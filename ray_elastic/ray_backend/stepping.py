@@ -23,14 +23,14 @@ from typing import Callable, Optional
 import ray
 
 from ray_elastic.config import ElasticConfig
-from ray_elastic.control.first_ready import FirstReady
-from ray_elastic.control.host_watch import HostWatch
 from ray_elastic.control.snapshot_cadence import SnapshotCadence
 from ray_elastic.control.states import OutcomeKind, RunOutcome
-from ray_elastic.control.world import World
 from ray_elastic.decide import chunk_steps, is_eval_step, watchdog_timeout
 from ray_elastic.detect import health
 from ray_elastic.errors import SaveTimedOut
+from ray_elastic.ray_backend.first_ready import FirstReady
+from ray_elastic.ray_backend.host_watch import HostWatch
+from ray_elastic.ray_backend.world import World
 from ray_elastic.state.snapshot_keeper import ask_keepers
 from ray_elastic.state.snapshots import SnapshotRef, SnapshotStore
 

@@ -2,14 +2,13 @@
 
 Forming a world is one repeatable operation (:meth:`World.form`); the controller
 replaces whole generations and never patches a running one, because a JAX world
-cannot go on after a peer died mid-collective. :class:`~ray_elastic.control.pool.WorkerPool`
+cannot go on after a peer died mid-collective. :class:`~ray_elastic.ray_backend.pool.WorkerPool`
 keeps warm standby processes on every reserved slice host so that forming the next
 generation does not wait for Python and JAX to start.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Callable, Optional
@@ -17,42 +16,17 @@ from typing import Callable, Optional
 import ray
 
 from ray_elastic.config import ElasticConfig
-from ray_elastic.control.placement import SliceReservation, slice_name
-from ray_elastic.control.pool import WorkerPool, kill
+from ray_elastic.control.backend import FormationTimes, slice_name
 from ray_elastic.decide import WorldPlan
 from ray_elastic.detect import health
 from ray_elastic.detect.liveness import DeathWatch
 from ray_elastic.errors import FormingError, HostLost, ProcessFailed, ProcessGone, RayletGone
+from ray_elastic.ray_backend.placement import SliceReservation
+from ray_elastic.ray_backend.pool import WorkerPool, kill
 from ray_elastic.state.snapshots import SnapshotRef
 from ray_elastic.tpu import SLICE_NAME_LABEL, WORKER_ID_LABEL
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class FormationTimes:
-    """Seconds spent in each phase of forming a world (for events and goodput)."""
-
-    start_actors_s: float = 0.0
-    jax_init_s: float = 0.0
-    state_load_s: float = 0.0
-    compile_s: float = 0.0  # trace + lower + load, slowest process
-    trace_s: float = 0.0
-    lower_s: float = 0.0
-    load_s: float = 0.0  # XLA compile, or loading from the persistent cache
-    chips_wait_s: float = 0.0  # a host's previous TPU owner still exiting (slowest process)
-    total_s: float = 0.0
-    standbys_used: int = 0
-    processes_starting: int = 0  # taken before they had started (Python, JAX, data): forming waited for them
-    compiled_from_cache: int = 0  # processes whose step came from the persistent cache (not compiled)
-    snapshots_by_call: int = 0  # holders that could not map their keeper's ring: a call per snapshot
-
-    def joined(self, joins: list[dict]) -> None:
-        """What the processes' ``join_world`` said: the slowest of each phase."""
-        self.jax_init_s = max(j["init_s"] for j in joins)
-        self.chips_wait_s = max(j["chips_wait_s"] for j in joins)
-        self.state_load_s = max(j["snapshot_fetch_s"] + j["state_s"] for j in joins)
-        self.snapshots_by_call = sum(j["snapshots_in_place"] is False for j in joins)
 
 
 def host_labels(reservations: list[SliceReservation]) -> Optional[list[list[dict]]]:

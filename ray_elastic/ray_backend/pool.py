@@ -10,9 +10,9 @@ from typing import NamedTuple, Optional
 import ray
 
 from ray_elastic.config import ElasticConfig
-from ray_elastic.control.keepers import Keepers
-from ray_elastic.control.placement import UNPLACED, SliceReservation
-from ray_elastic.control.relay import RelayPool
+from ray_elastic.ray_backend.keepers import Keepers
+from ray_elastic.ray_backend.placement import UNPLACED, SliceReservation
+from ray_elastic.ray_backend.relay import RelayPool
 from ray_elastic.slice.worker import SliceWorker
 from ray_elastic.state.snapshot_keeper import SnapshotKeeper
 
@@ -53,7 +53,7 @@ class WorkerPool:
     def keeper(self, res: SliceReservation, host: int) -> ray.actor.ActorHandle:
         """The host's snapshot keeper, started with the first process placed there (or the previous
         driver's, taken over): pinned to the host's node, it outlives every slice process, and the
-        driver too (:mod:`ray_elastic.control.keepers`)."""
+        driver too (:mod:`ray_elastic.ray_backend.keepers`)."""
         key = (id(res), host)
         if key not in self._keepers:
             node = res.node_ids()[host]

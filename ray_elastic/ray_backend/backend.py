@@ -16,14 +16,14 @@ from typing import Callable, Optional, Sequence
 import ray
 
 from ray_elastic.config import ElasticConfig
-from ray_elastic.control.keepers import Keepers, RunIdentity, TakenOver
-from ray_elastic.control.placement import ReplacementRequest, SliceReservation, pending_slice_demand, reserve_slices
-from ray_elastic.control.pool import WorkerPool, kill
-from ray_elastic.control.preflight import run_settings, snapshot_layout
-from ray_elastic.control.stepping import StepStreams
-from ray_elastic.control.world import World, host_labels
 from ray_elastic.decide import ErrorKind
 from ray_elastic.detect import health
+from ray_elastic.ray_backend.keepers import Keepers, RunIdentity, TakenOver
+from ray_elastic.ray_backend.placement import ReplacementRequest, SliceReservation, pending_slice_demand, reserve_slices
+from ray_elastic.ray_backend.pool import WorkerPool, kill
+from ray_elastic.ray_backend.preflight import run_settings, snapshot_layout
+from ray_elastic.ray_backend.stepping import StepStreams
+from ray_elastic.ray_backend.world import World, host_labels
 from ray_elastic.state import checkpoints
 from ray_elastic.state.run_secret import run_secret
 from ray_elastic.state.snapshot_keeper import ask_keepers
@@ -181,9 +181,9 @@ class RayBackend:
     @staticmethod
     def check_task(task, config, resume=None) -> None:
         """The task's model, layout, step and eval data against the config, and the checkpoint the
-        run resumes from (``resume``) against the model, on the driver (:mod:`ray_elastic.control.preflight`):
+        run resumes from (``resume``) against the model, on the driver (:mod:`ray_elastic.ray_backend.preflight`):
         bad input fails before any slice is reserved."""
-        from ray_elastic.control.preflight import check_task
+        from ray_elastic.ray_backend.preflight import check_task
 
         check_task(task, config, resume)
 
