@@ -146,6 +146,8 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
 
     from ray_elastic.config import ElasticConfig, SliceSpec
     from ray_elastic.decide import plan_world
+    from ray_elastic.observe.events import EventLog
+    from ray_elastic.observe.results import StepLedger
     from ray_elastic.ray_backend.relay import RelayPool
     from ray_elastic.ray_backend.stepping import StepStreams
     from ray_elastic.slice.worker import FLUSH_S
@@ -227,8 +229,8 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
         steps_per_chunk=steps_per_chunk,
         hang_timeout_min_s=600,
     )
-    ledger: list[dict] = []
-    streams = StepStreams(ScriptedWorld(), cfg, SnapshotStore(1), ledger.append, [])
+    ledger = StepLedger(EventLog(), steps_per_chunk)
+    streams = StepStreams(ScriptedWorld(), cfg, SnapshotStore(1), ledger)
     import psutil
 
     relay_procs = [
@@ -243,7 +245,7 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
     for s in scripts:
         ray.kill(s)
     relay_pool.shutdown()
-    assert [m["step"] for m in ledger] == list(range(steps)), "the driver lost steps"
+    assert sorted(ledger.metrics) == list(range(steps)), "the driver lost steps"
     return {
         "processes": processes,
         "holders": holders,

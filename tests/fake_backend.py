@@ -181,24 +181,32 @@ class FakeBackend:
         self.reserved.add(host)
         return FakeReservation(self, host)
 
-    # the backend interface
+    # the backend interface; the fake is its own ownership (RunOwnership) and cluster health (ClusterHealth)
     superseded = False
     dropped_snapshots = 0
+
+    @property
+    def ownership(self) -> "FakeBackend":
+        return self
+
+    @property
+    def health(self) -> "FakeBackend":
+        return self
 
     left_behind: list = []  # TakenOver s a test leaves for the run to take over (a lost driver's keepers)
     released_after_steps: Optional[int] = None  # how many steps had run when they were released
 
-    def take_over_keepers(self) -> list:
+    def take_over(self) -> list:
         return list(self.left_behind)
 
-    def release_unclaimed_keepers(self) -> None:
+    def release_unclaimed(self) -> None:
         if self.released_after_steps is None:
             self.released_after_steps = len(self.steps_run)
 
-    def hand_back_keepers(self) -> None:
+    def hand_back(self) -> None:
         pass
 
-    def confirm_owner(self) -> None:
+    def confirm(self) -> None:
         if self.superseded:
             raise SupersededError("another driver took this run over")
 
@@ -262,19 +270,8 @@ class FakeBackend:
     def missing_snapshots(self, refs, members=()) -> set:
         return set()  # the store is the truth here
 
-    def drive(
-        self,
-        world,
-        store,
-        on_metrics,
-        step_times,
-        on_interval=None,
-        on_committed=None,
-        on_eval=None,
-        save_limit=None,
-        logged_step=None,
-    ) -> FakeStreams:
-        return FakeStreams(self, world, store, on_metrics)
+    def drive(self, world, store, sink) -> FakeStreams:
+        return FakeStreams(self, world, store, sink.add)
 
     def error_text(self, error: BaseException) -> str:
         return str(error).splitlines()[0][:300] if str(error) else ""

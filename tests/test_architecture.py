@@ -110,6 +110,8 @@ def test_the_ray_backend_and_the_fake_offer_what_the_backend_protocol_names():
 
     from ray_elastic.control import backend as seam
     from ray_elastic.ray_backend.backend import RayBackend
+    from ray_elastic.ray_backend.cluster_health import RayClusterHealth
+    from ray_elastic.ray_backend.keepers import KeeperOwnership
     from ray_elastic.ray_backend.placement import ReplacementRequest, SliceReservation
     from ray_elastic.ray_backend.stepping import StepStreams
     from ray_elastic.ray_backend.world import World
@@ -125,6 +127,10 @@ def test_the_ray_backend_and_the_fake_offer_what_the_backend_protocol_names():
         (seam.Reservation, FakeReservation),
         (seam.ReplacementRequest, ReplacementRequest),
         (seam.ReplacementRequest, FakeRequest),
+        (seam.RunOwnership, KeeperOwnership),
+        (seam.RunOwnership, FakeBackend),
+        (seam.ClusterHealth, RayClusterHealth),
+        (seam.ClusterHealth, FakeBackend),
     ]
     problems = []
     for protocol, impl in pairs:

@@ -189,7 +189,7 @@ def test_an_unreadable_checkpoint_is_said_once_and_never_blames_the_host():
     result = trainer.fit(STEPS)
     assert_every_step_once_no_rewind(result, backend)
     assert [e["step"] for e in kinds(result, "checkpoint_unreadable")] == [10]
-    assert trainer.gens.unreadable_checkpoints == {10}
+    assert trainer.checkpoints.unreadable == {10}
     # The same slice first failed twice in a row without progress, but storage is not its host's fault.
     assert all(f["quarantined_slices"] == [] and f["lost_slices"] == [] for f in kinds(result, "failure"))
     assert trainer.worlds[-1].slices == ["s0", "s1", "s2"]

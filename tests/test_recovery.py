@@ -206,7 +206,7 @@ def test_a_death_behind_a_relay_is_seen_by_its_signal(cluster, baseline, monkeyp
     """Large worlds reach their quiet processes through relays (one call per group of them per
     chunk): forced here on 3 slices with one snapshot holder, a quiet process killed mid-chunk is
     still seen by its death signal, through its relay, and the run goes on with the same losses."""
-    from ray_elastic.control import relay
+    from ray_elastic.ray_backend import relay
 
     monkeypatch.setattr(relay, "RELAY_MIN_QUIET", 1)
     monkeypatch.setattr(relay, "PROCESSES_PER_RELAY", 2)
@@ -229,7 +229,7 @@ def test_a_dead_relay_is_replaced_when_the_next_world_forms(cluster, baseline, m
     """Relays are kept for the next worlds; one that died made every later world fail
     to form (reused without a check, outside the try that tears a half-formed world down). Killed
     here mid-chunk: its group's chunk fails, and the next world starts a new relay in its place."""
-    from ray_elastic.control import relay
+    from ray_elastic.ray_backend import relay
 
     monkeypatch.setattr(relay, "RELAY_MIN_QUIET", 1)
     monkeypatch.setattr(relay, "PROCESSES_PER_RELAY", 2)
@@ -330,6 +330,8 @@ def _drain_after_process_1_died(late_keep_s=None, node_lost: bool = False, inter
 
     import numpy as np
 
+    from ray_elastic.observe.events import EventLog
+    from ray_elastic.observe.results import StepLedger
     from ray_elastic.ray_backend.stepping import StepStreams
     from ray_elastic.state.snapshots import SnapshotRef, SnapshotStore
 
@@ -342,7 +344,7 @@ def _drain_after_process_1_died(late_keep_s=None, node_lost: bool = False, inter
         channels=[[0], [1], [2]], plan=plan, keepers=keepers, workers=[], slice_of=lambda p: f"slice-{p}"
     )
     cfg = ElasticConfig(num_slices=3, global_batch_size=48, snapshot_every=1)
-    streams = StepStreams(world, cfg, SnapshotStore(hosts_per_slice=1), lambda m: None, [])
+    streams = StepStreams(world, cfg, SnapshotStore(hosts_per_slice=1), StepLedger(EventLog(), cfg.steps_per_chunk))
     streams._reported, streams.cadence.intervals = 10, list(intervals)  # step 10 streamed by process 1, which then died
     stopped = None
     if node_lost:

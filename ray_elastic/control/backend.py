@@ -80,6 +80,24 @@ class WorldHandle(Protocol):
     def finish_checkpoints(self, timeout_s: float, save_step: Optional[int] = None) -> list: ...
 
 
+class StepSink(Protocol):
+    """Where a driven world's steps go (the run's :class:`~ray_elastic.observe.results.StepLedger`):
+    their metrics, evals, committed saves and snapshot intervals, and what the drive reads back."""
+
+    step_times: list[float]  # every step run, rewound ones too (the watchdog, the "auto" interval)
+    logged_step: int  # the newest step in the event log: keepers are told no step past it
+
+    def add(self, metrics: dict) -> None: ...
+
+    def add_eval(self, item: dict) -> bool: ...  # with {"step": s} alone: whether s's eval is known
+
+    def saves_committed(self, finished: list) -> None: ...
+
+    def save_limit_s(self) -> float: ...  # how long a checkpoint save may run
+
+    def snapshot_interval(self, step: int, every: int) -> None: ...  # the interval from ``step`` on
+
+
 class Streams(Protocol):
     """Driving one world: its steps until done, a failure, a hang or a grow-back."""
 
@@ -93,85 +111,92 @@ class Streams(Protocol):
     def take_snapshot_steps(self) -> list[int]: ...
 
 
-class Backend(Protocol):
-    """Slices, processes, worlds and failure evidence on one cluster."""
-
-    # the cluster
-    def connect(self, run_id: str, *, home: Optional[str] = None, findable: bool = True) -> None: ...
-
-    # a rerun: the keepers an earlier driver of the run left (``TakenOver``), and the lease
-    def take_over_keepers(self) -> list: ...
-
-    def release_unclaimed_keepers(self) -> None: ...
-
-    def confirm_owner(self) -> None: ...  # asks the keepers now; raises SupersededError when one refuses
-
-    def hand_back_keepers(self) -> None: ...  # left unrenewed for a later rerun (this one is refused)
+class RunOwnership(Protocol):
+    """This driver's hold on the run through its hosts' snapshot keepers (which outlive a lost
+    driver): a rerun takes them over, and a driver that a newer one superseded stops."""
 
     @property
     def superseded(self) -> bool: ...
 
     @property
-    def dropped_snapshots(self) -> int: ...
+    def dropped_snapshots(self) -> int: ...  # taken over, but of another model or settings
+
+    def take_over(self) -> list[Any]: ...  # the keepers an earlier driver left (``TakenOver``); the lease starts
+
+    def release_unclaimed(self) -> None: ...
+
+    def confirm(self) -> None: ...  # asks the keepers now; raises SupersededError when one refuses
+
+    def hand_back(self) -> None: ...  # left unrenewed for a later rerun (this one is refused)
+
+
+class ClusterHealth(Protocol):
+    """What the cluster says about a failure: the kind of an error, which hosts and slices are gone,
+    which processes do not answer."""
+
+    def error_kind(self, error: BaseException) -> ErrorKind: ...
+
+    def error_text(self, error: BaseException) -> str: ...
+
+    def hosts_answer(self, reservation: Reservation) -> bool: ...
+
+    def lost_hosts(self, reservations: list[Reservation]) -> list[Reservation]: ...
+
+    def dead_slices(self, slice_nodes: dict[str, list[str]], suspects: set[str]) -> set[str]: ...
+
+    def unresponsive(self, world: WorldHandle) -> set[int]: ...
+
+
+class Backend(Protocol):
+    """Slices, processes and worlds on one cluster; the run's ownership (``ownership``, set by
+    ``connect``) and what the cluster says of a failure (``health``)."""
+
+    @property
+    def ownership(self) -> RunOwnership: ...
+
+    @property
+    def health(self) -> ClusterHealth: ...
+
+    def connect(self, run_id: str, *, home: Optional[str] = None, findable: bool = True) -> None: ...
 
     def run_metrics(self, name: str) -> Any: ...
 
     def shutdown(self) -> None: ...
 
     # slices
-    def reserve(self, count: int, on_wait: Optional[Callable[[int, int], None]] = None) -> list: ...
+    def reserve(self, count: int, on_wait: Optional[Callable[[int, int], None]] = None) -> list[Reservation]: ...
 
     def pending_demand(self) -> str: ...
 
     def request_replacement(self) -> ReplacementRequest: ...
 
     def replenish(
-        self, members: list, per_host: Optional[int] = None, at_once: bool = False, for_world: Optional[int] = None
+        self,
+        members: list[Reservation],
+        per_host: Optional[int] = None,
+        at_once: bool = False,
+        for_world: Optional[int] = None,
     ) -> bool: ...
 
-    def warm(self, reservations: list, every: bool = False) -> bool: ...
+    def warm(self, reservations: list[Reservation], every: bool = False) -> bool: ...
 
-    def discard(self, reservation: Any) -> None: ...
+    def discard(self, reservation: Reservation) -> None: ...
 
-    def missing_snapshots(self, refs: list, members: Sequence = ()) -> set[int]: ...
+    def missing_snapshots(self, refs: list[Any], members: Sequence[Reservation] = ()) -> set[int]: ...
 
     # worlds
     def form(
         self,
         *,
         generation: int,
-        reservations: list,
+        reservations: list[Reservation],
         start_step: int,
-        restore: Callable[[str], Optional[list]],
+        restore: Callable[[str], Optional[list[Any]]],
         checkpoint_step: Optional[int],
         checkpoint_dir: Optional[str] = None,
     ) -> WorldHandle: ...
 
-    def drive(
-        self,
-        world: Any,
-        store: Any,
-        on_metrics: Callable[[dict], None],
-        step_times: list[float],
-        on_interval: Optional[Callable[[int, int], None]] = None,
-        on_committed: Optional[Callable[[list], None]] = None,
-        on_eval: Optional[Callable[[dict], bool]] = None,
-        save_limit: Callable[[], float] = lambda: float("inf"),
-        logged_step: Optional[Callable[[], int]] = None,
-    ) -> Streams: ...
-
-    # evidence
-    def error_kind(self, error: BaseException) -> ErrorKind: ...
-
-    def error_text(self, error: BaseException) -> str: ...
-
-    def hosts_answer(self, reservation: Any) -> bool: ...
-
-    def lost_hosts(self, reservations: list) -> list: ...
-
-    def dead_slices(self, slice_nodes: dict[str, list[str]], suspects: set[str]) -> set[str]: ...
-
-    def unresponsive(self, world: Any) -> set[int]: ...
+    def drive(self, world: WorldHandle, store: Any, sink: StepSink) -> Streams: ...
 
 
 class BackendFactory(Protocol):

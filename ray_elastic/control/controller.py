@@ -25,7 +25,7 @@ from ray_elastic.control.backend import Backend, BackendFactory
 from ray_elastic.control.final_checkpoint import final_checkpoint, finish_checkpoints
 from ray_elastic.control.generations import Generations
 from ray_elastic.control.recorder import RunRecorder
-from ray_elastic.control.resume import resume_point
+from ray_elastic.control.run_checkpoints import RunCheckpoints
 from ray_elastic.control.states import ControllerState, OutcomeKind, RunOutcome, check_transition
 from ray_elastic.control.takeover import take_over_run
 from ray_elastic.decide import Action, NextWorld, refuse_fresh_restart
@@ -134,7 +134,7 @@ class Controller:
 
     def _check_owner(self) -> None:
         """Stop before the next effect once a newer driver owns the run (learned from any refusal)."""
-        if self.backend.superseded:
+        if self.backend.ownership.superseded:
             raise SupersededError("another driver took this run over (a rerun of it): this driver stopped")
 
     def _waiting_for_slices(self, ready: int, asked: int) -> None:
@@ -161,11 +161,9 @@ class Controller:
         if not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
         t_start, cfg = time.perf_counter(), self.config
-        if isinstance(resume_from, str) and resume_from.strip():
-            resume_from = checkpoints.resolve(resume_from.strip())  # ~ and relative paths, as the workers read them
-        resume = resume_point(cfg, self.task.name(), resume_from)
+        run_checkpoints, resume = RunCheckpoints.open(cfg, self.task.name(), resume_from)
         self.backend_cls.check_task(self.task, cfg, resume)  # before any cluster resource is taken
-        self._new_run(num_steps, resume, resume_from or cfg.checkpoint_dir)
+        self._new_run(num_steps, resume, run_checkpoints)
         if resume is not None and resume.step >= num_steps:
             logger.warning(
                 "checkpoint %d in %s already covers num_steps=%d: nothing to train",
@@ -225,23 +223,25 @@ class Controller:
         while outcome.kind is not OutcomeKind.DONE:
             change = self._intake(outcome, change)
             outcome = self._next_world(change) or self._run(num_steps)
-        self.backend.confirm_owner()  # a driver superseded at the very end does not return success
+        self.backend.ownership.confirm()  # a driver superseded at the very end does not return success
         self._enter(S.FINISHED)
         self.events.emit(ev.RunFinished(steps=len(self.ledger.metrics), wall_s=time.perf_counter() - t_start))
 
-    def _new_run(self, num_steps: int, resume: Optional[checkpoints.CheckpointInfo], resume_dir: Optional[str]) -> None:
+    def _new_run(
+        self, num_steps: int, resume: Optional[checkpoints.CheckpointInfo], run_checkpoints: RunCheckpoints
+    ) -> None:
         """Everything one run owns starts fresh, so a trainer can ``fit`` again."""
         cfg = self.config
         self.state = S.INITIALIZING
         self.backend = self.backend_cls(self.task, cfg, self.address)
-        self.gens = Generations(cfg, self.backend)
-        self.gens.resume_dir = resume_dir
+        self.checkpoints = run_checkpoints
+        self.gens = Generations(cfg, self.backend, run_checkpoints)
         self.failures = FailurePolicy(cfg, self.retry_policy)
         self._first_step = resume.step if resume else 0
-        self.events = EventLog(self.run_dir, [self.callbacks], fenced=lambda: self.backend.superseded)
+        self.events = EventLog(self.run_dir, [self.callbacks], fenced=lambda: self.backend.ownership.superseded)
         self.ledger = results.StepLedger(self.events, cfg.steps_per_chunk, cfg.save_timeout_s)
         self.record = RunRecorder(self.events, self.ledger)
-        self.record.started(cfg, num_steps, resume, resume_dir)
+        self.record.started(cfg, num_steps, resume, run_checkpoints.start_dir)
 
     def _add_observers(self, num_steps: int) -> None:
         listeners = self.events.listeners
@@ -260,17 +260,7 @@ class Controller:
     def _run(self, num_steps: int) -> RunOutcome:
         self._enter(S.RUNNING)
         world, start = self.world, self.worlds[-1].start_step
-        streams = self.backend.drive(
-            world,
-            self.gens.store,
-            self.ledger.add,
-            self.ledger.step_times,
-            self.record.snapshot_interval,
-            self.ledger.saves_committed,
-            self.ledger.add_eval,
-            self.ledger.save_limit_s,
-            lambda: self.ledger.logged_step,
-        )
+        streams = self.backend.drive(world, self.gens.store, self.ledger)
         self.ledger.start_world(world.plan.generation, streams.take_snapshot_steps)
         t0 = time.perf_counter()
         outcome = streams.run(start, num_steps, self.gens.capacity_returned)
@@ -280,8 +270,8 @@ class Controller:
             outcome = dataclasses.replace(outcome, drain_s=time.perf_counter() - t_drain)
         self.record.world_ran(world, start, time.perf_counter() - t0, outcome, streams)
         if outcome.kind is OutcomeKind.DONE:  # the last checkpoint commits before the run is finished
-            self.backend.confirm_owner()  # asked now, not at the next renewal: no checkpoint of a superseded driver
-            outcome = final_checkpoint(self.config, self.world, self.ledger, num_steps)
+            self.backend.ownership.confirm()  # asked now, not at the next renewal: no checkpoint of a superseded driver
+            outcome = final_checkpoint(self.checkpoints, self.world, self.ledger, num_steps)
         return outcome
 
     def _intake(self, outcome: RunOutcome, previous: WorldChange) -> WorldChange:
@@ -314,8 +304,10 @@ class Controller:
             # With checkpoints, wait until the old processes are really gone: nothing of theirs may
             # land in the checkpoint directory once the next world reads and cleans it.
             self.world.teardown(confirm_s=TEARDOWN_CONFIRM_S if self.config.checkpoint_dir else 0.0)
-        for step in sorted(seen.unreadable_checkpoints - self.gens.unreadable_checkpoints):  # its readers are gone
-            aside = self.gens.checkpoint_unreadable(step)
+        for step in sorted(seen.unreadable_checkpoints - self.checkpoints.unreadable):  # its readers are gone
+            aside = self.checkpoints.failed_to_read(
+                step, self.gens.last_restore.directory if self.gens.last_restore else None
+            )
             self.events.emit(ev.CheckpointUnreadable(step=step, error=str(first)[:2000], set_aside_to=aside))
         verdict = decision.verdict
         self._check_owner()  # before asking for a replacement slice
@@ -338,7 +330,7 @@ class Controller:
         t0 = time.perf_counter()
         self._check_owner()
         try:
-            finish_checkpoints(self.config, self.world, self.ledger)
+            finish_checkpoints(self.checkpoints, self.world, self.ledger)
         except ProcessFailed as e:
             return RunOutcome(OutcomeKind.FAILURE, {e.process: e.cause}, outcome.last_progress_at)
         self.world.teardown()

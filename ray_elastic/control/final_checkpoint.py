@@ -5,31 +5,35 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from ray_elastic.config import ElasticConfig
+from ray_elastic.control.backend import WorldHandle
+from ray_elastic.control.run_checkpoints import RunCheckpoints
 from ray_elastic.control.states import OutcomeKind, RunOutcome
 from ray_elastic.errors import ProcessFailed
 from ray_elastic.observe.results import StepLedger
-from ray_elastic.state import checkpoints
 
 
-def finish_checkpoints(config: ElasticConfig, world, ledger: StepLedger, save_step: Optional[int] = None) -> None:
+def finish_checkpoints(
+    run: RunCheckpoints, world: Optional[WorldHandle], ledger: StepLedger, save_step: Optional[int] = None
+) -> None:
     """Wait for the in-flight save of ``world`` to commit (first saving ``save_step``)."""
-    if config.checkpoint_dir and world is not None:
+    if run.own and world is not None:
         ledger.saves_committed(world.finish_checkpoints(ledger.save_limit_s(), save_step))
 
 
-def final_checkpoint(config: ElasticConfig, world, ledger: StepLedger, num_steps: int) -> RunOutcome:
+def final_checkpoint(
+    run: RunCheckpoints, world: Optional[WorldHandle], ledger: StepLedger, num_steps: int
+) -> RunOutcome:
     """The run's last checkpoint is committed: its in-flight save finishes, or, when the world that
     was writing it failed (the state came back from a snapshot), ``world`` saves it again. A
     process dying meanwhile is one more failure (FAILURE), not the end."""
-    if not config.checkpoint_dir or world is None:
+    if not run.own or world is None:
         return RunOutcome(OutcomeKind.DONE)
     try:
-        finish_checkpoints(config, world, ledger)
+        finish_checkpoints(run, world, ledger)
         if ledger.committed_step < num_steps:
-            info = checkpoints.latest_checkpoint(config.checkpoint_dir)  # reported or not, what is there
+            info = run.newest_own()  # reported or not, what is there
             if info is None or info.step < num_steps:
-                finish_checkpoints(config, world, ledger, save_step=num_steps)
+                finish_checkpoints(run, world, ledger, save_step=num_steps)
             else:  # the failed world's save committed before its process died: it is the run's last
                 ledger.saves_committed([(info.step, None)])
     except ProcessFailed as e:

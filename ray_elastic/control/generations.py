@@ -17,6 +17,7 @@ from typing import Callable, Optional
 from ray_elastic.config import ElasticConfig
 from ray_elastic.control.backend import Backend, WorldHandle
 from ray_elastic.control.backend import slice_name as _name
+from ray_elastic.control.run_checkpoints import RunCheckpoints
 from ray_elastic.control.states import OutcomeKind, RunOutcome
 from ray_elastic.decide import (
     REPORT_EVERY_S,
@@ -59,15 +60,14 @@ class Evidence:
 class Generations:
     """Members of the current (or next) world, pending replacements, snapshots and worlds so far."""
 
-    def __init__(self, config: ElasticConfig, backend: Backend):
+    def __init__(self, config: ElasticConfig, backend: Backend, run_checkpoints: Optional[RunCheckpoints] = None):
         self.config = config
         self.backend = backend
+        self.checkpoints = run_checkpoints or RunCheckpoints(config.checkpoint_dir)
         self.scaling = config.scaling_policy()
         self.members: list = []  # slice reservations of the current/next world, replica order
         self.replacements: list = []  # pending replacement requests (the autoscaler's demand)
         self.quarantined: list = []  # reservations of slices that kept failing: held until the run ends
-        self.unreadable_checkpoints: set[int] = set()  # steps a world failed to restore: never tried again
-        self.resume_dir: Optional[str] = config.checkpoint_dir  # where the run's first checkpoint comes from
         self.last_restore: Optional[RestorePlan] = None  # what the newest world loaded (or tried to)
         self.store = SnapshotStore(config.slice.num_hosts)
         self.worlds: list[WorldRecord] = []
@@ -135,7 +135,7 @@ class Generations:
                 on_wait(decision.reason, 0.0 if reported is None else waited)
                 reported = waited
             time.sleep(WAIT_POLL_S)
-            lost = self.backend.lost_hosts(survivors)
+            lost = self.backend.health.lost_hosts(survivors)
             if lost:
                 names = [_name(r, survivors.index(r)) for r in lost]
                 for res in lost:
@@ -195,7 +195,7 @@ class Generations:
         if world is None:  # forming failed: the slices it names, else any member may be the cause
             nodes = self.member_nodes()
             error = outcome.errors[0]
-            kind = self.backend.error_kind(error)
+            kind = self.backend.health.error_kind(error)
             named = [n for n in getattr(error, "slices", ()) if n in nodes]
             if not named and kind in (ErrorKind.NODE_DIED, ErrorKind.PROCESS_DIED):
                 kind = ErrorKind.ACTOR_DIED  # whose process it was is unknown: the node table decides
@@ -211,20 +211,20 @@ class Generations:
         first = next(iter(outcome.errors), None)
         origin = world.slice_of(first) if first is not None else None
         if outcome.kind is OutcomeKind.HANG:
-            hung = set(outcome.errors) or self.backend.unresponsive(world)  # the watchdog's probe, if it named any
+            hung = set(outcome.errors) or self.backend.health.unresponsive(world)  # the watchdog's, if it named any
             origin = world.slice_of(min(hung)) if hung else None
             # Nobody silent: the whole world is stuck (for example a collective that never completes).
             for p in hung or range(len(world.workers)):
                 outcome.errors[p] = TimeoutError(f"no step finished for {now - outcome.last_progress_at:.1f}s")
         kinds: dict[str, ErrorKind] = {}
         for p, e in outcome.errors.items():
-            kinds.setdefault(world.slice_of(p), self.backend.error_kind(e))  # a TimeoutError is a hang
+            kinds.setdefault(world.slice_of(p), self.backend.health.error_kind(e))  # a TimeoutError is a hang
         names = list(world.plan.slice_names)
         # One host's death kills processes elsewhere (the JAX coordinator's host died: every process
         # aborts), and a survivor's death can reach us first. Every host of the world is looked at,
         # not only those that reported: one that stops answering is a suspect too.
         for name, res in zip(names, world.reservations):
-            if name not in kinds and not self.backend.hosts_answer(res):
+            if name not in kinds and not self.backend.health.hosts_answer(res):
                 kinds[name] = ErrorKind.ACTOR_DIED
         return Evidence(
             kinds,
@@ -244,20 +244,22 @@ class Generations:
         """Slices whose process died while each of its hosts still answers: the hosts live, so the
         slice only crashed and no grace period for a node death needs to be spent."""
         crashed = [(i, r) for i, r in enumerate(reservations) if kinds.get(_name(r, i)) is ErrorKind.PROCESS_DIED]
-        return {_name(r, i) for i, r in crashed if self.backend.hosts_answer(r)}
+        return {_name(r, i) for i, r in crashed if self.backend.health.hosts_answer(r)}
 
     # --------------------------------------------------------------- state
     def failure_evidence(self, seen, outcome: RunOutcome, first: BaseException, saves: list, ledger) -> FailureEvidence:
         """What the failure policy decides from: the world's evidence, node health, the run's progress."""
         return FailureEvidence(
             kinds=seen.kinds,
-            dead_slices=self.backend.dead_slices(seen.slice_nodes, seen.suspects),  # node health first: then blame code
+            dead_slices=self.backend.health.dead_slices(
+                seen.slice_nodes, seen.suspects
+            ),  # node health first: then blame code
             world_slices=seen.slices,
-            error_text=self.backend.error_text(first),
+            error_text=self.backend.health.error_text(first),
             origin=seen.origin,
             forming=outcome.kind is OutcomeKind.FORMING_FAILED,
             steps_run=len(ledger.step_times),
-            save_failed=self.backend.error_text(saves[0]) if saves else None,
+            save_failed=self.backend.health.error_text(saves[0]) if saves else None,
             committed_step=ledger.committed_step,
             checkpoint_dir=self.config.checkpoint_dir,
         )
@@ -306,12 +308,12 @@ class Generations:
         for i in self.backend.missing_snapshots([ref for *_, ref in entries], members):  # a keeper let go of it
             self.store.drop(*entries[i][:3])
             let_go.setdefault(entries[i][0], []).append(entries[i][2])
-        directory, step = (self.resume_dir, resume.restore_step) if resume is not None else self._checkpoint()
+        directory, step = (self.checkpoints.start_dir, resume.restore_step) if resume else self.checkpoints.newest()
         held = self.store.latest_complete(names)
         plan = choose_restore(held, step, last_step)
         superseded = []
         if plan.source is RestoreSource.SNAPSHOT and step is not None and step > plan.step:
-            superseded = self._set_aside_newer(directory, step, plan.step)
+            superseded = self.checkpoints.set_aside_newer(directory, step, plan.step)
         # Why this source: the world_formed event carries it (a rewind must be explainable from the log).
         plan = dataclasses.replace(
             plan,
@@ -323,55 +325,9 @@ class Generations:
                 "superseded_checkpoints": superseded,
             },
         )
-        if plan.source is RestoreSource.CHECKPOINT and directory != self.config.checkpoint_dir:
+        if plan.source is RestoreSource.CHECKPOINT:
             plan = dataclasses.replace(plan, directory=directory)
         return plan
-
-    def _set_aside_newer(self, directory: Optional[str], step: Optional[int], restore_step: int) -> list[str]:
-        """The run goes on from a snapshot of ``restore_step`` though a newer checkpoint committed (see
-        :func:`~ray_elastic.decide.choose_restore`): the steps after it run again and save that
-        checkpoint again, which orbax refuses while it exists (``StepAlreadyExistsError``: one more
-        failure, and the next world would take the checkpoint after all).
-        ``step`` in ``directory``: the newest committed one, already read by the caller. Every
-        committed step of the run's own directory newer than ``restore_step`` is set aside (kept),
-        newest first. Returns where they went."""
-        moved: list[str] = []
-        tried: set[int] = set()
-        while (
-            step is not None and step > restore_step and directory == self.config.checkpoint_dir and step not in tried
-        ):
-            assert directory is not None  # the loop runs only in the run's own directory
-            tried.add(step)
-            try:
-                moved.append(checkpoints.set_aside(directory, step + 1, why="superseded"))
-            except OSError as e:  # the storage failing: the save of that step fails and is recovered
-                logger.warning("could not set aside checkpoint %d: %r", step + 1, e)
-                break
-            directory, step = self._checkpoint()
-        return moved
-
-    def checkpoint_unreadable(self, step: int) -> Optional[str]:
-        """A world failed to restore checkpoint ``step``: the next one restores the previous committed
-        step. In the run's own directory the step is set aside (kept), so it can be saved again;
-        elsewhere (``resume_from``) it is only skipped. Returns where it was set aside, if it was."""
-        directory = self.last_restore.directory if self.last_restore else None
-        if directory is None and self.config.checkpoint_dir:
-            try:
-                return checkpoints.set_aside(self.config.checkpoint_dir, step)
-            except OSError as e:  # gone already, or the storage still failing: skip it instead
-                logger.warning("could not set aside checkpoint %d: %r", step, e)
-        self.unreadable_checkpoints.add(step)
-        return None
-
-    def _checkpoint(self) -> tuple[Optional[str], Optional[int]]:
-        """(directory, restore step) of the newest readable committed checkpoint: the run's own, else
-        the one it was started from (``fit(resume_from=...)``) until it has saved one."""
-        for directory in (self.config.checkpoint_dir, self.resume_dir):
-            if directory:
-                info = checkpoints.latest_checkpoint(directory, frozenset(self.unreadable_checkpoints))
-                if info is not None:
-                    return directory, info.restore_step
-        return None, None
 
     # -------------------------------------------------------------- worlds
     def form(self, members: list, restore: RestorePlan) -> WorldRecord:
@@ -431,7 +387,7 @@ class Generations:
         if plan is None or not any(self.store.refs(n, s)[0].generation == plan.generation for n, s in newest.items()):
             return False
         self.taken_over_slices = set()
-        self.backend.release_unclaimed_keepers()
+        self.backend.ownership.release_unclaimed()
         return True
 
     def release(self) -> None:

@@ -83,10 +83,6 @@ class RunRecorder:
         self.events.emit(ev.Waiting(state=state, ready=ready, asked=asked, waited_s=waited_s, demand=demand))
         logger.warning("%s; pending slice demand (what the autoscaler sees): %s", what, demand)
 
-    def snapshot_interval(self, step: int, every: int) -> None:
-        """The snapshot interval from ``step`` on (``snapshot_every="auto"`` picks it as the run goes)."""
-        self.events.emit(ev.SnapshotInterval(step=step, every=every, max_rewind_steps=max(0, every - 1)))
-
     def failure(
         self,
         seen,

@@ -32,13 +32,13 @@ def take_over_run(
     """Take over what a lost driver of this run left (see the module); returns what its log says.
     Raises ``ValueError`` when it ran past ``num_steps`` (its keepers are left for a rerun that asks
     for more) and :class:`~ray_elastic.errors.SupersededError` when a newer driver owns the run."""
-    found = backend.take_over_keepers()
+    found = backend.ownership.take_over()
     # Read after the takeover: an older driver still alive adds no snapshot from now on, and the
     # step its last acknowledgement pinned in the keepers is in its log by now.
     previous = results.previous_run(run_dir)
     released = bool(found) and resume_from is not None
     if released:  # the user named the state to start from: the lost run's memory is not it
-        backend.release_unclaimed_keepers()
+        backend.ownership.release_unclaimed()
         found = []
     committed = resume.step if resume is not None and resume_from is None else None
     held, refused, why = gens.take_over(found, previous.last_step, committed)
@@ -49,10 +49,10 @@ def take_over_run(
         refused=refused,
         why=why,
         released=f"resume_from={resume_from!r} was given: it wins over the lost run's snapshots" if released else "",
-        dropped=backend.dropped_snapshots,
+        dropped=backend.ownership.dropped_snapshots,
     )
     if gens.taken_over_step >= num_steps:
-        backend.hand_back_keepers()
+        backend.ownership.hand_back()
         raise ValueError(
             f"this run (its run_dir / run_id) already trained step {gens.taken_over_step}: its lost driver's "
             f"snapshot keepers hold it, so fit({num_steps}) would save the state after step "

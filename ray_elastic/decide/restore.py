@@ -27,9 +27,7 @@ class RestorePlan:
     step: int
     source: RestoreSource
     holders: tuple[str, ...] = ()
-    directory: Optional[str] = (
-        None  # a checkpoint from another directory (``fit(resume_from=...)``); None: the run's own
-    )
+    directory: Optional[str] = None  # where a checkpoint comes from (the run's own, or resume_from)
     # What it was chosen from (``Generations.restore_plan`` fills it; the world_formed event carries it).
     evidence: dict = dataclasses.field(default_factory=dict, compare=False)
 

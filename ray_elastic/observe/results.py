@@ -233,6 +233,10 @@ class StepLedger:
                 self.save_seconds.append(total_s)
             self.events.emit(ev.CheckpointCommitted(step=step, total_s=total_s))
 
+    def snapshot_interval(self, step: int, every: int) -> None:
+        """The snapshot interval from ``step`` on (``snapshot_every="auto"`` picks it as the run goes)."""
+        self.events.emit(ev.SnapshotInterval(step=step, every=every, max_rewind_steps=max(0, every - 1)))
+
     def save_limit_s(self) -> float:
         """How long a save may run before it counts as failed: ``save_timeout_s``, or the automatic
         bound from the saves committed so far (the step loop's watchdog and the commit waits)."""

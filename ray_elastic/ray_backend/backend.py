@@ -16,10 +16,10 @@ from typing import Callable, Optional, Sequence
 import ray
 
 from ray_elastic.config import ElasticConfig
-from ray_elastic.decide import ErrorKind
-from ray_elastic.detect import health
-from ray_elastic.ray_backend.keepers import Keepers, RunIdentity, TakenOver
-from ray_elastic.ray_backend.placement import ReplacementRequest, SliceReservation, pending_slice_demand, reserve_slices
+from ray_elastic.control.backend import Reservation, StepSink, WorldHandle
+from ray_elastic.ray_backend.cluster_health import RayClusterHealth
+from ray_elastic.ray_backend.keepers import KeeperOwnership, Keepers, RunIdentity
+from ray_elastic.ray_backend.placement import ReplacementRequest, pending_slice_demand, reserve_slices
 from ray_elastic.ray_backend.pool import WorkerPool, kill
 from ray_elastic.ray_backend.preflight import run_settings, snapshot_layout
 from ray_elastic.ray_backend.stepping import StepStreams
@@ -43,6 +43,8 @@ class RayBackend:
         self.task = task
         self.config = config
         self.address = address
+        self.ownership = KeeperOwnership(self._superseded)  # holds the run's keepers once connected
+        self.health = RayClusterHealth(config)
 
     def connect(self, run_id: str, *, home: Optional[str] = None, findable: bool = True) -> None:
         """Connect; the run's keepers are named by ``run_id`` and taken over only with the secret
@@ -52,36 +54,9 @@ class RayBackend:
         layout, settings = snapshot_layout(self.task, self.config), run_settings(self.task, self.config)
         secret = run_secret(home) if findable else None
         identity = RunIdentity.of(run_id, self.task.name(), layout, settings, secret, findable)
-        self.keepers = Keepers(identity, self.config.orphan_timeout_s)
+        self.keepers = self.ownership.keepers = Keepers(identity, self.config.orphan_timeout_s)
         self.pool = WorkerPool(ray.put(self.task), self.config, self.keepers, env=checkpoints.gcs_env())
         self._world: Optional[World] = None
-
-    # -------------------------------------------------------------- a rerun
-    def take_over_keepers(self) -> list[TakenOver]:
-        """The keepers an earlier driver of this run left, now this driver's (then its lease starts:
-        a driver that takes this run over later stops this one)."""
-        found = self.keepers.take_over()
-        self.keepers.start_lease(self._superseded)
-        return found
-
-    def release_unclaimed_keepers(self) -> None:
-        self.keepers.release_unclaimed()
-
-    def confirm_owner(self) -> None:
-        self.keepers.confirm()
-
-    def hand_back_keepers(self) -> None:
-        self.keepers.hand_back()
-
-    @property
-    def superseded(self) -> bool:
-        keepers = getattr(self, "keepers", None)  # set by connect
-        return keepers is not None and keepers.superseded.is_set()
-
-    @property
-    def dropped_snapshots(self) -> int:
-        """Snapshots the taken-over keepers held of another model or training settings."""
-        return self.keepers.dropped
 
     def _superseded(self) -> None:
         """A newer driver owns the run: stop training now (its processes' failures end the loop)."""
@@ -101,14 +76,14 @@ class RayBackend:
             return None
 
     # -------------------------------------------------------------- slices
-    def reserve(self, count: int, on_wait: Optional[Callable[[int, int], None]] = None) -> list[SliceReservation]:
+    def reserve(self, count: int, on_wait: Optional[Callable[[int, int], None]] = None) -> list[Reservation]:
         """``count`` slices, named by their hosts' TPU labels where Ray has them (a rerun's snapshots
         are filed by slice name), else when their first world forms."""
         reserved = reserve_slices(self.config.slice, count, self.config.slice_timeout_s, on_wait=on_wait)
         labels = host_labels(reserved)
         for res, hosts in zip(reserved, labels or []):
             res.slice_name = hosts[0]["slice_name"] or res.slice_name
-        return reserved
+        return list(reserved)
 
     def pending_demand(self) -> str:
         return pending_slice_demand()
@@ -187,54 +162,10 @@ class RayBackend:
 
         check_task(task, config, resume)
 
-    def drive(
-        self,
-        world: World,
-        store: SnapshotStore,
-        on_metrics: Callable[[dict], None],
-        step_times: list[float],
-        on_interval: Optional[Callable[[int, int], None]] = None,
-        on_committed: Optional[Callable[[list], None]] = None,
-        on_eval: Optional[Callable[[dict], bool]] = None,
-        save_limit: Callable[[], float] = lambda: float("inf"),
-        logged_step: Optional[Callable[[], int]] = None,
-    ) -> StepStreams:
-        return StepStreams(
-            world,
-            self.config,
-            store,
-            on_metrics,
-            step_times,
-            on_interval,
-            on_committed,
-            on_eval,
-            save_limit,
-            logged_step,
-        )
-
-    # ------------------------------------------------------------- evidence
-    def error_kind(self, error: BaseException) -> ErrorKind:
-        return health.error_kind(error)
-
-    def error_text(self, error: BaseException) -> str:
-        return health.error_text(error)
-
-    def hosts_answer(self, reservation) -> bool:
-        """Every host of the slice answers (its raylet accepts a connection): the hosts are alive."""
-        return health.raylets_answer(reservation.node_ids())
-
-    def lost_hosts(self, reservations: list) -> list:
-        """The reservations with a host Ray's node table has marked dead (one look, no grace)."""
-        if not reservations:
-            return []
-        dead = health.dead_slices({str(i): r.node_ids() for i, r in enumerate(reservations)}, set(), 0.0)
-        return [r for i, r in enumerate(reservations) if str(i) in dead]
-
-    def dead_slices(self, slice_nodes: dict[str, list[str]], suspects: set[str]) -> set[str]:
-        return health.dead_slices(slice_nodes, suspects, self.config.node_death_grace_s)
-
-    def unresponsive(self, world: World) -> set[int]:
-        return health.unresponsive(world.workers, self.config.probe_timeout_s)
+    def drive(self, world: WorldHandle, store: SnapshotStore, sink: StepSink) -> StepStreams:
+        if not isinstance(world, World):
+            raise TypeError(f"RayBackend drives the worlds it formed, not a {type(world).__name__}")
+        return StepStreams(world, self.config, store, sink)
 
     def shutdown(self) -> None:
         if getattr(self, "pool", None) is not None:

@@ -307,3 +307,43 @@ def _kill(actor) -> None:
         ray.kill(actor, no_restart=True)
     except Exception as e:  # noqa: BLE001 - already gone
         logger.debug("kill keeper: %s", e)
+
+
+class KeeperOwnership:
+    """The controller's :class:`~ray_elastic.control.backend.RunOwnership` over a run's
+    :class:`Keepers` (set once the backend connects; before that, nothing is owned or superseded)."""
+
+    def __init__(self, on_superseded: Callable[[], None]):
+        self.keepers: Optional[Keepers] = None
+        self._on_superseded = on_superseded  # stops this driver's processes
+
+    def _connected(self) -> Keepers:
+        if self.keepers is None:
+            raise RuntimeError("the backend is not connected: no keepers yet")
+        return self.keepers
+
+    @property
+    def superseded(self) -> bool:
+        return self.keepers is not None and self.keepers.superseded.is_set()
+
+    @property
+    def dropped_snapshots(self) -> int:
+        """Snapshots the taken-over keepers held of another model or training settings."""
+        return self._connected().dropped
+
+    def take_over(self) -> list[TakenOver]:
+        """The keepers an earlier driver of this run left, now this driver's (then its lease starts:
+        a driver that takes this run over later stops this one)."""
+        keepers = self._connected()
+        found = keepers.take_over()
+        keepers.start_lease(self._on_superseded)
+        return found
+
+    def release_unclaimed(self) -> None:
+        self._connected().release_unclaimed()
+
+    def confirm(self) -> None:
+        self._connected().confirm()
+
+    def hand_back(self) -> None:
+        self._connected().hand_back()

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import ray
 
 from ray_elastic.config import ElasticConfig
+from ray_elastic.control.backend import StepSink
 from ray_elastic.control.snapshot_cadence import SnapshotCadence
 from ray_elastic.control.states import OutcomeKind, RunOutcome
 from ray_elastic.decide import chunk_steps, is_eval_step, watchdog_timeout
@@ -56,31 +57,21 @@ NOT_KEPT_LISTED = 5  # snapshots not kept listed per world in the event (all are
 
 
 class StepStreams:
-    """Runs steps on ``world`` and feeds ``store`` and ``on_metrics`` (``on_interval``: a new snapshot interval)."""
+    """Runs steps on ``world``; what they snapshot goes into ``store``, what they report into ``sink``."""
 
     def __init__(
         self,
         world: World,
         config: ElasticConfig,
         store: SnapshotStore,
-        on_metrics: Callable[[dict], None],
-        step_times: list[float],
-        on_interval: Optional[Callable[[int, int], None]] = None,
-        on_committed: Optional[Callable[[list], None]] = None,
-        on_eval: Optional[Callable[[dict], bool]] = None,
-        save_limit: Callable[[], float] = lambda: float("inf"),
-        logged_step: Optional[Callable[[], int]] = None,
+        sink: StepSink,
     ):
         self.world = world
         self.config = config
         self.store = store
-        self.on_metrics = on_metrics
-        self.on_committed = on_committed
-        self.on_eval = on_eval  # an eval's metrics; asked with {"step": s} alone, says whether s's eval is known
-        self.step_times = step_times
-        self.save_limit = save_limit  # how long a save may run (save_timeout_s, or the automatic bound)
-        self.logged_step = logged_step  # keepers hear of a step once it is logged (what a rerun resumes from)
-        self.cadence = SnapshotCadence(config, step_times, on_interval)
+        self.sink = sink
+        self.step_times = sink.step_times
+        self.cadence = SnapshotCadence(config, sink.step_times, sink.snapshot_interval)
         self.steps_per_chunk = config.steps_per_chunk  # the last chunk's length (chunk_steps)
         # Per channel (World.channels: a process, or a relay's group of quiet ones): its chunks in flight.
         self.channels = world.channels
@@ -225,7 +216,7 @@ class StepStreams:
         if time.monotonic() - run.at <= watchdog_timeout(self.step_times, c.hang_timeout_factor, c.hang_timeout_min_s):
             return None
         answers = health.probe(self.world.workers, c.probe_timeout_s)
-        save_limit = self.save_limit()
+        save_limit = self.sink.save_limit_s()
         stuck = health.stuck_saves(answers, save_limit)
         if stuck:
             return RunOutcome(
@@ -260,10 +251,9 @@ class StepStreams:
 
     def _eval_lost(self, step: int, final_step: int) -> bool:
         """The eval due after ``step`` never reached the driver (a failure during it): redo it first."""
-        known = self.on_eval
-        if known is None or step < 0 or not is_eval_step(step, self.config.eval_every, final_step):
+        if step < 0 or not is_eval_step(step, self.config.eval_every, final_step):
             return False
-        return not known({"step": step})
+        return not self.sink.add_eval({"step": step})
 
     def _consume_results(self, channels: list[int]) -> dict[int, BaseException]:
         """Take the finished chunks of non-streaming channels (ready ones): one ``ray.get`` for all,
@@ -317,26 +307,26 @@ class StepStreams:
                 self._snapshot_steps.append(step)
         if item["kept"] and time.monotonic() - self._acked_at.get(p, 0.0) >= ACK_EVERY_S:
             self._acked_at[p] = time.monotonic()  # the keeper holds on to what we know of until we say newer
-            acked = max(item["kept"]) if self.logged_step is None else min(max(item["kept"]), self.logged_step())
+            acked = min(max(item["kept"]), self.sink.logged_step)  # keepers hear of a step once it is logged
             self.world.keepers[p].ack.remote(plan.generation, acked, self.world.epoch)
         self.cadence.snapshot_seconds.extend(item["snapshot_s"])
         for step, why in item.get("not_kept", ()):
             self.not_kept_count += 1
             if len(self.not_kept) < NOT_KEPT_LISTED:
                 self.not_kept.append({"slice": self.world.slice_of(p), "step": step, "why": why})
-        if "eval" in item and self.on_eval is not None:
-            self.on_eval(item["eval"])
+        if "eval" in item:
+            self.sink.add_eval(item["eval"])
         progressed = False
         for metrics in item["steps"]:
             if metrics["step"] > self._reported:
                 self._reported = metrics["step"]
                 self.cadence.step_done(metrics["step"], metrics["step_time_s"])
-                self.on_metrics(metrics)
+                self.sink.add(metrics)
                 progressed = True
-            elif metrics.get("checkpoints_committed") and self.on_committed is not None:
+            elif metrics.get("checkpoints_committed"):
                 # A step's metrics are kept from whichever holder reports it first, but a commit is
                 # reported at the step each holder's own save finished: take it from every report.
-                self.on_committed(metrics["checkpoints_committed"])
+                self.sink.saves_committed(metrics["checkpoints_committed"])
         return progressed
 
     def drain(self, timeout_s: float, errors: dict[int, BaseException], newest_s: float = 3.0) -> None:
