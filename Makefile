@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint test-soak test-all bench install clean
+.PHONY: demo test test-fast lint test-soak test-all bench install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q -ra $(ARGS)
+
+# The pure and fake-backend tests (no cluster, no processes started): the inner loop, under a minute.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -ra -m 'not cluster and not soak and not bench' $(ARGS)
 
 test-soak: $(STAMP)
 	$(PY) -m pytest -q -ra -m soak $(ARGS)

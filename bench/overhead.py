@@ -269,13 +269,14 @@ def main() -> None:
 
     from machine import cpu_probe_s, hour
 
+    from ray_elastic import AutoInterval
     from ray_elastic.sim.cluster import SimulatedTPUCluster
 
     probes = [cpu_probe_s()]
     snap = (
         {}
         if args.snapshot_every is None
-        else {"snapshot_every": args.snapshot_every if args.snapshot_every == "auto" else int(args.snapshot_every)}
+        else {"snapshot_every": AutoInterval() if args.snapshot_every == "auto" else int(args.snapshot_every)}
     )
     runs = {  # name -> (model, what runs it)
         "bare": ("small", lambda c, n: run_bare(n, "small", 1)),

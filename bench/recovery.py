@@ -113,7 +113,7 @@ def run_mode(
     model_name: str = "mlp",
 ) -> dict:
     """One run that fires ``faults`` in order; returns per-fault rows, grow pauses and rewinds."""
-    from ray_elastic import ElasticConfig, ElasticTrainer
+    from ray_elastic import AutoInterval, ElasticConfig, ElasticTrainer
     from ray_elastic.errors import ElasticRuntimeError
 
     arrivals: list[float] = []  # wall time of every finished step
@@ -202,7 +202,7 @@ def run_mode(
         steps_per_chunk=10,
         mode=mode,
         min_slices=1,  # a snapshot after every step by default: any rewind is a bug then
-        snapshot_every="auto" if snapshot_every == "auto" else int(snapshot_every),
+        snapshot_every=AutoInterval() if snapshot_every == "auto" else int(snapshot_every),
         **layout,
     )
     trainer = ElasticTrainer(task, cfg, progress=False, on_step=on_step, on_event=on_event)

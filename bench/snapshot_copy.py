@@ -8,7 +8,7 @@ them as a slice's fsdp axis shards it). For each state size per host it prints w
 snapshot costs *cold* (the first write into each slot of a new ring, as in a world's first steps:
 every page of the slot faults in) and *warm* (every later one: median and worst), and the shortest
 step time at which a warm snapshot after every step costs at most the budget (3%): above it
-``snapshot_every="auto"`` keeps every step; below it, it picks an interval.
+the default snapshot policy (``AutoInterval``) keeps every step; below it, it picks an interval.
 
     .venv/bin/python bench/snapshot_copy.py [--sizes-mb 1,4,16,64,256] [--reps 7]
 

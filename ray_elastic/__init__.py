@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "ElasticConfig": "ray_elastic.config",
     "SliceSpec": "ray_elastic.tpu",
+    "AutoInterval": "ray_elastic.policy.snapshots",
+    "EveryNSteps": "ray_elastic.policy.snapshots",
+    "SnapshotPolicy": "ray_elastic.policy.snapshots",
     "ElasticTrainer": "ray_elastic.trainer",
     "FitResult": "ray_elastic.observe.results",
     "RecoveryRecord": "ray_elastic.observe.results",
@@ -36,6 +39,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         TrainingCodeError,
     )
     from ray_elastic.observe.results import FitResult, RecoveryRecord
+    from ray_elastic.policy.snapshots import AutoInterval, EveryNSteps, SnapshotPolicy
     from ray_elastic.task import TrainTask
     from ray_elastic.tpu import SliceSpec
     from ray_elastic.trainer import ElasticTrainer

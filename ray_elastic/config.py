@@ -10,10 +10,11 @@ import dataclasses
 import math
 from typing import Optional, Union
 
-from ray_elastic.decide import WorldPlan, batch_for_world, lr_scale, plan_world
+from ray_elastic.decide import WorldPlan, WorldShapes, batch_for_world, lr_scale
 from ray_elastic.decide.field_types import mistyped_fields
 from ray_elastic.decide.layout import DEFAULT_SLICE_MESH, FSDP_AXIS, normalize_rules, resolve_slice_mesh
 from ray_elastic.policy.scaling import MODES, ScalingPolicy, scaling_policy  # noqa: F401 - MODES: the CLI's choices
+from ray_elastic.policy.snapshots import AutoInterval, SnapshotPolicy, as_policy, takes_snapshots
 from ray_elastic.tpu import SliceSpec
 
 BATCH_POLICIES = ("constant", "scale")
@@ -71,12 +72,13 @@ class ElasticConfig:
         compilation_cache_dir: JAX persistent compilation cache (shared by all generations); ``None`` disables it.
         slice_timeout_s: how long to wait for the first slices to be reserved before giving up.
         jax_init_timeout_s: how long processes wait for each other in ``jax.distributed.initialize``.
-        snapshot_every: snapshot the live state (to the host's keeper, off the step's critical
-            path) after every this many steps: 1 = zero rewind; 0 = no snapshots (recovery restores
-            the newest committed checkpoint); ``"auto"`` = the smallest interval whose snapshots
-            cost at most ``snapshot_budget`` of the step time, measured as the run goes (a
-            recovery then rewinds at most interval - 1 steps, reported in events and the summary).
-        snapshot_budget: with ``snapshot_every="auto"``, the share of the run's time snapshots may cost.
+        snapshot_every: how often the live state is snapshotted (to the host's keeper, off the
+            step's critical path): a :class:`~ray_elastic.policy.snapshots.SnapshotPolicy`, or an
+            int n for a snapshot after every n-th step (1 = zero rewind; 0 = none: a recovery
+            restores the newest committed checkpoint). Default ``AutoInterval(budget=0.02)``: the
+            smallest interval whose snapshots cost at most 2% of the step time, measured as the run
+            goes (every step wherever a copy fits; a recovery rewinds at most interval - 1 steps,
+            reported in events and the summary).
         snapshot_replicas: how many slices keep snapshots (replicas hold identical state). 3, so
             that losing any two slices at once (a shared failure domain, or a fault during a
             recovery) leaves a holder and rewinds nothing; the first slices of each world hold
@@ -160,8 +162,7 @@ class ElasticConfig:
     compilation_cache_dir: Optional[str] = "/tmp/ray-elastic-jax-cache"
     slice_timeout_s: float = 300.0
     jax_init_timeout_s: float = 120.0
-    snapshot_every: Union[int, str] = "auto"
-    snapshot_budget: float = 0.02
+    snapshot_every: Union[int, SnapshotPolicy] = dataclasses.field(default_factory=AutoInterval)
     snapshot_replicas: int = 3
     allow_restart_from_scratch: bool = False
     replacement_timeout_s: float = 300.0
@@ -259,18 +260,8 @@ class ElasticConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.snapshot_every != "auto" and (
-            isinstance(self.snapshot_every, bool) or not isinstance(self.snapshot_every, int) or self.snapshot_every < 0
-        ):
-            raise ValueError(
-                f"snapshot_every must be an integer >= 0 (0 turns snapshots off) or 'auto', got {self.snapshot_every!r}"
-            )
-        if not isinstance(self.snapshot_budget, (int, float)) or not 0 < self.snapshot_budget < 1:
-            raise ValueError(
-                f"snapshot_budget must be a share of the step time between 0 and 1 (0.02 = 2%), "
-                f"got {self.snapshot_budget!r}"
-            )
-        if self.snapshot_every == 0 and self.checkpoint_dir is None and not self.allow_restart_from_scratch:
+        self._check_snapshot_policy()
+        if not self.snapshots_on and self.checkpoint_dir is None and not self.allow_restart_from_scratch:
             raise ValueError(
                 "snapshot_every=0 without a checkpoint_dir keeps no state to recover from: any lost "
                 "slice would restart training from step 0. Set checkpoint_dir, keep snapshots "
@@ -371,24 +362,60 @@ class ElasticConfig:
     def eval_batch(self) -> int:
         return self.eval_batch_size or self.global_batch_size
 
+    def _check_snapshot_policy(self) -> None:
+        every = self.snapshot_every
+        if isinstance(every, int) and not isinstance(every, bool):
+            if every < 0:
+                raise ValueError(f"snapshot_every must be >= 0 (0 turns snapshots off), got {every}")
+            return
+        if every == "auto":
+            raise ValueError(
+                "snapshot_every='auto' is AutoInterval() (from ray_elastic import AutoInterval), the default"
+            )
+        if not isinstance(every, SnapshotPolicy):
+            raise ValueError(
+                f"snapshot_every must be an integer >= 0 or a SnapshotPolicy (AutoInterval(budget=...), "
+                f"EveryNSteps(n)), got {every!r}"
+            )
+        budget = getattr(every, "budget", None)
+        if isinstance(every, AutoInterval) and (not isinstance(budget, (int, float)) or not 0 < budget < 1):
+            raise ValueError(
+                f"AutoInterval(budget=...) is the share of the step time snapshots may cost, between 0 and 1 "
+                f"(0.02 = 2%), got {budget!r}"
+            )
+
+    @property
+    def snapshot_policy(self) -> SnapshotPolicy:
+        return as_policy(self.snapshot_every)
+
+    @property
+    def snapshots_on(self) -> bool:
+        return takes_snapshots(self.snapshot_policy)
+
     def world_plan(self, generation: int, slice_names: list[str]) -> WorldPlan:
         """The layout of a world of these slices: mesh, batch and update scale for its size.
 
         The one definition: standbys trace ahead for the plans it gives, and a world formed
         later must get the same one, or the traced step does not fit and is traced again.
         """
-        n = len(slice_names)
-        return plan_world(
-            generation,
-            slice_names,
+        return self.world_shapes([len(slice_names)]).plan(generation, slice_names)
+
+    def world_shapes(self, sizes: Optional[list[int]] = None) -> WorldShapes:
+        """How a world of each of ``sizes`` slices (default: :meth:`world_sizes`) is laid out."""
+        return WorldShapes(
             self.slice.num_hosts,
             self.slice.host_devices,
-            batch_for_world(n, self.num_slices, self.global_batch_size, self.batch_policy),
             data_stride=self.global_batch_size,
-            lr_scale=lr_scale(n, self.num_slices, self.lr_rule),
             snapshot_slices=self.snapshot_replicas,
             slice_mesh=self.slice_mesh,
             microbatch_size=self.microbatch_size or 0,
+            by_size={
+                n: (
+                    batch_for_world(n, self.num_slices, self.global_batch_size, self.batch_policy),
+                    lr_scale(n, self.num_slices, self.lr_rule),
+                )
+                for n in (self.world_sizes() if sizes is None else sizes)
+            },
         )
 
     def scaling_policy(self) -> ScalingPolicy:

@@ -36,8 +36,6 @@ class ElasticTrainer(Controller):
             directory, else the checkpoint directory; without either a run is never resumed so.
         tensorboard_dir: where TensorBoard scalars go (a local path or ``gs://``); default
             ``RUN_DIR/tensorboard`` with a ``run_dir``, else none. ``False``: none.
-        on_chunk, on_elastic_event_callback: deprecated names of ``on_step`` (called with
-            ``[metrics]``) and ``on_event``.
     """
 
     backend_cls = RayBackend

@@ -113,9 +113,37 @@ def _shares_cluster(module) -> bool:
     return getattr(module, "SHARE_CLUSTER", False) and set(getattr(module, "SIM_CLUSTER", {})) <= {"num_slices"}
 
 
+AREAS = {  # module -> what it tests, as a marker: ``pytest -m recovery`` (CONTRIBUTING.md: which for which change)
+    **dict.fromkeys(
+        ["test_recovery", "test_multihost", "test_tpu_runtime", "test_autoscaler", "test_autoscaler_multihost"],
+        "recovery",
+    ),
+    **dict.fromkeys(["test_checkpoints", "test_tensorboard_gcs"], "checkpoints"),
+    **dict.fromkeys(["test_driver_loss", "test_head_loss"], "driver_loss"),
+    **dict.fromkeys(
+        ["test_cli", "test_job_submit", "test_notebook", "test_check", "test_examples", "test_sim"], "interfaces"
+    ),
+    **dict.fromkeys(
+        ["test_training", "test_jax_world", "test_model_layout", "test_observability", "test_snapshot_slots"],
+        "training",
+    ),
+}
+CLUSTER_FIXTURES = {"sim_cluster", "shared_sim_cluster", "local_gcs"}
+# Modules whose tests start a cluster, Ray or JAX processes of their own (not through a fixture).
+STARTS_PROCESSES = {"test_job_submit", "test_notebook", "test_driver_loss", "test_head_loss", "test_bench_smoke"}
+
+
 def pytest_collection_modifyitems(items):
-    """The modules that share a cluster run last, one after the other (the sort keeps every module's
-    tests together and in order): their cluster then never lives beside another module's own."""
+    """Markers: each test's area (``AREAS``), and ``cluster`` on every test that needs a live Ray
+    cluster or starts processes (``make test-fast`` runs the others: the pure and fake-backend
+    tests). The modules that share a cluster run last, one after the other (the sort keeps every
+    module's tests together and in order): their cluster then never lives beside another module's own."""
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module in AREAS:
+            item.add_marker(getattr(pytest.mark, AREAS[module]))
+        if CLUSTER_FIXTURES & set(item.fixturenames) or module in STARTS_PROCESSES:
+            item.add_marker(pytest.mark.cluster)
     items.sort(key=lambda item: _shares_cluster(item.module))
 
 

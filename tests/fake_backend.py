@@ -17,6 +17,7 @@ from ray_elastic.control.backend import FormationTimes
 from ray_elastic.control.states import OutcomeKind, RunOutcome
 from ray_elastic.decide import ErrorKind, is_snapshot_step
 from ray_elastic.errors import CapacityTimeoutError, FormingError, ProcessFailed, StorageError, SupersededError
+from ray_elastic.policy.snapshots import SnapshotCosts
 from ray_elastic.state.snapshots import SnapshotRef
 
 
@@ -120,8 +121,7 @@ class FakeStreams:
                     return outcome
             self.backend.steps_run.append((self.world.plan.generation, step))
             self.on_metrics({"step": step, "loss": 1.0 / (step + 1), "step_time_s": 0.001})
-            every = self.backend.config.snapshot_every
-            if is_snapshot_step(step, 1 if every == "auto" else every):
+            if is_snapshot_step(step, self.backend.config.snapshot_policy.interval(SnapshotCosts())):
                 for p in range(self.world.plan.num_processes):
                     if self.world.plan.takes_snapshots(p):
                         self.store.add(

@@ -48,7 +48,7 @@ def test_demo_kills_a_slice_and_recovers():
     summary = _summary(proc)
     assert summary["steps"] == 40 and summary["slices"] == 3
     assert summary["mesh"] == {"replica": 3, "fsdp": 2, "tensor": 1}
-    # The default snapshot_every="auto" bounds the rewind by the interval it chose.
+    # The default snapshot policy (AutoInterval) bounds the rewind by the interval it chose.
     assert summary["recoveries"] == 1 and summary["steps_rewound"] <= summary["max_rewind_steps"]
     assert "after step 15" in summary["killed_slice"]
     assert 0 < summary["detection_s"] < summary["kill_to_training_again_s"]

@@ -3,7 +3,7 @@
 import pytest
 import ray
 
-from ray_elastic import ElasticConfig, ElasticTrainer, SliceSpec
+from ray_elastic import AutoInterval, ElasticConfig, ElasticTrainer, SliceSpec
 from ray_elastic.cli import main as cli_main
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
 
@@ -21,12 +21,13 @@ SIM = SliceSpec("v4", "2x2x1", devices_per_host=2)
         (dict(num_slices=3, global_batch_size=18), "use a multiple of 12"),
         (dict(num_slices=2, global_batch_size=0), "global_batch_size must be a positive integer"),
         (dict(num_slices=2, global_batch_size=12, steps_per_chunk=0), "steps_per_chunk must be >= 1"),
-        (dict(num_slices=2, global_batch_size=12, snapshot_every=-1), "snapshot_every must be an integer >= 0"),
-        (dict(num_slices=2, global_batch_size=12, snapshot_every="often"), "or 'auto', got 'often'"),
+        (dict(num_slices=2, global_batch_size=12, snapshot_every=-1), "snapshot_every must be >= 0"),
+        (dict(num_slices=2, global_batch_size=12, snapshot_every="often"), "or a SnapshotPolicy"),
+        (dict(num_slices=2, global_batch_size=12, snapshot_every="auto"), "is AutoInterval()"),
         (dict(num_slices=2, global_batch_size=12, snapshot_every=1.5), "snapshot_every must be an integer >= 0"),
-        (dict(num_slices=2, global_batch_size=12, snapshot_budget=0), "snapshot_budget must be a share"),
+        (dict(num_slices=2, global_batch_size=12, snapshot_every=AutoInterval(0)), "AutoInterval(budget=...) is"),
         (dict(num_slices=2, global_batch_size=12, worker_niceness=30), "worker_niceness must be None"),
-        (dict(num_slices=2, global_batch_size=12, snapshot_budget=2), "snapshot_budget must be a share"),
+        (dict(num_slices=2, global_batch_size=12, snapshot_every=AutoInterval(2)), "between 0 and 1"),
         (dict(num_slices=2, global_batch_size=12, checkpoint_every=0), "checkpoint_every must be >= 1"),
         (dict(num_slices=2, global_batch_size=12, snapshot_every=0), "snapshot_every=0 without a checkpoint_dir"),
         (dict(num_slices=2, global_batch_size=12, jax_init_timeout_s=None), "jax_init_timeout_s must be a number"),

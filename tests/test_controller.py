@@ -7,7 +7,6 @@ effects are scripted (``fake_backend.py``). The real-cluster fault tests in
 
 import itertools
 import time
-import warnings
 
 import pytest
 from fake_backend import (
@@ -25,7 +24,7 @@ from fake_backend import (
 
 from ray_elastic import ElasticConfig, ElasticTrainer, SliceSpec
 from ray_elastic.control.states import ControllerState as S
-from ray_elastic.control.states import InvalidTransition, OutcomeKind, RunOutcome, check_transition
+from ray_elastic.control.states import OutcomeKind, RunOutcome
 from ray_elastic.errors import (
     CapacityTimeoutError,
     ElasticRuntimeError,
@@ -41,11 +40,7 @@ STEPS = 20
 
 
 def make(backend: FakeBackend, **kw):
-    trainer_kw = {
-        k: kw.pop(k)
-        for k in ("retry_policy", "pre_callback", "on_event", "on_step", "on_chunk", "on_elastic_event_callback")
-        if k in kw
-    }
+    trainer_kw = {k: kw.pop(k) for k in ("retry_policy", "pre_callback", "on_event", "on_step") if k in kw}
     cfg = ElasticConfig(
         **{
             "num_slices": 3,
@@ -403,42 +398,11 @@ def test_callbacks_see_steps_and_elastic_events_only():
     assert [e["kind"] for e in events] == ["failure", "recovered", "resize"]
 
 
-def test_on_chunk_is_a_deprecated_alias():
-    got = []
-    with pytest.warns(DeprecationWarning, match="on_step"):
-        trainer = make(FakeBackend(), on_chunk=got.append)
-    trainer.fit(3)
-    assert got == [[{"step": s, "loss": 1.0 / (s + 1), "step_time_s": 0.001}] for s in range(3)]
-    events = []
-    with pytest.warns(DeprecationWarning, match="on_event"):
-        trainer = make(FakeBackend(faults={2: crash_process(0)}), on_elastic_event_callback=events.append)
-    trainer.fit(5)
-    assert [e["kind"] for e in events] == ["failure", "recovered"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        make(FakeBackend(), on_step=print, on_event=print)  # the new names do not warn
-
-
-# Every path a run can take, as the controller walks it; any other step is refused.
-FLOWS = [
-    [S.INITIALIZING, S.SCHEDULING, S.FORMING_WORLD, S.RUNNING, S.FINISHED],  # no failure
-    [S.RUNNING, S.RECOVERING, S.FORMING_WORLD, S.RUNNING],  # a failure, recovered at once
-    [S.RECOVERING, S.WAITING_FOR_CAPACITY, S.FORMING_WORLD],  # waiting for a replacement
-    [S.FORMING_WORLD, S.RECOVERING],  # a failure while forming
-    [S.RUNNING, S.RESIZING, S.FORMING_WORLD],  # growing back
-    [S.RUNNING, S.RESIZING, S.RECOVERING],  # a process lost while the world stops to grow back
-]
-LEGAL = {(a, b) for flow in FLOWS for a, b in zip(flow, flow[1:])}
-
-
-@pytest.mark.parametrize("old,new", list(itertools.product(S, S)), ids=lambda s: s.value)
-def test_check_transition(old, new):
-    allowed = (old, new) in LEGAL or (new is S.ERRORED and not old.is_terminal)  # any live state may error
-    if allowed:
-        check_transition(old, new)
-    else:
-        with pytest.raises(InvalidTransition, match=f"from {old.value} to {new.value}"):
-            check_transition(old, new)
+def test_one_name_for_each_callback():
+    """At 0.1 there is one way to do each thing: the old callback names are refused, not aliased."""
+    for old in ("on_chunk", "on_elastic_event_callback"):
+        with pytest.raises(TypeError, match=old):
+            ElasticTrainer(DigitsMLPTask(), ElasticConfig(num_slices=2, global_batch_size=12), **{old: print})
 
 
 def test_a_raylet_port_nothing_listens_on_is_proof_of_a_lost_node_and_a_listening_one_is_not():

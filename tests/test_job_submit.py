@@ -239,7 +239,7 @@ def test_ray_job_submit_recovers_from_a_killed_slice(cluster, tmp_path):
 
     summary = json.loads([ln for ln in logs.splitlines() if ln.startswith("{")][-1])
     assert summary["steps"] == STEPS and summary["recoveries"] == 1
-    assert summary["steps_rewound"] <= summary["max_rewind_steps"]  # snapshot_every="auto": bounded
+    assert summary["steps_rewound"] <= summary["max_rewind_steps"]  # the default AutoInterval: bounded
     assert summary["slices"] == 2  # replica-resize: continued on the survivors
     events = _events(run_dir)
     (failure,) = [e for e in events if e["kind"] == "failure"]

@@ -235,7 +235,7 @@ def test_newest_snapshot_step_follows_the_snapshot_rule():
 
 
 def test_the_newest_due_snapshot_follows_each_interval_where_it_held():
-    """``snapshot_every="auto"`` changes the interval as a world runs; each holds from its first step."""
+    """``AutoInterval`` changes the interval as a world runs; each holds from its first step."""
     from ray_elastic.decide import is_snapshot_step, newest_due_snapshot
 
     # The interval changes of a 2-host demo run (10 -> 8 at step 60): its drain waited the whole 3 s

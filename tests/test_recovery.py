@@ -31,6 +31,7 @@ from ray_elastic import ElasticConfig, ElasticTrainer
 from ray_elastic.errors import CapacityTimeoutError, RetriesExhaustedError, StateLostError, TrainingCodeError
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
 from ray_elastic.observe.results import unexplained_rewinds
+from ray_elastic.policy.snapshots import AutoInterval
 
 SIM_CLUSTER = {"num_slices": 3}
 SHARE_CLUSTER = True  # conftest.py: one cluster for the modules of plain 1-host slices
@@ -960,12 +961,12 @@ def test_scale_batch_policy_with_linear_lr_rule(cluster, baseline):
 
 
 def test_auto_snapshot_interval_bounds_the_rewind(cluster, baseline):
-    """snapshot_every="auto" with a budget no snapshot can meet: the interval grows past one step,
+    """AutoInterval with a budget no snapshot can meet: the interval grows past one step,
     is reported (event and summary), and a lost slice rewinds at most interval - 1 steps."""
     plan = FaultPlan({30: lambda t: in_thread(cluster.kill_slice, slice_name(t, 2))}, settle_by=STEPS - 5)
     trainer = ElasticTrainer(
         DigitsMLPTask(),
-        config(cluster, snapshot_every="auto", snapshot_budget=1e-4),
+        config(cluster, snapshot_every=AutoInterval(budget=1e-4)),
         progress=False,
         on_step=plan.on_step,
     )

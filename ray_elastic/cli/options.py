@@ -7,6 +7,7 @@ import importlib
 
 from ray_elastic.config import BATCH_POLICIES, MODES, ElasticConfig
 from ray_elastic.examples import EXAMPLE_SETTINGS, EXAMPLES
+from ray_elastic.policy.snapshots import AutoInterval
 from ray_elastic.task import TrainTask
 from ray_elastic.tpu import SliceSpec
 
@@ -111,14 +112,14 @@ def _add_state_args(p) -> None:
     p.add_argument(
         "--snapshot-every",
         type=parse_snapshot_every,
-        default=ElasticConfig.snapshot_every,
+        default="auto",
         help="steps between in-memory snapshots (0: none, recover from checkpoints; 'auto': "
         "the smallest interval costing at most --snapshot-budget of the step time)",
     )
     p.add_argument(
         "--snapshot-budget",
         type=float,
-        default=ElasticConfig.snapshot_budget,
+        default=AutoInterval.budget,
         help="share of the step time snapshots may cost with --snapshot-every auto",
     )
     p.add_argument(
@@ -211,8 +212,7 @@ def config_from_args(args, spec: SliceSpec) -> ElasticConfig:
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         max_to_keep=args.max_to_keep,
-        snapshot_every=args.snapshot_every,
-        snapshot_budget=args.snapshot_budget,
+        snapshot_every=AutoInterval(args.snapshot_budget) if args.snapshot_every == "auto" else args.snapshot_every,
         standby_workers=args.standby_workers,
         allow_restart_from_scratch=args.allow_restart_from_scratch,
         orphan_timeout_s=args.orphan_timeout,

@@ -84,7 +84,7 @@ class StepSink(Protocol):
     """Where a driven world's steps go (the run's :class:`~ray_elastic.observe.results.StepLedger`):
     their metrics, evals, committed saves and snapshot intervals, and what the drive reads back."""
 
-    step_times: list[float]  # every step run, rewound ones too (the watchdog, the "auto" interval)
+    step_times: list[float]  # every step run, rewound ones too (the watchdog, the snapshot policy)
     logged_step: int  # the newest step in the event log: keepers are told no step past it
 
     def add(self, metrics: dict) -> None: ...

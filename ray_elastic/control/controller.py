@@ -28,7 +28,7 @@ from ray_elastic.control.recorder import RunRecorder
 from ray_elastic.control.run_checkpoints import RunCheckpoints
 from ray_elastic.control.states import ControllerState, OutcomeKind, RunOutcome, check_transition
 from ray_elastic.control.takeover import take_over_run
-from ray_elastic.decide import Action, NextWorld, refuse_fresh_restart
+from ray_elastic.decide import refuse_fresh_restart
 from ray_elastic.errors import (
     CapacityTimeoutError,
     ElasticRuntimeError,
@@ -50,6 +50,7 @@ from ray_elastic.observe.observers import (
 from ray_elastic.observe.results import FitResult, RecoveryRecord, WorldChange
 from ray_elastic.observe.tensorboard import TensorBoardWriter, tensorboard_location
 from ray_elastic.policy.failure import FailurePolicy
+from ray_elastic.policy.scaling import Action, NextWorld
 from ray_elastic.state import checkpoints
 from ray_elastic.task import TrainTask
 
@@ -87,8 +88,6 @@ class Controller:
         name: Optional[str] = None,
         run_id: Optional[str] = None,
         tensorboard_dir=None,
-        on_chunk: Optional[Callable[[list[dict]], None]] = None,
-        on_elastic_event_callback: Optional[Callable[[dict], None]] = None,
     ):
         if not isinstance(task, TrainTask):
             raise ValueError(f"task must be a ray_elastic.TrainTask, got {type(task).__name__}")
@@ -97,9 +96,7 @@ class Controller:
         for arg, cb in (("retry_policy", retry_policy), ("pre_callback", pre_callback)):
             if cb is not None and not callable(cb):
                 raise ValueError(f"{arg} must be callable, got {type(cb).__name__}")
-        self.callbacks = UserCallbacks(
-            on_step, on_event, on_chunk=on_chunk, on_elastic_event_callback=on_elastic_event_callback
-        )
+        self.callbacks = UserCallbacks(on_step, on_event)
         self.task, self.config, self.address, self.progress = task, config, address, progress
         self.retry_policy, self.pre_callback, self.run_dir = retry_policy, pre_callback, run_dir
         self.name = name or (os.path.basename(os.path.normpath(run_dir)) if run_dir else "ray-elastic")

@@ -19,18 +19,11 @@ from ray_elastic.control.backend import Backend, WorldHandle
 from ray_elastic.control.backend import slice_name as _name
 from ray_elastic.control.run_checkpoints import RunCheckpoints
 from ray_elastic.control.states import OutcomeKind, RunOutcome
-from ray_elastic.decide import (
-    REPORT_EVERY_S,
-    Action,
-    ErrorKind,
-    NextWorld,
-    RestorePlan,
-    RestoreSource,
-    choose_restore,
-)
+from ray_elastic.decide import REPORT_EVERY_S, ErrorKind, RestorePlan, RestoreSource, choose_restore
 from ray_elastic.errors import unreadable_checkpoint
 from ray_elastic.observe.results import WorldRecord
 from ray_elastic.policy.failure import FailureEvidence
+from ray_elastic.policy.scaling import Action, NextWorld
 from ray_elastic.state import checkpoints
 from ray_elastic.state.snapshot_keeper import PREVIOUS_DRIVER
 from ray_elastic.state.snapshots import SnapshotRef, SnapshotStore

@@ -1,8 +1,6 @@
-"""How often a world snapshots: ``snapshot_every`` as given, or chosen as the run goes ("auto").
-
-The "auto" interval is the smallest that keeps what snapshots cost the steps within
-``snapshot_budget``; the cost is read from the step times at the current interval
-(:func:`~ray_elastic.decide.snapshot_cost_in_steps`) and from what each snapshot cost its process.
+"""How often a world snapshots: the run's :class:`~ray_elastic.policy.snapshots.SnapshotPolicy`
+asked at every chunk with what snapshots have cost: their cost to their process, and their cost
+read from the step times at the current interval (:func:`~ray_elastic.decide.snapshot_cost_in_steps`).
 """
 
 from __future__ import annotations
@@ -10,9 +8,10 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from ray_elastic.config import ElasticConfig
-from ray_elastic.decide import MAX_SNAPSHOT_EVERY, newest_due_snapshot, snapshot_cost_in_steps, snapshot_interval
+from ray_elastic.decide import MAX_SNAPSHOT_EVERY, newest_due_snapshot, snapshot_cost_in_steps
+from ray_elastic.policy.snapshots import SnapshotCosts
 
-STEP_COST_WINDOW = 10  # snapshot intervals of step times the auto interval reads
+STEP_COST_WINDOW = 10  # snapshot intervals of step times a snapshot's cost is read from
 
 
 class SnapshotCadence:
@@ -27,6 +26,7 @@ class SnapshotCadence:
         on_interval: Optional[Callable[[int, int], None]] = None,
     ):
         self.config = config
+        self.policy = config.snapshot_policy
         self.step_times = step_times  # the run's, every step run
         self.on_interval = on_interval
         self.snapshot_seconds: list[float] = []  # what each snapshot cost its process (host copy + hand-over)
@@ -41,24 +41,17 @@ class SnapshotCadence:
             del self._timed[: STEP_COST_WINDOW * MAX_SNAPSHOT_EVERY]
 
     def interval_from(self, step: int) -> int:
-        """The interval for the chunk that starts at ``step``."""
-        c = self.config
-        if c.snapshot_every != "auto":
-            every = int(c.snapshot_every)
-        else:
-            current = self.intervals[-1][1] if self.intervals else 1
-            if self.intervals:  # what the snapshots cost the steps run at the current interval
-                since = self.intervals[-1][0]
-                timed = [t for t in self._timed[-STEP_COST_WINDOW * current :] if t[0] >= since]
-                measured = snapshot_cost_in_steps(timed, current)
-                self._step_cost = self._step_cost if measured is None else measured  # held across a change
-            every = snapshot_interval(
-                self.snapshot_seconds[-20:],
-                self.step_times[-20:],
-                c.snapshot_budget,
-                current,
-                step_cost=self._step_cost,
-            )
+        """The interval for the chunk that starts at ``step``: the run's snapshot policy asked with
+        what snapshots have cost so far."""
+        current = self.intervals[-1][1] if self.intervals else 1
+        if self.intervals and current:  # what the snapshots cost the steps run at the current interval
+            since = self.intervals[-1][0]
+            timed = [t for t in self._timed[-STEP_COST_WINDOW * current :] if t[0] >= since]
+            measured = snapshot_cost_in_steps(timed, current)
+            self._step_cost = self._step_cost if measured is None else measured  # held across a change
+        every = self.policy.interval(
+            SnapshotCosts(tuple(self.snapshot_seconds[-20:]), tuple(self.step_times[-20:]), current, self._step_cost)
+        )
         if not self.intervals or self.intervals[-1][1] != every:
             self.intervals.append((step, every))
             if self.on_interval is not None:

@@ -4,7 +4,6 @@
 - :mod:`~ray_elastic.decide.world`: one world's process ids, mesh, batch and learning-rate scale;
 - :mod:`~ray_elastic.decide.schedule`: snapshot, eval and checkpoint steps, chunk lengths, time bounds;
 - :mod:`~ray_elastic.decide.failures`: what a failure means, and the limits on retrying;
-- :mod:`~ray_elastic.decide.next_world`: the next move's types (form, wait, fail);
 - :mod:`~ray_elastic.decide.restore`: where the next world's state comes from.
 """
 
@@ -27,7 +26,6 @@ from ray_elastic.decide.layout import (
     resolve_slice_mesh,
     spec_sizes,
 )
-from ray_elastic.decide.next_world import Action, NextWorld
 from ray_elastic.decide.restore import RestorePlan, RestoreSource, choose_restore, refuse_fresh_restart
 from ray_elastic.decide.schedule import (
     MAX_CHUNK_S,
@@ -48,7 +46,7 @@ from ray_elastic.decide.schedule import (
     snapshot_interval,
     watchdog_timeout,
 )
-from ray_elastic.decide.world import WorldPlan, batch_for_world, lr_scale, plan_world
+from ray_elastic.decide.world import WorldPlan, WorldShapes, batch_for_world, lr_scale, plan_world
 
 __all__ = [
     "REPLICA_AXIS",
@@ -61,6 +59,7 @@ __all__ = [
     "partition",
     "spec_sizes",
     "WorldPlan",
+    "WorldShapes",
     "plan_world",
     "batch_for_world",
     "lr_scale",
@@ -87,8 +86,6 @@ __all__ = [
     "HOST_FAULTS",
     "drop_repeat_offender",
     "failures_exceeded",
-    "Action",
-    "NextWorld",
     "RestoreSource",
     "RestorePlan",
     "choose_restore",

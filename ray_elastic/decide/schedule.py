@@ -13,7 +13,7 @@ def is_snapshot_step(step: int, every: int) -> bool:
     return every > 0 and (step + 1) % every == 0
 
 
-MAX_SNAPSHOT_EVERY = 1000  # the longest interval "auto" picks
+MAX_SNAPSHOT_EVERY = 1000  # the longest interval AutoInterval picks
 REPORT_EVERY_S = 5.0  # how often a wait (for slices, for a world's processes) says what it still waits for
 
 
@@ -25,7 +25,7 @@ def snapshot_interval(
     max_every: int = MAX_SNAPSHOT_EVERY,
     step_cost: Optional[float] = None,
 ) -> int:
-    """``snapshot_every="auto"``: the smallest interval at which snapshots cost at most ``budget`` of
+    """``AutoInterval``: the smallest interval at which snapshots cost at most ``budget`` of
     the run's time. A snapshot costing ``c`` seconds every ``k`` steps of ``t`` seconds costs
     ``c / (k t)``; ``c`` is the larger of what it cost its process (see ``SnapshotWriter``: the
     writer thread's CPU time for the copy into the keeper's ring, and any wait of the step loop) and what it cost the steps

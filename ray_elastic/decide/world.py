@@ -157,3 +157,39 @@ def lr_scale(num_active: int, num_total: int, rule) -> float:
         return 1.0
     frac = num_active / num_total
     return frac if rule == "linear" else frac**0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldShapes:
+    """How a run lays out a world of each size it may train on: what :func:`plan_world` takes
+    besides the slices, and per world size its global batch and learning-rate scale. Computed once
+    on the driver (``ElasticConfig.world_shapes``); the controller and the slice processes plan
+    every world with it, so a step traced ahead fits the world formed later."""
+
+    hosts_per_slice: int
+    devices_per_host: int
+    data_stride: int
+    snapshot_slices: int
+    slice_mesh: Optional[dict]
+    microbatch_size: int
+    by_size: dict[int, tuple[int, float]]  # world size -> (global batch, lr scale)
+
+    def sizes(self) -> list[int]:
+        return sorted(self.by_size)
+
+    def plan(self, generation: int, slice_names: Sequence[str]) -> WorldPlan:
+        if len(slice_names) not in self.by_size:
+            raise ValueError(f"no layout for a world of {len(slice_names)} slices (this run's: {self.sizes()})")
+        batch, scale = self.by_size[len(slice_names)]
+        return plan_world(
+            generation,
+            slice_names,
+            self.hosts_per_slice,
+            self.devices_per_host,
+            batch,
+            data_stride=self.data_stride,
+            lr_scale=scale,
+            snapshot_slices=self.snapshot_slices,
+            slice_mesh=self.slice_mesh,
+            microbatch_size=self.microbatch_size,
+        )

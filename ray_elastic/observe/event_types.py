@@ -183,7 +183,7 @@ class Eval(Event):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SnapshotInterval(Event):
-    """``snapshot_every`` (chosen by "auto" or given) from ``step`` on."""
+    """The snapshot interval (the snapshot policy's) from ``step`` on."""
 
     kind = "snapshot_interval"
     step: int

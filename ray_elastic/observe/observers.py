@@ -7,7 +7,6 @@ progress bar, Ray metrics, the user's callbacks and warm standby processes.
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Callable, Optional
 
 from ray_elastic.observe import event_types as ev
@@ -102,35 +101,17 @@ class RayMetricsObserver(EventListener):
 
 
 class UserCallbacks(EventListener):
-    """The user's ``on_step`` (every finished step's metrics) and ``on_event`` (the elastic events).
+    """The user's ``on_step`` (every finished step's metrics) and ``on_event`` (the elastic events)."""
 
-    ``on_chunk`` (called with ``[metrics]``) and ``on_elastic_event_callback`` are the old names,
-    deprecated: they warn once, at construction, and still work for one release.
-    """
-
-    def __init__(self, on_step=None, on_event=None, *, on_chunk=None, on_elastic_event_callback=None):
-        for old, new, value in (
-            ("on_chunk", "on_step", on_chunk),
-            ("on_elastic_event_callback", "on_event", on_elastic_event_callback),
-        ):
-            if value is not None:
-                warnings.warn(
-                    f"ElasticTrainer({old}=...) is deprecated: use {new}= (the old name is removed in "
-                    "the next release)",
-                    DeprecationWarning,
-                    stacklevel=3,
-                )
-        self.on_step_cb, self.on_chunk_cb = on_step, on_chunk
-        self.on_event_cb = on_event or on_elastic_event_callback
-        for arg, cb in (("on_step", on_step), ("on_event", self.on_event_cb), ("on_chunk", on_chunk)):
+    def __init__(self, on_step=None, on_event=None):
+        for arg, cb in (("on_step", on_step), ("on_event", on_event)):
             if cb is not None and not callable(cb):
                 raise ValueError(f"{arg} must be callable, got {type(cb).__name__}")
+        self.on_step_cb, self.on_event_cb = on_step, on_event
 
     def on_step(self, metrics: dict) -> None:
         if self.on_step_cb is not None:
             self.on_step_cb(metrics)
-        if self.on_chunk_cb is not None:
-            self.on_chunk_cb([metrics])
 
     def on_event(self, event: ev.Event) -> None:
         if self.on_event_cb is not None and isinstance(event, ev.ELASTIC):

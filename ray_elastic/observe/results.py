@@ -105,7 +105,7 @@ class RunSummary:
     startup_s: Optional[float] = None  # reserving, starting, jax.distributed, the first state (the goodput's startup)
     compile_s: Optional[float] = None
     median_step_s: Optional[float] = None
-    snapshot_every: Optional[int] = None  # the last snapshot interval (``snapshot_every="auto"`` picks it)
+    snapshot_every: Optional[int] = None  # the last snapshot interval (the snapshot policy picks it)
     max_rewind_steps: Optional[int] = None  # the most a recovery could rewind with a holder alive (interval - 1)
     resumed_from_snapshot: Optional[int] = None  # a rerun: the step a lost driver's keepers held
     steps_rewound_on_resume: Optional[int] = None  # a rerun: the earlier driver's last step - the resumed one
@@ -234,7 +234,7 @@ class StepLedger:
             self.events.emit(ev.CheckpointCommitted(step=step, total_s=total_s))
 
     def snapshot_interval(self, step: int, every: int) -> None:
-        """The snapshot interval from ``step`` on (``snapshot_every="auto"`` picks it as the run goes)."""
+        """The snapshot interval from ``step`` on (the snapshot policy picks it as the run goes)."""
         self.events.emit(ev.SnapshotInterval(step=step, every=every, max_rewind_steps=max(0, every - 1)))
 
     def save_limit_s(self) -> float:

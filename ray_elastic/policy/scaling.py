@@ -9,9 +9,31 @@ sizes to trace their step ahead for.
 from __future__ import annotations
 
 import abc
+import dataclasses
+import enum
 from typing import ClassVar, Sequence
 
-from ray_elastic.decide.next_world import Action, NextWorld
+
+class Action(enum.StrEnum):
+    """The controller's next move after a failure or when capacity returns."""
+
+    FORM = "form"
+    WAIT = "wait"
+    FAIL = "fail"
+
+
+@dataclasses.dataclass(frozen=True)
+class NextWorld:
+    """The controller's next move after a failure: form a world, wait for capacity, or fail."""
+
+    action: Action
+    survivors: tuple[str, ...] = ()  # the slices that stay, in replica order
+    replacements: int = 0  # ready replacement slices to add
+    reason: str = ""
+
+    @property
+    def size(self) -> int:
+        return len(self.survivors) + self.replacements
 
 
 class ScalingPolicy(abc.ABC):

@@ -13,6 +13,7 @@ from ray_elastic.config import ElasticConfig
 from ray_elastic.ray_backend.keepers import Keepers
 from ray_elastic.ray_backend.placement import UNPLACED, SliceReservation
 from ray_elastic.ray_backend.relay import RelayPool
+from ray_elastic.ray_backend.slice_settings import slice_settings
 from ray_elastic.slice.worker import SliceWorker
 from ray_elastic.state.snapshot_keeper import SnapshotKeeper
 
@@ -42,6 +43,7 @@ class WorkerPool:
         self.task_ref = task_ref
         self.run_keepers = keepers
         self.config = config
+        self.settings = slice_settings(config)  # what the slice processes get of it
         self.env = env or {}  # forwarded to every slice process (GCS endpoint and credentials)
         # (id(reservation), host) -> standbys, oldest first
         self._standby: dict[tuple[int, int], list[Standby]] = {}
@@ -120,7 +122,7 @@ class WorkerPool:
         options = {"num_cpus": 0, "scheduling_strategy": res.host_strategy(host)}
         if self.env:
             options["runtime_env"] = {"env_vars": self.env}
-        actor = SliceWorker.options(**options).remote(self.task_ref, self.config)  # type: ignore[attr-defined]
+        actor = SliceWorker.options(**options).remote(self.task_ref, self.settings)  # type: ignore[attr-defined]
         return Standby(actor, actor.prepare.remote(for_world), actor.traced_ahead.remote())
 
     def take(self, res: SliceReservation, host: int, for_world: Optional[int] = None) -> tuple[tuple, bool]:

@@ -23,6 +23,7 @@ def check_task(task: TrainTask, config: ElasticConfig, resume=None) -> None:
     (:class:`~ray_elastic.state.checkpoints.CheckpointInfo`), compared array by array with the model."""
     from jax.sharding import AbstractMesh
 
+    from ray_elastic.ray_backend.slice_settings import slice_settings
     from ray_elastic.slice import jax_world
     from ray_elastic.slice import step_program as sp
     from ray_elastic.slice.data import StepBatches
@@ -47,7 +48,7 @@ def check_task(task: TrainTask, config: ElasticConfig, resume=None) -> None:
         )
         return
     try:
-        jax_world.trace_for(task, config, plan, batches)
+        jax_world.trace_for(task, slice_settings(config), plan, batches)
     except TrainingCodeError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's loss or step

@@ -23,6 +23,7 @@ from ray_elastic.slice import step_program as sp
 from ray_elastic.slice.compile_cache import cache_hits, compile_ahead, lower_and_compile
 from ray_elastic.slice.data import BatchPrefetcher, StepBatches
 from ray_elastic.slice.host_blocks import block_range, host_blocks, leaf_paths
+from ray_elastic.slice.settings import SliceSettings
 
 logger = logging.getLogger(__name__)
 
@@ -70,32 +71,32 @@ def trace_ahead(
     return step.trace(state, batch)
 
 
-def trace_for(task, config, plan: WorldPlan, batches: StepBatches) -> jax.stages.Traced:
-    """:func:`trace_ahead` with the run's settings (``config``: its ElasticConfig)."""
+def trace_for(task, settings: SliceSettings, plan: WorldPlan, batches: StepBatches) -> jax.stages.Traced:
+    """:func:`trace_ahead` with the run's settings."""
     return trace_ahead(
         task,
         plan,
-        config.seed,
-        config.fsdp_min_size,
+        settings.seed,
+        settings.fsdp_min_size,
         batches,
-        scale_updates=config.lr_rule is not None,
-        rules=config.logical_axis_rules,
-        pack=config.snapshot_every != 0,
+        scale_updates=settings.scale_updates,
+        rules=settings.logical_axis_rules,
+        pack=settings.pack,
     )
 
 
-def compile_smaller_in_background(task, config, plan: WorldPlan, batches) -> None:
-    """Compile the step of the next smaller world the run may form (``config``: its ElasticConfig)
-    into the persistent cache, on a thread: a replica-resize recovery then loads it instead of
-    compiling a layout never seen. Nothing to do without a persistent cache."""
+def compile_smaller_in_background(task, settings: SliceSettings, plan: WorldPlan, batches) -> None:
+    """Compile the step of the next smaller world the run may form into the persistent cache, on a
+    thread: a replica-resize recovery then loads it instead of compiling a layout never seen.
+    Nothing to do without a persistent cache."""
     smaller = plan.num_slices - 1
-    if not config.compilation_cache_dir or smaller not in config.world_sizes():
+    if not settings.compilation_cache_dir or smaller not in settings.worlds.sizes():
         return
 
     def run():
-        target = config.world_plan(plan.generation + 1, plan.slice_names[:smaller])
+        target = settings.worlds.plan(plan.generation + 1, plan.slice_names[:smaller])
         try:
-            compile_ahead(trace_for(task, config, target, batches), target)
+            compile_ahead(trace_for(task, settings, target, batches), target)
         except Exception as e:  # noqa: BLE001 - an optimisation: the world that needs it compiles it
             logger.warning("compiling ahead for %d slices failed: %r", smaller, e)
 

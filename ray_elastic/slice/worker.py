@@ -24,6 +24,7 @@ import ray
 from ray_elastic.decide import WorldPlan, is_checkpoint_step, is_eval_step, is_snapshot_step
 from ray_elastic.detect.liveness import Beacon
 from ray_elastic.slice.process import set_niceness, world_errors
+from ray_elastic.slice.settings import SliceSettings
 from ray_elastic.slice.step_reports import StepReports
 from ray_elastic.slice.tpu_env import clear_stale_lock, megascale_env, set_world_env, wait_until_gone
 from ray_elastic.state.checkpoints import checkpoint_metadata
@@ -42,18 +43,18 @@ class SliceWorker:
 
     Args:
         task: the user's TrainTask.
-        config: the run's ElasticConfig (seed, data order, cache, snapshots, checkpoints).
+        settings: what the process needs of the run's settings (:class:`SliceSettings`, made on the driver).
     """
 
-    def __init__(self, task, config):
-        set_niceness(config.worker_niceness)
+    def __init__(self, task, settings: SliceSettings):
+        set_niceness(settings.worker_niceness)
         try:  # the driver's connection to it ends when this process does (liveness.DeathWatch)
             self._beacon: Optional[Beacon] = Beacon(ray.util.get_node_ip_address())
         except OSError as e:
             logger.warning("no liveness beacon (its death is then seen through Ray only): %r", e)
             self._beacon = None
         self.task = task
-        self.config = config
+        self.settings = settings
         self.plan: Optional[WorldPlan] = None
         self.process_id: Optional[int] = None
         self.loop = None
@@ -83,7 +84,7 @@ class SliceWorker:
             from ray_elastic.slice.compile_cache import enable_compilation_cache
             from ray_elastic.slice.data import EvalBatches, StepBatches
 
-            c = self.config
+            c = self.settings
             enable_compilation_cache(c.compilation_cache_dir)
             self.batches = StepBatches(self.task.dataset(), c.global_batch_size, c.seed)
             if c.eval_every:
@@ -110,9 +111,9 @@ class SliceWorker:
     def _likely_plans(self, for_world: Optional[int] = None) -> list[WorldPlan]:
         """Layouts of the largest worlds this run may form (``ElasticConfig.world_plan``, as forming does),
         or of the one world of ``for_world`` slices."""
-        c = self.config
-        sizes = [for_world] if for_world else sorted(c.world_sizes(), reverse=True)[:TRACE_AHEAD_WORLDS]
-        return [c.world_plan(0, [f"s{i}" for i in range(n)]) for n in sizes]
+        c = self.settings
+        sizes = [for_world] if for_world else sorted(c.worlds.sizes(), reverse=True)[:TRACE_AHEAD_WORLDS]
+        return [c.worlds.plan(0, [f"s{i}" for i in range(n)]) for n in sizes]
 
     def host_info(self) -> dict:
         """Where this process really runs (for placement checks and event logs)."""
@@ -176,7 +177,7 @@ class SliceWorker:
         from ray_elastic.slice import jax_world as jw
         from ray_elastic.slice import mesh as world_mesh
 
-        c = self.config
+        c = self.settings
         if self.batches is None:
             self.prepare()
         if self.loop is not None:
@@ -210,13 +211,13 @@ class SliceWorker:
                 c.fsdp_min_size,
                 self.batches,
                 restore=blocks,
-                scale_updates=c.lr_rule is not None,
+                scale_updates=c.scale_updates,
                 checkpointer=checkpointer,
                 checkpoint_step=checkpoint_step,
                 restore_from=source,
                 rules=c.logical_axis_rules,
                 eval_batches=self.eval_batches,
-                pack=c.snapshot_every != 0,
+                pack=c.pack,
             )
         if source is not checkpointer:
             source.close()
@@ -259,7 +260,7 @@ class SliceWorker:
         the same, or another run's directory, read only."""
         from ray_elastic.state.checkpoints import Checkpointer
 
-        c = self.config
+        c = self.settings
         own = Checkpointer(c.checkpoint_dir, c.max_to_keep, c.async_checkpointing) if c.checkpoint_dir else None
         if checkpoint_step is not None and checkpoint_dir not in (None, c.checkpoint_dir):
             return own, Checkpointer(checkpoint_dir, None, read_only=True)
@@ -313,10 +314,8 @@ class SliceWorker:
         metrics are streamed as ``{"eval": {...}}``: a failure during the eval rewinds no step
         (``eval_before`` redoes the eval of ``start_step - 1`` first, when a failure lost it).
         """
-        c = self.config
-        every = (
-            snapshot_every if snapshot_every is not None else (1 if c.snapshot_every == "auto" else c.snapshot_every)
-        )
+        c = self.settings
+        every = snapshot_every if snapshot_every is not None else c.snapshot_every
         streams = self.plan.takes_snapshots(self.process_id)
         end = start_step + num_steps
         flush_at = time.monotonic()  # the first finished step goes out at once: progress is seen early
@@ -339,14 +338,14 @@ class SliceWorker:
 
     def _step(self, step: int, final_step: int, every: int) -> None:
         """Dispatch ``step``; after it, a checkpoint or a snapshot when due; keep ``IN_FLIGHT`` steps in flight."""
-        c = self.config
+        c = self.settings
         with world_errors(f"step {step}"):
             self.loop.dispatch(step)
             if c.checkpoint_dir and is_checkpoint_step(step, c.checkpoint_every, final_step):
                 while self.loop.in_flight():  # a non-finite loss stops the run before the save
                     self._finish_one()
                 with self._saving():
-                    metadata = checkpoint_metadata(self.task.name(), self.plan, c, step + 1)
+                    metadata = checkpoint_metadata(self.task.name(), self.plan, c.seed, c.batch_policy, step + 1)
                     blocking = self.loop.save_checkpoint(step + 1, metadata)
                 # The step has finished (above): its metrics, not yet streamed, carry the save.
                 self.reports.last.update(checkpoint_step=step + 1, checkpoint_blocking_s=blocking)
@@ -383,7 +382,7 @@ class SliceWorker:
                 yield item
         self.evaluating = True
         with world_errors(f"evaluating after step {step}"):
-            metrics = self.loop.evaluate(self.config.eval_steps)
+            metrics = self.loop.evaluate(self.settings.eval_steps)
         self.evaluating = False  # a failed eval ends the process's world: nothing reads it after
         if streams:
             yield {"steps": [], "kept": [], "snapshot_s": [], "eval": {"step": step, **metrics}}
@@ -395,7 +394,7 @@ class SliceWorker:
 
         self._compiled_ahead = True
         if self.process_id == 0:
-            compile_smaller_in_background(self.task, self.config, self.plan, self.batches)
+            compile_smaller_in_background(self.task, self.settings, self.plan, self.batches)
 
     def _snapshot(self, step: int) -> None:
         """Hand the state after ``step`` (the newest dispatched) to the writer."""
@@ -443,7 +442,10 @@ class SliceWorker:
         with self._saving():
             if save_step is not None:
                 self.loop.save_checkpoint(
-                    save_step, checkpoint_metadata(self.task.name(), self.plan, self.config, save_step)
+                    save_step,
+                    checkpoint_metadata(
+                        self.task.name(), self.plan, self.settings.seed, self.settings.batch_policy, save_step
+                    ),
                 )
             self.loop.checkpointer.wait()
         return self.loop.checkpointer.finished_saves()

@@ -403,15 +403,15 @@ class Checkpointer:
         self._mgr.close()
 
 
-def checkpoint_metadata(task_name: str, plan, config, steps_done: int) -> dict:
+def checkpoint_metadata(task_name: str, plan, seed: int, batch_policy: str, steps_done: int) -> dict:
     """Saved with every checkpoint: whose it is, where the data stands and the world that wrote it
-    (``plan``: its WorldPlan; ``config``: the run's ElasticConfig)."""
+    (``plan``: its WorldPlan; ``seed`` and ``batch_policy``: the run's)."""
     return {
         "step": steps_done,
         "task": task_name,  # checkpoints belong to a task: another one's are not resumed silently
         "data_position": steps_done * plan.stride,
         "data_stride": plan.stride,
-        "seed": config.seed,
+        "seed": seed,
         "world": {
             "generation": plan.generation,
             "slices": list(plan.slice_names),
@@ -419,7 +419,7 @@ def checkpoint_metadata(task_name: str, plan, config, steps_done: int) -> dict:
             "hosts_per_slice": plan.hosts_per_slice,
             "mesh": plan.mesh_shape,
             "global_batch_size": plan.global_batch_size,
-            "batch_policy": config.batch_policy,
+            "batch_policy": batch_policy,
             "lr_scale": plan.lr_scale,
         },
         "saved_at": time.time(),

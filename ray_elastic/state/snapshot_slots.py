@@ -144,7 +144,7 @@ class SlotSegment:
         try:
             os.ftruncate(fd, size)
             # Its memory taken now, not page by page in the process's first writes (a first step's
-            # snapshot would look costly, and "auto" would widen the interval for nothing).
+            # snapshot would look costly, and AutoInterval would widen the interval for nothing).
             os.posix_fallocate(fd, 0, size)
         except OSError:
             os.close(fd)
