@@ -47,7 +47,6 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Optional
 
 KINDS = (
     "process_kill",
@@ -215,7 +214,7 @@ def run_phase(
     gap: int,
     rng: random.Random,
     ckpt_dir: str,
-    run_dir: Optional[str] = None,
+    run_dir: str | None = None,
     noise: bool = True,
 ) -> dict:
     from ray_elastic import ElasticConfig, ElasticTrainer
@@ -366,7 +365,7 @@ def _max_rel(a, b) -> float:
     return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), LOSS_FLOOR)))
 
 
-def _phase_dir(run_dir: Optional[str], phase: str) -> Optional[str]:
+def _phase_dir(run_dir: str | None, phase: str) -> str | None:
     return os.path.join(run_dir, phase) if run_dir else None
 
 
@@ -429,7 +428,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="ray-elastic-chaos-") as tmp:
         steps = args.steps or args.gap * args.faults + 60
         print(
-            f"phase 1: 4 slices x 1 host, min 2, {args.faults or 'every %ss' % args.every_s} fault(s), {steps} steps",
+            f"phase 1: 4 slices x 1 host, min 2, {args.faults or f'every {args.every_s}s'} fault(s), {steps} steps",
             flush=True,
         )
         with SimulatedTPUCluster(num_slices=4, log_to_driver=False) as cluster:

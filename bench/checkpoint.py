@@ -46,7 +46,7 @@ def measure(cluster, task, directory: str, steps: int, every: int) -> dict:
     step_s = statistics.median(plain)
     blocking = statistics.mean(e["blocking_s"] for e in saves)
     resumed = ElasticTrainer(task, cfg, progress=False).fit(steps + 1)
-    restore = [e for e in resumed.events if e["kind"] == "checkpoint_restore"][0]
+    restore = next(e for e in resumed.events if e["kind"] == "checkpoint_restore")
     return {
         "saves": len(saves),
         "median_step_s": round(step_s, 4),

@@ -40,7 +40,6 @@ import os
 import statistics
 import subprocess
 import sys
-from typing import Optional
 
 NUM_SLICES, DEVICES, BATCH, CHUNK = 3, 2, 48, 20
 MODELS = {"small": dict(seq_len=32, d_model=32, num_layers=1), "large": dict(seq_len=32, d_model=256, num_layers=2)}
@@ -182,7 +181,7 @@ def alternating_snapshots(chunks: dict[int, int]):
         SnapshotCadence.interval_from = original
 
 
-def ab_cost(times: list[float], chunks: dict[int, int], first: int) -> Optional[float]:
+def ab_cost(times: list[float], chunks: dict[int, int], first: int) -> float | None:
     """What keeping every step costs, from an A/B run: per snapshotting chunk after ``first``, the
     median of its settled steps over the median of its neighbours' (chunks without snapshots); the
     median of those ratios, minus one. Pairs of neighbours cancel the hour's drift."""
@@ -345,7 +344,7 @@ def main() -> None:
         by_role["all"] = round(sum(by_role.values()), 2)
     print("median CPU ms/step: " + "; ".join(f"{k} {v}" for k, v in cpu.items()))
 
-    def cpu_cost(k: str, base: str) -> Optional[dict]:
+    def cpu_cost(k: str, base: str) -> dict | None:
         """What ``k`` adds to ``base``'s CPU per step, by role, and as a fraction of all of base's."""
         if k not in cpu or base not in cpu:
             return None

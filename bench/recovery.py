@@ -301,7 +301,7 @@ def report(title: str, out: dict) -> None:
     )
     for r in rows:
         print(
-            f"  {r['kind']:>8} {r['position']:>3} {str(r['holder']):>6} {str(r['cold']):>5} "
+            f"  {r['kind']:>8} {r['position']:>3} {r['holder']!s:>6} {r['cold']!s:>5} "
             f"{r['processes_starting']:>8} " + " ".join(f"{r[p]:>11.3f}" for p in PHASES)
         )
     groups: dict = {}

@@ -56,7 +56,7 @@ def one_size(mb: int, reps: int) -> tuple[list[float], list[float]]:
             packed = pack(leaves)
             packed.copy_to_host_async()
             packed.block_until_ready()
-            writer.write(0, step, lambda rows: snapshot_pack.fill(packed, layout, rows))
+            writer.write(0, step, lambda rows, packed=packed: snapshot_pack.fill(packed, layout, rows))
             seconds.append(time.perf_counter() - t0)
     finally:
         writer.close()

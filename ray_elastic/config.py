@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Union
 
 from ray_elastic.decide import WorldPlan, WorldShapes, batch_for_world, lr_scale
 from ray_elastic.decide.field_types import mistyped_fields
@@ -153,21 +152,21 @@ class ElasticConfig:
     num_slices: int
     global_batch_size: int
     slice: SliceSpec = dataclasses.field(default_factory=SliceSpec)
-    min_slices: Optional[int] = None
+    min_slices: int | None = None
     mode: str = "replica-resize"
     batch_policy: str = "constant"
     steps_per_chunk: int = 10
     seed: int = 0
     fsdp_min_size: int = 2**18
-    compilation_cache_dir: Optional[str] = "/tmp/ray-elastic-jax-cache"
+    compilation_cache_dir: str | None = "/tmp/ray-elastic-jax-cache"
     slice_timeout_s: float = 300.0
     jax_init_timeout_s: float = 120.0
-    snapshot_every: Union[int, SnapshotPolicy] = dataclasses.field(default_factory=AutoInterval)
+    snapshot_every: int | SnapshotPolicy = dataclasses.field(default_factory=AutoInterval)
     snapshot_replicas: int = 3
     allow_restart_from_scratch: bool = False
     replacement_timeout_s: float = 300.0
     fallback_to_resize: bool = False
-    lr_rule: Optional[str] = None
+    lr_rule: str | None = None
     hang_timeout_factor: float = 20.0
     hang_timeout_min_s: float = 5.0
     probe_timeout_s: float = 2.0
@@ -176,20 +175,20 @@ class ElasticConfig:
     failure_window_s: float = 3600.0
     max_failures_in_a_row: int = 5
     standby_workers: int = 2
-    checkpoint_dir: Optional[str] = None
+    checkpoint_dir: str | None = None
     checkpoint_every: int = 100
-    max_to_keep: Optional[int] = 3
+    max_to_keep: int | None = 3
     async_checkpointing: bool = True
-    save_timeout_s: Optional[float] = None
+    save_timeout_s: float | None = None
     orphan_timeout_s: float = 300.0
     max_save_failures_in_a_row: int = 3
-    worker_niceness: Optional[int] = None
+    worker_niceness: int | None = None
     slice_mesh: dict = dataclasses.field(default_factory=lambda: dict(DEFAULT_SLICE_MESH))
     logical_axis_rules: tuple = ()
-    microbatch_size: Optional[int] = None
+    microbatch_size: int | None = None
     eval_every: int = 0
     eval_steps: int = 1
-    eval_batch_size: Optional[int] = None
+    eval_batch_size: int | None = None
     progress_metrics: tuple = ()
     megascale_port: int = 8081
 
@@ -400,7 +399,7 @@ class ElasticConfig:
         """
         return self.world_shapes([len(slice_names)]).plan(generation, slice_names)
 
-    def world_shapes(self, sizes: Optional[list[int]] = None) -> WorldShapes:
+    def world_shapes(self, sizes: list[int] | None = None) -> WorldShapes:
         """How a world of each of ``sizes`` slices (default: :meth:`world_sizes`) is laid out."""
         return WorldShapes(
             self.slice.num_hosts,

@@ -5,8 +5,6 @@ why, so a caller (a notebook cell, a job script, an outer retry loop) can decide
 what to do without parsing the message.
 """
 
-from typing import Optional
-
 
 class ElasticRuntimeError(RuntimeError):
     """Training could not go on; the message says why and what was tried."""
@@ -82,7 +80,7 @@ class StorageError(SliceDownError):
     damaged step): recoverable by another world, never the task's fault. ``checkpoint_step``: the
     step that could not be read, when it was a restore."""
 
-    def __init__(self, message: str, checkpoint_step: Optional[int] = None):
+    def __init__(self, message: str, checkpoint_step: int | None = None):
         super().__init__(message)
         self.checkpoint_step = checkpoint_step
 
@@ -100,7 +98,7 @@ class StorageFailingError(RetriesExhaustedError):
     between): the storage, not a slice, is the problem. The message names the location and error."""
 
 
-def storage_error(exc: Optional[BaseException]) -> Optional[StorageError]:
+def storage_error(exc: BaseException | None) -> StorageError | None:
     """The :class:`StorageError` ``exc`` is or carries (looked for through the ``cause`` that
     FormingError, ProcessFailed and Ray's RayTaskError keep), else None."""
     while exc is not None:
@@ -110,13 +108,13 @@ def storage_error(exc: Optional[BaseException]) -> Optional[StorageError]:
     return None
 
 
-def unreadable_checkpoint(exc: Optional[BaseException]) -> Optional[int]:
+def unreadable_checkpoint(exc: BaseException | None) -> int | None:
     """The checkpoint step a world failed to restore, when that is what ``exc`` says."""
     found = storage_error(exc)
     return found.checkpoint_step if found is not None else None
 
 
-def failed_save(exc: Optional[BaseException]) -> bool:
+def failed_save(exc: BaseException | None) -> bool:
     """``exc`` says a checkpoint save (not a restore) failed or timed out."""
     found = storage_error(exc)
     return found is not None and found.checkpoint_step is None

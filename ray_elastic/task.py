@@ -25,7 +25,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import contextvars
-from typing import Any, Optional
+from typing import Any
 
 from ray_elastic.errors import TrainingCodeError
 
@@ -121,7 +121,7 @@ class TrainTask(abc.ABC):
     def dataset(self):
         """Random-access examples: a ``grain.MapDataset`` (or sequence) of dicts of numpy arrays."""
 
-    def eval_dataset(self) -> Optional[Any]:
+    def eval_dataset(self) -> Any | None:
         """Held-out examples, like :meth:`dataset`; ``None``: no evaluation. Eval batch ``i`` is
         its examples ``i*E .. i*E+E-1`` (``E``: ``ElasticConfig.eval_batch_size``), unshuffled."""
         return None

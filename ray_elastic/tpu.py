@@ -4,7 +4,6 @@ uses), and the node labels Ray puts on TPU hosts."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 
 def _ray_tpu():
@@ -35,7 +34,7 @@ class SliceSpec:
 
     accelerator: str = "v4"
     topology: str = "2x2x1"
-    devices_per_host: Optional[int] = None
+    devices_per_host: int | None = None
 
     def __post_init__(self):
         ray_tpu = _ray_tpu()
@@ -58,7 +57,7 @@ class SliceSpec:
             raise ValueError(f"devices_per_host must be >= 1 (or None for one per chip), got {self.devices_per_host}")
 
     @classmethod
-    def for_hosts(cls, accelerator: str, num_hosts: int, devices_per_host: Optional[int] = None) -> "SliceSpec":
+    def for_hosts(cls, accelerator: str, num_hosts: int, devices_per_host: int | None = None) -> SliceSpec:
         """The smallest valid topology of ``accelerator`` with ``num_hosts`` hosts."""
         ray_tpu = _ray_tpu()
         acc = cls(accelerator=accelerator, topology=_first_topology(accelerator)).accelerator

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import ClassVar
 
 from ray_elastic.control.backend import FormationTimes
 from ray_elastic.control.states import OutcomeKind, RunOutcome
@@ -39,9 +40,9 @@ class FakeSpec:
 
 
 class FakeReservation:
-    def __init__(self, backend: "FakeBackend", host: str):
+    def __init__(self, backend: FakeBackend, host: str):
         self.backend, self.host, self.spec = backend, host, FakeSpec()
-        self.slice_name: Optional[str] = None
+        self.slice_name: str | None = None
         self.released = False
 
     def node_ids(self) -> list[str]:
@@ -55,12 +56,12 @@ class FakeReservation:
 class FakeRequest:
     """A pending replacement: ready once the cluster has a free live slice."""
 
-    def __init__(self, backend: "FakeBackend"):
+    def __init__(self, backend: FakeBackend):
         self.backend = backend
-        self.res: Optional[FakeReservation] = None
+        self.res: FakeReservation | None = None
         self.cancelled = False
 
-    def poll(self) -> Optional[FakeReservation]:
+    def poll(self) -> FakeReservation | None:
         if self.res is None:
             free = self.backend.free_slices()
             if free:
@@ -139,7 +140,7 @@ class FakeStreams:
 class FakeBackend:
     """A cluster of named one-host slices; ``spare`` of them start unreserved."""
 
-    def __init__(self, slices: int = 3, *, faults: Optional[dict] = None, form_script: Optional[list] = None):
+    def __init__(self, slices: int = 3, *, faults: dict | None = None, form_script: list | None = None):
         self.hosts = [f"s{i}" for i in range(slices)]
         self.alive = set(self.hosts)
         self.hung: set[str] = set()
@@ -160,7 +161,7 @@ class FakeBackend:
     def check_task(self, task, config, resume=None) -> None:
         """No JAX runs here: the fake slices never build the task's model."""
 
-    def __call__(self, task, config, address=None) -> "FakeBackend":  # stands in for the class
+    def __call__(self, task, config, address=None) -> FakeBackend:  # stands in for the class
         self.config = config
         return self
 
@@ -186,15 +187,15 @@ class FakeBackend:
     dropped_snapshots = 0
 
     @property
-    def ownership(self) -> "FakeBackend":
+    def ownership(self) -> FakeBackend:
         return self
 
     @property
-    def health(self) -> "FakeBackend":
+    def health(self) -> FakeBackend:
         return self
 
-    left_behind: list = []  # TakenOver s a test leaves for the run to take over (a lost driver's keepers)
-    released_after_steps: Optional[int] = None  # how many steps had run when they were released
+    left_behind: ClassVar[list] = []  # TakenOver s a test leaves for the run to take over (a lost driver's keepers)
+    released_after_steps: int | None = None  # how many steps had run when they were released
 
     def take_over(self) -> list:
         return list(self.left_behind)

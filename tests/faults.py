@@ -6,7 +6,6 @@ import os
 import signal
 import threading
 import time
-from typing import Optional
 
 import numpy as np
 
@@ -40,7 +39,7 @@ class FaultPlan:
     land before the run ends: at ``settle_by`` (a step) the driver waits for it, so a kill slowed by
     loaded cores cannot arrive after the last step (a run with no failure to see)."""
 
-    def __init__(self, faults: dict, settle_by: Optional[int] = None):
+    def __init__(self, faults: dict, settle_by: int | None = None):
         self.faults = dict(faults)
         self.trainer = None
         self.fired: list[tuple[int, float]] = []

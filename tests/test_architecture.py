@@ -142,7 +142,7 @@ def test_the_ray_backend_and_the_fake_offer_what_the_backend_protocol_names():
                 continue
             want = inspect.signature(member).parameters
             have = inspect.signature(getattr(impl, name)).parameters
-            if any(p not in have for p in want if p != "self" and not want[p].kind == want[p].VAR_KEYWORD):
+            if any(p not in have for p in want if p != "self" and want[p].kind != want[p].VAR_KEYWORD):
                 problems.append(f"{impl.__name__}.{name}{inspect.signature(getattr(impl, name))} lacks {list(want)}")
             extra = [
                 p

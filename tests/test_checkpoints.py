@@ -192,7 +192,7 @@ def test_slice_killed_during_a_save(sim_cluster, local_gcs, reference):
     assert unfinished not in restored
     # Later saves landed, the unfinished step among them (re-saved by the next world), and
     # nothing unfinished is left in the bucket (max_to_keep=3 keeps the last three).
-    failed_at = [i for i, e in enumerate(result.events) if e["kind"] == "failure"][0]
+    failed_at = next(i for i, e in enumerate(result.events) if e["kind"] == "failure")
     later = [e["step"] for e in result.events[failed_at:] if e["kind"] == "checkpoint_committed"]
     assert unfinished in later and later[-1] == 40, later
     final = _steps_in_bucket(local_gcs, bucket, "run")
@@ -251,7 +251,7 @@ def test_checkpoints_belong_to_their_task_and_another_runs_are_loaded_only_when_
     _fit(sim_cluster, a, 20, every=10)
     assert latest_checkpoint(a).metadata["task"] == "DigitsMLPTask"
     cfg_a = _config(sim_cluster, checkpoint_dir=a, checkpoint_every=10)
-    with pytest.raises(ValueError, match="holds checkpoints of task 'DigitsMLPTask'.*resume_from="):
+    with pytest.raises(ValueError, match=r"holds checkpoints of task 'DigitsMLPTask'.*resume_from="):
         ElasticTrainer(OtherTask(), cfg_a, progress=False).fit(30)
     # Asked for: start from A's newest checkpoint, write to B; A is only read.
     cfg_b = _config(sim_cluster, checkpoint_dir=b, checkpoint_every=10)
@@ -262,7 +262,7 @@ def test_checkpoints_belong_to_their_task_and_another_runs_are_loaded_only_when_
     assert latest_checkpoint(a).step == 20
     # B now holds checkpoints, so resuming from A into it would save among them, and a
     # recovery without a snapshot would restore B's newest (another run's step): refused up front.
-    with pytest.raises(ValueError, match="already holds checkpoints.*step 30.*empty checkpoint_dir"):
+    with pytest.raises(ValueError, match=r"already holds checkpoints.*step 30.*empty checkpoint_dir"):
         ElasticTrainer(OtherTask(), cfg_b, progress=False).fit(40, resume_from=a)
     assert latest_checkpoint(b).step == 30
 

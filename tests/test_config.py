@@ -93,7 +93,7 @@ def test_pause_and_resume_only_needs_full_size_split():
 
 def test_trainer_rejects_bad_arguments_before_ray():
     cfg = ElasticConfig(num_slices=2, global_batch_size=12, slice=SIM)
-    with pytest.raises(ValueError, match="task must be a ray_elastic.TrainTask"):
+    with pytest.raises(ValueError, match=r"task must be a ray_elastic.TrainTask"):
         ElasticTrainer(object(), cfg)
     with pytest.raises(ValueError, match="num_steps must be a positive integer"):
         ElasticTrainer(DigitsMLPTask(), cfg).fit(0)

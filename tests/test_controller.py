@@ -214,7 +214,7 @@ def test_pause_and_resume_waits_then_times_out():
 def test_replica_resize_below_min_slices_waits_then_times_out():
     backend = FakeBackend(faults={5: lose_slice(1)})
     trainer = make(backend, min_slices=3, replacement_timeout_s=0.3)
-    with pytest.raises(CapacityTimeoutError, match="fewer than min_slices=3.*lower min_slices"):
+    with pytest.raises(CapacityTimeoutError, match=r"fewer than min_slices=3.*lower min_slices"):
         trainer.fit(STEPS)
     assert trainer.state is S.ERRORED
 
@@ -228,7 +228,7 @@ def lose_both_holders(backend, world):
 def test_losing_every_snapshot_holder_without_a_checkpoint_is_not_a_silent_restart():
     backend = FakeBackend(slices=4, faults={5: lose_both_holders})
     trainer = make(backend, num_slices=4, global_batch_size=48, snapshot_replicas=2)
-    with pytest.raises(StateLostError, match="restart training from step 0 .5 steps done.*allow_restart_from_scratch"):
+    with pytest.raises(StateLostError, match=r"restart training from step 0 .5 steps done.*allow_restart_from_scratch"):
         trainer.fit(STEPS)
     assert len(backend.formed) == 1  # nothing formed on fresh parameters
 
@@ -324,7 +324,7 @@ def test_growing_back_waits_for_the_newcomers_process_while_training_goes_on():
     trainer = make(backend)
     result = trainer.fit(STEPS)
     assert_every_step_once_no_rewind(result, backend)
-    (up,) = kinds(result, "scale_up")
+    (_up,) = kinds(result, "scale_up")
     grown = trainer.worlds[-1]
     assert grown.slices == ["s0", "s1", "s3"] and grown.start_step >= 13  # not at step 9: trained on while warming
     assert "s3" in backend.standby_checks  # the newcomer's process was started before the switch
@@ -618,7 +618,7 @@ def test_a_beacon_holds_only_the_drivers_connections_and_a_bounded_number_of_str
                 return conn.recv(1) == b""
             except ConnectionResetError:
                 return True
-            except socket.timeout:
+            except TimeoutError:
                 return False
 
         wrong = socket.create_connection(("127.0.0.1", port))

@@ -155,11 +155,11 @@ def test_a_log_of_an_earlier_version_still_loads(tmp_path):
 def test_a_torn_last_line_is_repaired_and_every_rerun_reads_past_it(tmp_path):
     """A driver killed while writing leaves a partial last line: the next run starts on a line of
     its own (the torn one is skipped with a warning, not a JSONDecodeError for every rerun)."""
-    trainer, first = fake_run(tmp_path)
+    _trainer, _first = fake_run(tmp_path)
     path = tmp_path / "run" / "events.jsonl"
     with open(path, "a") as f:
         f.write('{"kind": "steps", "steps": [16, 17], "los')  # SIGKILL mid-line
-    trainer, second = fake_run(tmp_path)
+    _trainer, second = fake_run(tmp_path)
     assert second.summary["num_steps"] == 16  # no JSONDecodeError: checkpoint 16 covers them all
     lines = path.read_text().splitlines()
     assert sum(1 for ln in lines if ln.startswith('{"kind": "steps", "steps": [16, 17], "los')) == 1

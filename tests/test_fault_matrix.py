@@ -132,7 +132,7 @@ def _fault_at(state, fired: list):
 )
 def test_a_fault_in_every_state_is_recovered_or_ends_with_a_documented_error(tmp_path, state):
     fired = []
-    trainer, backend, entered = journey(tmp_path, _fault_at(state, fired))
+    trainer, backend, _entered = journey(tmp_path, _fault_at(state, fired))
     try:
         result = trainer.fit(STEPS)
     except DOCUMENTED:
@@ -185,7 +185,7 @@ def test_a_rerun_offers_only_steps_whose_losses_were_logged_as_finite():
     config = ElasticConfig(num_slices=1, global_batch_size=48, slice=SliceSpec("v4", "2x2x1"))
     found = [TakenOver(object(), "n0", ("a", 0), [40, 41, 42])]
     early = Generations(config, FakeBackend(slices=1))  # a log that ended long before (a NaN at 21)
-    held, refused, why = early.take_over(found, logged=20)
+    _held, refused, why = early.take_over(found, logged=20)
     assert early.taken_over_step == -1 and refused == [40, 41, 42] and "finite loss" in why
     unlogged = Generations(config, FakeBackend(slices=1))  # no run_dir: checkpoint 42 covers steps 0..41
     assert unlogged.take_over(found, logged=None, committed=42)[1] == [42]

@@ -229,7 +229,7 @@ def test_ray_job_submit_recovers_from_a_killed_slice(cluster, tmp_path):
         return done and max(done) >= KILL_AFTER
 
     cluster._wait(trained_past_kill_point, 180, "the job's first steps")
-    formed = [e for e in _events(run_dir) if e["kind"] == "world_formed"][0]
+    formed = next(e for e in _events(run_dir) if e["kind"] == "world_formed")
     victim = formed["slices"][-1]
     cluster.kill_slice(victim)
 

@@ -36,7 +36,7 @@ def test_two_slices_of_two_hosts(sim_cluster):
     assert len(infos) == 4
     slices = {s.name: s.node_ids for s in sim_cluster.alive_slices()}
     for pid, info in enumerate(infos):
-        slice_index, host = divmod(pid, 2)
+        _slice_index, host = divmod(pid, 2)
         assert info["tpu_worker_id"] == str(host)
         assert info["node_id"] == slices[info["slice_name"]][host]
     assert infos[0]["slice_name"] == infos[1]["slice_name"] != infos[2]["slice_name"] == infos[3]["slice_name"]

@@ -181,7 +181,7 @@ def test_snapshot_store_completes_per_slice_and_prunes():
 def test_snapshot_store_never_completes_a_step_from_two_worlds():
     st = SnapshotStore(hosts_per_slice=2)
     st.add("a", 0, 5, "old-a0-5")
-    st.add("a", 1, 5, "old-a1-5")  # noqa: E702
+    st.add("a", 1, 5, "old-a1-5")
     st.add("a", 0, 6, "old-a0-6")  # the old world died after host 0 delivered step 6
     st.drop_after(5)  # the next world restores step 5 and runs step 6 again
     st.add("a", 1, 6, "new-a1-6")
@@ -219,7 +219,7 @@ def test_each_mode_is_one_policy_chosen_by_the_config():
     for mode in MODES:
         cfg = ElasticConfig(num_slices=4, global_batch_size=48, mode=mode, min_slices=2)
         assert cfg.scaling_policy().mode == mode
-    with pytest.raises(ValueError, match="unknown mode 'shrink'.*resize-until-full"):
+    with pytest.raises(ValueError, match=r"unknown mode 'shrink'.*resize-until-full"):
         ElasticConfig(num_slices=4, global_batch_size=48, mode="shrink")
     assert ElasticConfig(num_slices=4, global_batch_size=48, mode="pause-and-resume").world_sizes() == [4]
 

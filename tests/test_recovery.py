@@ -124,7 +124,7 @@ def _say_if_slow(trainer, t0: float, limit_s: float) -> None:
     if took > limit_s:
         events = trainer.events.events
         tail = time.time() - events[-1]["ts"] if events else float("nan")
-        warnings.warn(f"a fit took {took:.0f} s ({tail:.1f} s after its last event):\n{timeline(events)}")
+        warnings.warn(f"a fit took {took:.0f} s ({tail:.1f} s after its last event):\n{timeline(events)}", stacklevel=2)
 
 
 def run(cluster, faults: dict, steps: int = STEPS, check_rewound: bool = True, **cfg_kw):
@@ -168,7 +168,7 @@ def test_every_process_death_is_seen_by_its_signal(cluster, baseline):
 
         return fault
 
-    trainer, result = run(cluster, {10: kill(0), 20: kill(1), 30: kill(2)}, **WARM)
+    _trainer, result = run(cluster, {10: kill(0), 20: kill(1), 30: kill(2)}, **WARM)
     failures = [e for e in result.events if e["kind"] == "failure"]
     assert len(failures) == 3, "\n".join(json.dumps(e, default=str) for e in result.events if e["kind"] != "step")
     for victim, failure in zip(victims, failures):
@@ -192,7 +192,7 @@ def test_every_node_loss_is_seen_by_its_signal(cluster, baseline, position):
         victim["name"] = slice_name(t, position)
         return in_thread(cluster.kill_slice, victim["name"])
 
-    trainer, result = run(cluster, {20: kill}, **WARM)
+    _trainer, result = run(cluster, {20: kill}, **WARM)
     failures = [e for e in result.events if e["kind"] == "failure"]
     assert len(failures) == 1, "\n".join(json.dumps(e, default=str) for e in result.events if e["kind"] != "step")
     (failure,) = failures
@@ -290,7 +290,7 @@ def test_ctrl_c_in_each_state_leaves_nothing_behind(cluster, where):
 
 
 def test_slice_hung_by_sigstop(cluster, baseline):
-    trainer, result = run(cluster, {20: lambda t: cluster.hang_slice(slice_name(t, 2))})
+    _trainer, result = run(cluster, {20: lambda t: cluster.hang_slice(slice_name(t, 2))})
     (rec,) = result.recoveries
     assert rec.slices == 2
     assert max_rel_err(result.losses, baseline) <= RESIZED
@@ -299,7 +299,7 @@ def test_slice_hung_by_sigstop(cluster, baseline):
 def test_hung_process_found_by_watchdog_and_probe(cluster, baseline):
     # Only the JAX process is stopped; Ray sees a healthy node. The watchdog and the
     # health probe (its own concurrency group) must find it.
-    trainer, result = run(cluster, {20: lambda t: stop_process_of_slice(t, 1)}, hang_timeout_min_s=2.0)
+    _trainer, result = run(cluster, {20: lambda t: stop_process_of_slice(t, 1)}, hang_timeout_min_s=2.0)
     failure = next(e for e in result.events if e["kind"] == "failure")
     assert failure["cause"] == "hang"
     assert list(failure["kinds"].values()) == ["hang"]
@@ -313,7 +313,7 @@ def test_two_slices_lost_at_once(cluster, baseline):
         names = [slice_name(t, 0), slice_name(t, 1)]  # two snapshot holders: the third keeps one
         in_thread(lambda: [cluster.kill_slice(n) for n in names])
 
-    trainer, result = run(cluster, {25: kill_two})
+    _trainer, result = run(cluster, {25: kill_two})
     assert result.summary["slices"] == 1
     assert sum(len(e["lost_slices"]) for e in result.events if e["kind"] == "failure") == 2
     assert max_rel_err(result.losses, baseline) <= RESIZED
@@ -472,7 +472,7 @@ def test_a_keeper_lost_while_its_host_lives_is_replaced_and_costs_no_step(cluste
     def kill_keeper(t):
         ray.kill(t.world.keepers[0])
 
-    trainer, result = run(cluster, {10: kill_keeper, 30: lambda t: kill_process_of_slice(t, 2)})
+    _trainer, result = run(cluster, {10: kill_keeper, 30: lambda t: kill_process_of_slice(t, 2)})
     formed = [e for e in result.events if e["kind"] == "world_formed"]
     not_kept = [e for e in result.events if e["kind"] == "snapshot_not_kept"]
     assert not_kept and {n["slice"] for e in not_kept for n in e["first"]} == {formed[0]["slices"][0]}
@@ -523,7 +523,7 @@ def test_second_failure_during_recovery(cluster, baseline):
 def test_pause_and_resume_with_provisioning_delay(cluster, baseline):
     prov = cluster.provisioner(delay_s=2.0)
     try:
-        trainer, result = run(
+        _trainer, result = run(
             cluster, {20: lambda t: in_thread(cluster.kill_slice, slice_name(t, 1))}, mode="pause-and-resume"
         )
     finally:
@@ -590,7 +590,7 @@ def test_replacement_dying_on_arrival(cluster, baseline):
             time.sleep(0.05)
 
     try:
-        trainer, result = run(
+        _trainer, result = run(
             cluster,
             {20: lambda t: (in_thread(cluster.kill_slice, slice_name(t, 1)), in_thread(kill_first_arrival))},
             mode="pause-and-resume",
@@ -710,7 +710,7 @@ def test_losing_every_snapshot_holder_without_a_checkpoint_fails_clearly(cluster
 
 
 def test_pause_and_resume_timeout_falls_back_to_resize(cluster, baseline):
-    trainer, result = run(
+    _trainer, result = run(
         cluster,
         {20: lambda t: in_thread(cluster.kill_slice, slice_name(t, 0))},
         mode="pause-and-resume",
@@ -934,7 +934,7 @@ def test_random_faults(cluster, baseline_long, num_faults):
 
     prov = cluster.provisioner(delay_s=0.5)
     try:
-        trainer, result = run(
+        _trainer, result = run(
             cluster, {s: fault(k) for s, k in zip(steps, chosen)}, steps=LONG_STEPS, hang_timeout_min_s=2.0
         )
     finally:

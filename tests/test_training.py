@@ -23,7 +23,7 @@ def mlp_run(sim_cluster):
 
 
 def test_three_slice_losses_equal_single_process_reference(mlp_run):
-    trainer, result = mlp_run
+    _trainer, result = mlp_run
     assert result.steps == list(range(60))
     ref = reference_losses(DigitsMLPTask(), global_batch_size=48, seed=3, num_steps=60)
     got = np.array(result.losses)

@@ -17,7 +17,7 @@ from ray_elastic.cli.options import add_sim_host_args, add_slice_source_args, ad
 from ray_elastic.cli.sim import cmd_sim
 from ray_elastic.errors import ElasticRuntimeError
 
-__all__ = ["main", "load_task"]
+__all__ = ["load_task", "main"]
 
 
 def main(argv=None) -> int:

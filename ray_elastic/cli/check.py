@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import socket
 from importlib import metadata
-from typing import Optional
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -48,11 +47,11 @@ class Host:
     resources: dict
 
     @property
-    def slice(self) -> Optional[str]:
+    def slice(self) -> str | None:
         return self.labels.get(SLICE_NAME_LABEL)
 
     @property
-    def worker_id(self) -> Optional[int]:
+    def worker_id(self) -> int | None:
         raw = self.labels.get(WORKER_ID_LABEL)
         return int(raw) if raw is not None and raw.isdigit() else None
 
@@ -141,7 +140,7 @@ def _check_slice(name: str, members: list[Host]) -> list[Finding]:
 
 
 @ray.remote(num_cpus=0, max_retries=0)
-def _host_facts(checkpoint_dir: Optional[str]) -> dict:
+def _host_facts(checkpoint_dir: str | None) -> dict:
     """On one host: package versions, and whether the checkpoint location is writable from here."""
     versions = {}
     for p in PACKAGES:
@@ -173,12 +172,12 @@ class _Listener:
         except OSError as e:
             self.error = f"cannot listen on port {port}: {e}"
 
-    def status(self) -> Optional[str]:
+    def status(self) -> str | None:
         return self.error
 
 
 @ray.remote(num_cpus=0, max_retries=0)
-def _connect(ip: str, port: int, timeout_s: float) -> Optional[str]:
+def _connect(ip: str, port: int, timeout_s: float) -> str | None:
     try:
         with socket.create_connection((ip, port), timeout=timeout_s):
             return None
@@ -190,11 +189,11 @@ def _on(host: Host) -> dict:
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(host.node_id, soft=False)}
 
 
-def check_hosts(hosts: list[Host], checkpoint_dir: Optional[str], env: dict, timeout_s: float) -> list[Finding]:
+def check_hosts(hosts: list[Host], checkpoint_dir: str | None, env: dict, timeout_s: float) -> list[Finding]:
     """Versions and checkpoint writes, one task per host."""
     opts = {"runtime_env": {"env_vars": env}} if env else {}
     refs = [_host_facts.options(**_on(h), **opts).remote(checkpoint_dir) for h in hosts]
-    facts: list[Optional[dict]] = []
+    facts: list[dict | None] = []
     out = []
     for h, ref in zip(hosts, refs):
         try:
@@ -281,7 +280,7 @@ def check_megascale_port(hosts: list[Host], port: int, timeout_s: float) -> list
     return out
 
 
-def run_checks(checkpoint_dir: Optional[str], megascale_port: int, timeout_s: float) -> list[Finding]:
+def run_checks(checkpoint_dir: str | None, megascale_port: int, timeout_s: float) -> list[Finding]:
     """Every check, on the cluster ``ray`` is connected to."""
     from ray_elastic.state.checkpoints import gcs_env
 

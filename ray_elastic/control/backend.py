@@ -6,7 +6,8 @@ is the real one; ``tests/fake_backend.py`` scripts one. The controller and
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from ray_elastic.control.states import RunOutcome
 from ray_elastic.decide import ErrorKind, WorldPlan
@@ -15,7 +16,7 @@ from ray_elastic.decide import ErrorKind, WorldPlan
 class Reservation(Protocol):
     """One reserved slice (a placement group over its hosts)."""
 
-    slice_name: Optional[str]
+    slice_name: str | None
 
     def node_ids(self) -> list[str]: ...
 
@@ -30,7 +31,7 @@ def slice_name(reservation: Reservation, index: int) -> str:
 class ReplacementRequest(Protocol):
     """A slice asked for (pending demand for the autoscaler): ``poll`` gives it once placed."""
 
-    def poll(self) -> Optional[Any]: ...
+    def poll(self) -> Any | None: ...
 
     def cancel(self) -> None: ...
 
@@ -77,7 +78,7 @@ class WorldHandle(Protocol):
 
     def teardown(self, confirm_s: float = 0.0) -> None: ...
 
-    def finish_checkpoints(self, timeout_s: float, save_step: Optional[int] = None) -> list: ...
+    def finish_checkpoints(self, timeout_s: float, save_step: int | None = None) -> list: ...
 
 
 class StepSink(Protocol):
@@ -157,14 +158,14 @@ class Backend(Protocol):
     @property
     def health(self) -> ClusterHealth: ...
 
-    def connect(self, run_id: str, *, home: Optional[str] = None, findable: bool = True) -> None: ...
+    def connect(self, run_id: str, *, home: str | None = None, findable: bool = True) -> None: ...
 
     def run_metrics(self, name: str) -> Any: ...
 
     def shutdown(self) -> None: ...
 
     # slices
-    def reserve(self, count: int, on_wait: Optional[Callable[[int, int], None]] = None) -> list[Reservation]: ...
+    def reserve(self, count: int, on_wait: Callable[[int, int], None] | None = None) -> list[Reservation]: ...
 
     def pending_demand(self) -> str: ...
 
@@ -173,9 +174,9 @@ class Backend(Protocol):
     def replenish(
         self,
         members: list[Reservation],
-        per_host: Optional[int] = None,
+        per_host: int | None = None,
         at_once: bool = False,
-        for_world: Optional[int] = None,
+        for_world: int | None = None,
     ) -> bool: ...
 
     def warm(self, reservations: list[Reservation], every: bool = False) -> bool: ...
@@ -191,9 +192,9 @@ class Backend(Protocol):
         generation: int,
         reservations: list[Reservation],
         start_step: int,
-        restore: Callable[[str], Optional[list[Any]]],
-        checkpoint_step: Optional[int],
-        checkpoint_dir: Optional[str] = None,
+        restore: Callable[[str], list[Any] | None],
+        checkpoint_step: int | None,
+        checkpoint_dir: str | None = None,
     ) -> WorldHandle: ...
 
     def drive(self, world: WorldHandle, store: Any, sink: StepSink) -> Streams: ...
@@ -203,6 +204,6 @@ class BackendFactory(Protocol):
     """What the controller is given: a backend's class (or a stand-in called as one). ``check_task``
     runs on the driver before any cluster resource is taken."""
 
-    def __call__(self, task: Any, config: Any, address: Optional[str] = None) -> Backend: ...
+    def __call__(self, task: Any, config: Any, address: str | None = None) -> Backend: ...
 
     def check_task(self, task: Any, config: Any, resume: Any = None) -> None: ...

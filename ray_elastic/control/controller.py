@@ -18,7 +18,7 @@ import logging
 import os
 import time
 import uuid
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from ray_elastic.config import ElasticConfig
 from ray_elastic.control.backend import Backend, BackendFactory
@@ -78,15 +78,15 @@ class Controller:
         task: TrainTask,
         config: ElasticConfig,
         *,
-        address: Optional[str] = None,
+        address: str | None = None,
         progress: bool = True,
-        on_step: Optional[Callable[[dict], None]] = None,
-        retry_policy: Optional[Callable[[int, Exception], bool]] = None,
-        pre_callback: Optional[Callable[[], None]] = None,
-        on_event: Optional[Callable[[ev.Event], None]] = None,
-        run_dir: Optional[str] = None,
-        name: Optional[str] = None,
-        run_id: Optional[str] = None,
+        on_step: Callable[[dict], None] | None = None,
+        retry_policy: Callable[[int, Exception], bool] | None = None,
+        pre_callback: Callable[[], None] | None = None,
+        on_event: Callable[[ev.Event], None] | None = None,
+        run_dir: str | None = None,
+        name: str | None = None,
+        run_id: str | None = None,
         tensorboard_dir=None,
     ):
         if not isinstance(task, TrainTask):
@@ -146,7 +146,7 @@ class Controller:
         self.record.waiting(self.state.value, what, ready=ready, asked=asked, waited_s=waited_s, demand=demand)
 
     # --------------------------------------------------------------------- fit
-    def fit(self, num_steps: int, *, resume_from: Optional[str] = None) -> FitResult:
+    def fit(self, num_steps: int, *, resume_from: str | None = None) -> FitResult:
         """Train steps ``0 .. num_steps-1``; returns per-step losses, recoveries and a summary.
 
         With ``checkpoint_dir`` the run resumes from its newest committed checkpoint, if that was
@@ -204,7 +204,7 @@ class Controller:
         )
 
     def _loop(
-        self, num_steps: int, resume: Optional[checkpoints.CheckpointInfo], t_start: float, resume_from: Optional[str]
+        self, num_steps: int, resume: checkpoints.CheckpointInfo | None, t_start: float, resume_from: str | None
     ) -> None:
         """Take over what a lost driver of the run left, reserve, form the first world, then run and
         take in outcomes until the steps are done."""
@@ -225,7 +225,7 @@ class Controller:
         self.events.emit(ev.RunFinished(steps=len(self.ledger.metrics), wall_s=time.perf_counter() - t_start))
 
     def _new_run(
-        self, num_steps: int, resume: Optional[checkpoints.CheckpointInfo], run_checkpoints: RunCheckpoints
+        self, num_steps: int, resume: checkpoints.CheckpointInfo | None, run_checkpoints: RunCheckpoints
     ) -> None:
         """Everything one run owns starts fresh, so a trainer can ``fit`` again."""
         cfg = self.config
@@ -340,9 +340,7 @@ class Controller:
             teardown_s=time.perf_counter() - t0,
         )
 
-    def _next_world(
-        self, change: WorldChange, resume: Optional[checkpoints.CheckpointInfo] = None
-    ) -> Optional[RunOutcome]:
+    def _next_world(self, change: WorldChange, resume: checkpoints.CheckpointInfo | None = None) -> RunOutcome | None:
         """The one path to the next world: wait for the capacity the mode needs, take the survivors and
         ready replacements, form. Returns None when formed, else the forming failure as an outcome."""
         change, decision, wait_s = self._await_capacity(change)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 from ray_elastic.control.backend import WorldHandle
 from ray_elastic.control.run_checkpoints import RunCheckpoints
@@ -13,16 +12,14 @@ from ray_elastic.observe.results import StepLedger
 
 
 def finish_checkpoints(
-    run: RunCheckpoints, world: Optional[WorldHandle], ledger: StepLedger, save_step: Optional[int] = None
+    run: RunCheckpoints, world: WorldHandle | None, ledger: StepLedger, save_step: int | None = None
 ) -> None:
     """Wait for the in-flight save of ``world`` to commit (first saving ``save_step``)."""
     if run.own and world is not None:
         ledger.saves_committed(world.finish_checkpoints(ledger.save_limit_s(), save_step))
 
 
-def final_checkpoint(
-    run: RunCheckpoints, world: Optional[WorldHandle], ledger: StepLedger, num_steps: int
-) -> RunOutcome:
+def final_checkpoint(run: RunCheckpoints, world: WorldHandle | None, ledger: StepLedger, num_steps: int) -> RunOutcome:
     """The run's last checkpoint is committed: its in-flight save finishes, or, when the world that
     was writing it failed (the state came back from a snapshot), ``world`` saves it again. A
     process dying meanwhile is one more failure (FAILURE), not the end."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from ray_elastic.config import ElasticConfig
 from ray_elastic.control.backend import Backend, WorldHandle
@@ -41,7 +41,7 @@ class Evidence:
     slices: list[str]  # the world's slices, replica order
     generation: int
     vouched: set[str]  # slices whose hosts answered after their process died
-    origin: Optional[str] = None  # the slice whose error came first (None: unknown, or the whole world)
+    origin: str | None = None  # the slice whose error came first (None: unknown, or the whole world)
     unreadable_checkpoints: frozenset = frozenset()  # checkpoint steps a process failed to restore
 
     @property
@@ -53,7 +53,7 @@ class Evidence:
 class Generations:
     """Members of the current (or next) world, pending replacements, snapshots and worlds so far."""
 
-    def __init__(self, config: ElasticConfig, backend: Backend, run_checkpoints: Optional[RunCheckpoints] = None):
+    def __init__(self, config: ElasticConfig, backend: Backend, run_checkpoints: RunCheckpoints | None = None):
         self.config = config
         self.backend = backend
         self.checkpoints = run_checkpoints or RunCheckpoints(config.checkpoint_dir)
@@ -61,15 +61,15 @@ class Generations:
         self.members: list = []  # slice reservations of the current/next world, replica order
         self.replacements: list = []  # pending replacement requests (the autoscaler's demand)
         self.quarantined: list = []  # reservations of slices that kept failing: held until the run ends
-        self.last_restore: Optional[RestorePlan] = None  # what the newest world loaded (or tried to)
+        self.last_restore: RestorePlan | None = None  # what the newest world loaded (or tried to)
         self.store = SnapshotStore(config.slice.num_hosts)
         self.worlds: list[WorldRecord] = []
-        self.world: Optional[WorldHandle] = None  # the current generation
+        self.world: WorldHandle | None = None  # the current generation
         self.taken_over_slices: set[str] = set()  # slices an earlier driver's keepers hold snapshots of
         self.taken_over_step = -1  # the newest step they hold completely (the run resumes at least there)
 
     # ------------------------------------------------------------ capacity
-    def reserve(self, on_wait: Optional[Callable[[int, int], None]] = None) -> list:
+    def reserve(self, on_wait: Callable[[int, int], None] | None = None) -> list:
         """The first world's slices, with a process started on each host while the world is
         asked for (the pool starts one per host at a time: the one the world takes, which prepares
         for that world only; the others after its first step). ``on_wait(ready, asked)`` every few
@@ -106,7 +106,7 @@ class Generations:
         *,
         grow: bool,
         on_wait: Callable[[str, float], None],
-        on_lost: Optional[Callable[[list[str]], None]] = None,
+        on_lost: Callable[[list[str]], None] | None = None,
     ) -> tuple[NextWorld, float, list]:
         """Poll until the next world may form or the mode gives up; returns the decision, seconds
         waited and the survivors still alive.
@@ -258,7 +258,7 @@ class Generations:
         )
 
     def take_over(
-        self, found: list, logged: Optional[int] = None, committed: Optional[int] = None
+        self, found: list, logged: int | None = None, committed: int | None = None
     ) -> tuple[dict[str, dict[int, list[int]]], list[int], str]:
         """File the snapshots an earlier driver's keepers hold (``TakenOver`` s) as this run's, by
         slice and host: the first world restores them if they are newer than the newest checkpoint.
@@ -288,7 +288,7 @@ class Generations:
         return held, refused, why if refused else ""
 
     def restore_plan(
-        self, members: list, resume: Optional[checkpoints.CheckpointInfo] = None, last_step: Optional[int] = None
+        self, members: list, resume: checkpoints.CheckpointInfo | None = None, last_step: int | None = None
     ) -> RestorePlan:
         """The newest state among ``members``' snapshots and the committed checkpoints (``resume``: the
         checkpoint the run starts from, the first world only; ``last_step``: the newest step the run
@@ -336,7 +336,7 @@ class Generations:
         generation = len(self.worlds)
         donors: dict[str, str] = {}
 
-        def from_snapshot(name: str) -> Optional[list]:
+        def from_snapshot(name: str) -> list | None:
             donor = restore.donor(name)
             if donor is None:
                 return None

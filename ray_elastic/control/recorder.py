@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
 
 from ray_elastic.config import ElasticConfig
 from ray_elastic.control.states import OutcomeKind, RunOutcome
@@ -28,7 +27,7 @@ class RunRecorder:
         self.events, self.ledger = events, ledger
         self.recoveries: list[RecoveryRecord] = []
 
-    def started(self, config: ElasticConfig, num_steps: int, resume, resume_dir: Optional[str]) -> None:
+    def started(self, config: ElasticConfig, num_steps: int, resume, resume_dir: str | None) -> None:
         """The run starts (from ``resume``, a checkpoint, when given)."""
         self.events.emit(
             ev.RunStarted(
@@ -55,9 +54,9 @@ class RunRecorder:
         self,
         held: dict,
         snapshot_step: int,
-        previous: Optional[int],
+        previous: int | None,
         *,
-        refused: Optional[list] = None,
+        refused: list | None = None,
         why: str = "",
         released: str = "",
         dropped: int = 0,
@@ -153,12 +152,12 @@ class RunRecorder:
         record: WorldRecord,
         restore: RestorePlan,
         *,
-        before: Optional[WorldRecord],
+        before: WorldRecord | None,
         added: int,
         wait_s: float,
         capacity_ready_at: float,
         mode: str,
-        saved_by: Optional[dict],
+        saved_by: dict | None,
     ) -> None:
         """A world formed after ``change``: the world, where its state came from, and the recovery
         or grow-back it ends (the steps after the restored one are forgotten: they run again)."""

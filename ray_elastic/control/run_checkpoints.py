@@ -7,7 +7,6 @@ slice is reserved (:meth:`RunCheckpoints.open`)."""
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 from ray_elastic.config import ElasticConfig
 from ray_elastic.state import checkpoints
@@ -20,15 +19,15 @@ class RunCheckpoints:
     """The run's own checkpoint directory (``own``; None: the run keeps none) and the one it started
     from (``start_dir``: ``resume_from``, else ``own``); the steps a world failed to read."""
 
-    def __init__(self, own: Optional[str], start_dir: Optional[str] = None):
+    def __init__(self, own: str | None, start_dir: str | None = None):
         self.own = own
         self.start_dir = start_dir or own
         self.unreadable: set[int] = set()  # steps a world failed to restore: never tried again
 
     @classmethod
     def open(
-        cls, cfg: ElasticConfig, task_name: str, resume_from: Optional[str] = None
-    ) -> tuple["RunCheckpoints", Optional[CheckpointInfo]]:
+        cls, cfg: ElasticConfig, task_name: str, resume_from: str | None = None
+    ) -> tuple[RunCheckpoints, CheckpointInfo | None]:
         """The run's checkpoints and the checkpoint it starts from (None: step 0), after checking
         the locations (a bad one fails now, not at the first save) and that the run's own directory
         holds no other task's checkpoints, nor any at all when the run resumes from elsewhere."""
@@ -47,7 +46,7 @@ class RunCheckpoints:
             raise ValueError(f"resume_from {resume_from!r} holds no committed checkpoint: check the path")
         return run, info
 
-    def newest(self) -> tuple[Optional[str], Optional[int]]:
+    def newest(self) -> tuple[str | None, int | None]:
         """(directory, restore step) of the newest readable committed checkpoint: the run's own, else
         the one it was started from until it has saved one."""
         for directory in dict.fromkeys(d for d in (self.own, self.start_dir) if d):
@@ -56,11 +55,11 @@ class RunCheckpoints:
                 return directory, info.restore_step
         return None, None
 
-    def newest_own(self) -> Optional[CheckpointInfo]:
+    def newest_own(self) -> CheckpointInfo | None:
         """The newest committed checkpoint in the run's own directory, whoever reported it."""
         return checkpoints.latest_checkpoint(self.own) if self.own else None
 
-    def set_aside_newer(self, directory: Optional[str], step: Optional[int], restore_step: int) -> list[str]:
+    def set_aside_newer(self, directory: str | None, step: int | None, restore_step: int) -> list[str]:
         """The run goes on from a snapshot of ``restore_step`` though a newer checkpoint committed (see
         :func:`~ray_elastic.decide.choose_restore`): the steps after it run again and save that
         checkpoint again, which orbax refuses while it exists (``StepAlreadyExistsError``: one more
@@ -81,7 +80,7 @@ class RunCheckpoints:
             directory, step = self.newest()
         return moved
 
-    def failed_to_read(self, step: int, directory: Optional[str]) -> Optional[str]:
+    def failed_to_read(self, step: int, directory: str | None) -> str | None:
         """A world failed to restore checkpoint ``step`` of ``directory``: the next one restores the
         previous committed step. In the run's own directory the step is set aside (kept), so it can
         be saved again; elsewhere (``resume_from``) it is only skipped. Returns where it was set
@@ -95,7 +94,7 @@ class RunCheckpoints:
         return None
 
 
-def _own_checkpoint(cfg: ElasticConfig, task_name: str, resume_from: Optional[str]) -> Optional[CheckpointInfo]:
+def _own_checkpoint(cfg: ElasticConfig, task_name: str, resume_from: str | None) -> CheckpointInfo | None:
     """The newest checkpoint of ``cfg.checkpoint_dir``, refused when a run of ``task_name`` must not
     start from or save among them."""
     assert cfg.checkpoint_dir is not None

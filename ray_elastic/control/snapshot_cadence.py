@@ -5,7 +5,7 @@ read from the step times at the current interval (:func:`~ray_elastic.decide.sna
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from ray_elastic.config import ElasticConfig
 from ray_elastic.decide import MAX_SNAPSHOT_EVERY, newest_due_snapshot, snapshot_cost_in_steps
@@ -23,7 +23,7 @@ class SnapshotCadence:
         self,
         config: ElasticConfig,
         step_times: list[float],
-        on_interval: Optional[Callable[[int, int], None]] = None,
+        on_interval: Callable[[int, int], None] | None = None,
     ):
         self.config = config
         self.policy = config.snapshot_policy
@@ -32,7 +32,7 @@ class SnapshotCadence:
         self.snapshot_seconds: list[float] = []  # what each snapshot cost its process (host copy + hand-over)
         self.intervals: list[tuple[int, int]] = []  # (first step, snapshot interval) per change
         self._timed: list[tuple[int, float]] = []  # (step, seconds) of this world's steps, first run only
-        self._step_cost: Optional[float] = None  # a snapshot's cost read from the step times
+        self._step_cost: float | None = None  # a snapshot's cost read from the step times
 
     def step_done(self, step: int, seconds: float) -> None:
         """A step finished for the first time in this world."""

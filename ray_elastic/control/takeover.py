@@ -9,7 +9,6 @@ before it trains (its final checkpoint would be labelled with a step it is not).
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 from ray_elastic.control.backend import Backend
 from ray_elastic.control.generations import Generations
@@ -24,10 +23,10 @@ def take_over_run(
     backend: Backend,
     gens: Generations,
     record: RunRecorder,
-    run_dir: Optional[str],
+    run_dir: str | None,
     num_steps: int,
-    resume: Optional[checkpoints.CheckpointInfo],
-    resume_from: Optional[str],
+    resume: checkpoints.CheckpointInfo | None,
+    resume_from: str | None,
 ) -> results.PreviousRun:
     """Take over what a lost driver of this run left (see the module); returns what its log says.
     Raises ``ValueError`` when it ran past ``num_steps`` (its keepers are left for a rerun that asks

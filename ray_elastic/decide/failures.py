@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 
 class ErrorKind(enum.StrEnum):
@@ -78,10 +78,10 @@ HOST_FAULTS = (ErrorKind.PROCESS_DIED, ErrorKind.ACTOR_DIED, ErrorKind.UNAVAILAB
 def drop_repeat_offender(
     verdict: FailureVerdict,
     *,
-    origin: Optional[str],
-    previous_origin: Optional[str],
+    origin: str | None,
+    previous_origin: str | None,
     progressed: bool,
-    origin_kind: Optional[ErrorKind] = ErrorKind.PROCESS_DIED,
+    origin_kind: ErrorKind | None = ErrorKind.PROCESS_DIED,
 ) -> FailureVerdict:
     """A slice whose process failed first in two failures in a row, with no step finished in between,
     is lost even though its host answers: a host that fails the same way in every generation would

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import types
 import typing
 from typing import Union
 
@@ -21,7 +22,7 @@ def mistyped_fields(obj) -> list[tuple[str, str, object]]:
 
 def _is_a(value, want) -> bool:
     """``value`` fits the type hint ``want`` (Optional/Union, int, float, bool, str, tuple, dict, classes)."""
-    if typing.get_origin(want) is Union:
+    if typing.get_origin(want) in (Union, types.UnionType):
         return any(_is_a(value, arg) for arg in typing.get_args(want))
     if want is type(None):
         return value is None
@@ -36,7 +37,7 @@ def _is_a(value, want) -> bool:
 
 
 def _describe(want) -> str:
-    if typing.get_origin(want) is Union:
+    if typing.get_origin(want) in (Union, types.UnionType):
         return " or ".join(_describe(arg) for arg in typing.get_args(want))
     return {int: "a whole number", float: "a number", bool: "True or False", str: "a string"}.get(
         want, "None" if want is type(None) else getattr(want, "__name__", str(want))

@@ -15,14 +15,14 @@ never split over ``replica``: every slice holds a whole copy, so any survivor ca
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
 
 REPLICA_AXIS = "replica"
 FSDP_AXIS = "fsdp"
 TENSOR_AXIS = "tensor"
 DEFAULT_SLICE_MESH = {FSDP_AXIS: -1, TENSOR_AXIS: 1}
 
-Rules = tuple[tuple[str, Optional[tuple[str, ...]]], ...]
+Rules = tuple[tuple[str, tuple[str, ...] | None], ...]
 
 
 def resolve_slice_mesh(
@@ -38,7 +38,7 @@ def resolve_slice_mesh(
         raise ValueError(f"slice_mesh {axes} has no {FSDP_AXIS!r} axis: add {FSDP_AXIS!r}: -1")
     if REPLICA_AXIS in axes:
         raise ValueError(f"slice_mesh must not name {REPLICA_AXIS!r}: it runs across slices, one per slice")
-    if list(axes)[0] != FSDP_AXIS:
+    if next(iter(axes)) != FSDP_AXIS:
         raise ValueError(f"slice_mesh {axes}: put {FSDP_AXIS!r} first (the axes after it must fit in one host)")
     for name, size in axes.items():
         if (
@@ -118,7 +118,7 @@ def fsdp_partition(shape: Sequence[int], fsdp_size: int, min_size: int) -> tuple
 def partition(
     path: str,
     shape: Sequence[int],
-    names: Optional[Sequence],
+    names: Sequence | None,
     rules: Rules,
     mesh_shape: Mapping[str, int],
     min_size: int,
@@ -178,6 +178,6 @@ def partition(
     return tuple(spec)
 
 
-def spec_sizes(spec: Sequence[Union[None, str, tuple]], mesh_shape: Mapping[str, int]) -> list[int]:
+def spec_sizes(spec: Sequence[str | tuple | None], mesh_shape: Mapping[str, int]) -> list[int]:
     """How many ways each dimension is split by ``spec``."""
     return [1 if s is None else math.prod(mesh_shape[a] for a in ((s,) if isinstance(s, str) else s)) for s in spec]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional
 
 from ray_elastic.errors import StateLostError
 
@@ -27,11 +26,11 @@ class RestorePlan:
     step: int
     source: RestoreSource
     holders: tuple[str, ...] = ()
-    directory: Optional[str] = None  # where a checkpoint comes from (the run's own, or resume_from)
+    directory: str | None = None  # where a checkpoint comes from (the run's own, or resume_from)
     # What it was chosen from (``Generations.restore_plan`` fills it; the world_formed event carries it).
     evidence: dict = dataclasses.field(default_factory=dict, compare=False)
 
-    def donor(self, slice_name: str) -> Optional[str]:
+    def donor(self, slice_name: str) -> str | None:
         """Whose snapshot ``slice_name`` loads: its own when it holds one (a zero-copy read from its
         own node), else the first holder's; None when the state does not come from a snapshot."""
         if self.source is not RestoreSource.SNAPSHOT:
@@ -40,7 +39,7 @@ class RestorePlan:
 
 
 def choose_restore(
-    snapshot_steps: dict[str, int], checkpoint_step: Optional[int] = None, last_step: Optional[int] = None
+    snapshot_steps: dict[str, int], checkpoint_step: int | None = None, last_step: int | None = None
 ) -> RestorePlan:
     """The newest state that survives: a complete snapshot among living slices (``snapshot_steps``:
     slice -> its newest complete step), else a newer committed checkpoint, else fresh parameters.

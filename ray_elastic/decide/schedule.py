@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 
 def is_snapshot_step(step: int, every: int) -> bool:
@@ -23,7 +23,7 @@ def snapshot_interval(
     budget: float,
     current: int = 1,
     max_every: int = MAX_SNAPSHOT_EVERY,
-    step_cost: Optional[float] = None,
+    step_cost: float | None = None,
 ) -> int:
     """``AutoInterval``: the smallest interval at which snapshots cost at most ``budget`` of
     the run's time. A snapshot costing ``c`` seconds every ``k`` steps of ``t`` seconds costs
@@ -46,7 +46,7 @@ SNAPSHOT_SPREAD = 4  # steps from a snapshot on that its copies may slow (it is 
 
 def snapshot_cost_in_steps(
     timed: Sequence[tuple[int, float]], every: int, spread: int = SNAPSHOT_SPREAD, min_samples: int = 3
-) -> Optional[float]:
+) -> float | None:
     """What one snapshot taken every ``every`` steps costs the step loop, read from the step times
     ``timed`` ((step, seconds) pairs): the extra time of the ``spread`` steps from a snapshot step
     on, over the median of the steps farther from one (per distance, medians: a stray slow step
@@ -107,7 +107,7 @@ SAVE_TIMEOUT_MIN_S = 300.0  # the automatic bound on one save: never below this
 SAVE_TIMEOUT_FACTOR = 10.0  # ... and this many times the slowest save the run committed
 
 
-def save_timeout(configured: Optional[float], save_seconds: Sequence[float]) -> float:
+def save_timeout(configured: float | None, save_seconds: Sequence[float]) -> float:
     """How long one checkpoint save may keep a world busy before it counts as failed:
     ``configured`` (``save_timeout_s``), else ``SAVE_TIMEOUT_FACTOR`` x the slowest committed save
     so far, at least ``SAVE_TIMEOUT_MIN_S``."""

@@ -5,7 +5,7 @@ every slice process must agree on is decided here, once."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from ray_elastic.decide.layout import FSDP_AXIS, REPLICA_AXIS, resolve_slice_mesh
 
@@ -100,7 +100,7 @@ def plan_world(
     data_stride: int = 0,
     lr_scale: float = 1.0,
     snapshot_slices: int = 0,
-    slice_mesh: Optional[dict] = None,
+    slice_mesh: dict | None = None,
     microbatch_size: int = 0,
 ) -> WorldPlan:
     """Lay out a world, refusing layouts that cannot split the batch evenly.
@@ -170,7 +170,7 @@ class WorldShapes:
     devices_per_host: int
     data_stride: int
     snapshot_slices: int
-    slice_mesh: Optional[dict]
+    slice_mesh: dict | None
     microbatch_size: int
     by_size: dict[int, tuple[int, float]]  # world size -> (global batch, lr scale)
 

@@ -27,7 +27,7 @@ import socket
 import subprocess
 import sys
 import threading
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from ray_elastic.detect import beacon_holder
 
@@ -65,7 +65,7 @@ class Beacon:
                 target=beacon_holder.serve, args=(self._server, self.token), name="ray-elastic-beacon", daemon=True
             ).start()
 
-    def _start_holder(self, host: str) -> Optional[int]:
+    def _start_holder(self, host: str) -> int | None:
         started: queue.Queue = queue.Queue()
 
         def own() -> None:  # the child's death signal is tied to this thread: it must not end
@@ -107,9 +107,9 @@ class DeathWatch:
     Ray, later); :meth:`dead` lists the processes whose connection
     ended, and the callback given to :meth:`notify` is called at each."""
 
-    def __init__(self, addresses: list[Optional[tuple[str, int, bytes]]]):
+    def __init__(self, addresses: list[tuple[str, int, bytes] | None]):
         self._addresses = addresses
-        self._on_death: Optional[Callable[[], None]] = None
+        self._on_death: Callable[[], None] | None = None
         self._dead: set[int] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -121,7 +121,7 @@ class DeathWatch:
         with self._lock:
             return set(self._dead)
 
-    def notify(self, on_death: Optional[Callable[[], None]]) -> None:
+    def notify(self, on_death: Callable[[], None] | None) -> None:
         """Call ``on_death()`` at every death from now on (at once if one was seen already)."""
         with self._lock:
             self._on_death = on_death

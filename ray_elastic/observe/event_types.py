@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
-from typing import Any, ClassVar, Iterator, Optional
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar
 
-_KINDS: dict[str, list[type["Event"]]] = {}
+_KINDS: dict[str, list[type[Event]]] = {}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,7 +41,7 @@ class Event(Mapping):
         return {**own, **self.extra}
 
     @classmethod
-    def from_fields(cls, ts: float, fields: dict) -> "Event":
+    def from_fields(cls, ts: float, fields: dict) -> Event:
         names = {f.name for f in dataclasses.fields(cls)} - {"ts", "extra"}
         known = {n: fields.pop(n, None) for n in names}  # an older log may lack a field: None
         return cls(ts=ts, extra=fields, **known)
@@ -93,8 +93,8 @@ class RunStarted(Event):
     num_steps: int
     num_slices: int
     mode: str
-    checkpoint_dir: Optional[str] = None
-    resume_from_checkpoint: Optional[int] = None  # the checkpoint step resumed from
+    checkpoint_dir: str | None = None
+    resume_from_checkpoint: int | None = None  # the checkpoint step resumed from
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -103,9 +103,9 @@ class Resume(Event):
 
     kind = "resume"
     checkpoint_step: int
-    directory: Optional[str] = None
-    task: Optional[dict] = None
-    saved_world: Optional[dict] = None
+    directory: str | None = None
+    task: dict | None = None
+    saved_world: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -114,7 +114,7 @@ class Rerun(Event):
     reached, and the snapshots its keepers still hold (taken over by this driver)."""
 
     kind = "rerun"
-    previous_last_step: Optional[int] = None  # the newest step the earlier driver reported (its log)
+    previous_last_step: int | None = None  # the newest step the earlier driver reported (its log)
     snapshot_step: int = -1  # the newest step the taken-over keepers hold completely
     held: dict = dataclasses.field(default_factory=dict)  # slice -> host -> steps held
     refused_steps: list = dataclasses.field(default_factory=list)  # held, but not restorable: ...
@@ -157,7 +157,7 @@ class Steps(Event):
     steps: list[int]
     losses: list[float]
     step_time_s: list[float]
-    finished_at: Optional[list] = None  # wall clock per step (older logs: absent)
+    finished_at: list | None = None  # wall clock per step (older logs: absent)
     snapshot_steps: list = dataclasses.field(default_factory=list)
     metrics: dict = dataclasses.field(default_factory=dict)  # the task's own metrics, one list per name
 
@@ -212,7 +212,7 @@ class CheckpointSave(Event):
 class CheckpointCommitted(Event):
     kind = "checkpoint_committed"
     step: int
-    total_s: Optional[float] = None
+    total_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -221,7 +221,7 @@ class CheckpointRestore(Event):
     step: int
     generation: int
     seconds: float
-    saved_by: Optional[dict] = None  # the checkpoint's metadata (task, world)
+    saved_by: dict | None = None  # the checkpoint's metadata (task, world)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -231,7 +231,7 @@ class CheckpointUnreadable(Event):
     kind = "checkpoint_unreadable"
     step: int
     error: str
-    set_aside_to: Optional[str] = None
+    set_aside_to: str | None = None
 
 
 # ------------------------------------------------------------------- failures and recoveries
@@ -268,10 +268,10 @@ class Failure(FailureEvent):
     crashed_slices: list[str] = dataclasses.field(default_factory=list)
     quarantined_slices: list[str] = dataclasses.field(default_factory=list)
     error: str = ""
-    origin: Optional[str] = None
+    origin: str | None = None
     failures_in_a_row: int = 0
     drain_s: float = 0.0
-    detection_latency_s: Optional[float] = None
+    detection_latency_s: float | None = None
 
     @property
     def gone_slices(self) -> set[str]:
@@ -342,7 +342,7 @@ class WorldFormed(Event):
         return {**own, **times}
 
     @classmethod
-    def from_fields(cls, ts: float, fields: dict) -> "Event":
+    def from_fields(cls, ts: float, fields: dict) -> Event:
         times = {k: fields.pop(k) for k in cls.TIMES if k in fields}
         restored = fields.pop("restored_from_step", None)
         fields.update(times=times, start_step=None if restored is None else restored + 1)

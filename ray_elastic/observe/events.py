@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterable, Iterator
 
 from ray_elastic.observe.event_types import Event
 
@@ -57,7 +57,7 @@ class EventLog:
 
     def __init__(
         self,
-        run_dir: Optional[str] = None,
+        run_dir: str | None = None,
         listeners: Iterable[EventListener] = (),
         fenced: Callable[[], bool] = lambda: False,
     ):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
 
 from ray_elastic.observe import event_types as ev
 
@@ -70,7 +69,7 @@ def kept_and_rewound(events: list) -> tuple[dict[int, tuple[float, float]], floa
     return kept, rewound
 
 
-def _step_runs(events: list[ev.Event]) -> list[tuple[int, float, float, Optional[float], Optional[int]]]:
+def _step_runs(events: list[ev.Event]) -> list[tuple[int, float, float, float | None, int | None]]:
     """Every step run in log order: (step, loss, step time, finished at (wall clock) or None, world)."""
     runs: list = []
     for e in events:

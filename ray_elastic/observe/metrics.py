@@ -9,7 +9,6 @@ Exported names (Ray adds the ``ray_`` prefix): ``ray_elastic_step``, ``ray_elast
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 
 class RunMetrics:
@@ -32,7 +31,7 @@ class RunMetrics:
         )
         self._last = 0.0
 
-    def on_step(self, step: int, loss: float, force: bool = False, metrics: Optional[dict] = None) -> None:
+    def on_step(self, step: int, loss: float, force: bool = False, metrics: dict | None = None) -> None:
         now = time.monotonic()
         if not force and now - self._last < self.MIN_INTERVAL_S:
             return

@@ -7,7 +7,7 @@ progress bar, Ray metrics, the user's callbacks and warm standby processes.
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from ray_elastic.observe import event_types as ev
 from ray_elastic.observe import goodput
@@ -26,10 +26,10 @@ class ProgressBar(EventListener):
         self.num_slices = num_slices
         self.shown = shown  # metric names shown beside the loss (``ElasticConfig.progress_metrics``)
         self.values: dict = {}
-        self.slices: Optional[int] = None
+        self.slices: int | None = None
         self.state = None
-        self.loss: Optional[float] = None
-        self.waiting: Optional[str] = None  # what a wait for slices still misses
+        self.loss: float | None = None
+        self.waiting: str | None = None  # what a wait for slices still misses
         self.bar = tqdm(total=total, initial=initial, desc="ray-elastic", unit="step", dynamic_ncols=True)
 
     def postfix(self) -> str:
@@ -75,7 +75,7 @@ class RayMetricsObserver(EventListener):
         self.metrics = metrics
         self.events = events  # the log's own list, for goodput so far
         self._goodput_at = 0.0
-        self._last: Optional[dict] = None
+        self._last: dict | None = None
 
     def on_step(self, m: dict) -> None:
         self._last = m

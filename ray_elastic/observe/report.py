@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
 
 from ray_elastic.observe import event_types as ev
 from ray_elastic.observe.events import read_lines
@@ -97,7 +96,7 @@ def timeline(events: list) -> Timeline:
     )
 
 
-def render(run_dir: str, out: Optional[str] = None, tl: Optional[Timeline] = None) -> str:
+def render(run_dir: str, out: str | None = None, tl: Timeline | None = None) -> str:
     """Draw the timeline of the run in ``run_dir`` to ``out`` (default ``RUN_DIR/report.png``).
 
     ``tl``: the run's :func:`timeline` when the caller has it already (else read from ``run_dir``).
@@ -135,7 +134,7 @@ def _draw_slices_and_rate(ax_sl, ax_rate, tl: Timeline) -> None:
         ax_rate.plot([t for t, _ in pts], [r for _, r in pts], ".-", color="tab:green")
     ax_rate.set_ylabel("steps / s")
     for ax in (ax_sl, ax_rate):
-        for t, lost in tl.failures:
+        for t, _lost in tl.failures:
             ax.axvline(t, color="tab:red", linestyle="--", linewidth=1)
         for a, b in tl.recoveries:
             ax.axvspan(a, b, color="tab:orange", alpha=0.25)

@@ -12,7 +12,8 @@ import logging
 import math
 import os
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from ray_elastic.decide import save_timeout
 from ray_elastic.observe import event_types as ev
@@ -84,15 +85,15 @@ class RunSummary:
     steps: int
     num_steps: int
     wall_s: float
-    resumed_from_checkpoint: Optional[int] = None
+    resumed_from_checkpoint: int | None = None
     already_done: bool = False
-    goodput: Optional[float] = None
-    slices: Optional[int] = None
-    hosts_per_slice: Optional[int] = None
-    mesh: Optional[dict] = None
-    global_batch_size: Optional[int] = None
-    first_loss: Optional[float] = None
-    final_loss: Optional[float] = None
+    goodput: float | None = None
+    slices: int | None = None
+    hosts_per_slice: int | None = None
+    mesh: dict | None = None
+    global_batch_size: int | None = None
+    first_loss: float | None = None
+    final_loss: float | None = None
     generations: int = 0
     failures: int = 0
     recoveries: int = 0
@@ -102,13 +103,13 @@ class RunSummary:
     checkpoint_restores: int = 0
     steps_rewound: int = 0
     max_recovery_s: float = 0.0
-    startup_s: Optional[float] = None  # reserving, starting, jax.distributed, the first state (the goodput's startup)
-    compile_s: Optional[float] = None
-    median_step_s: Optional[float] = None
-    snapshot_every: Optional[int] = None  # the last snapshot interval (the snapshot policy picks it)
-    max_rewind_steps: Optional[int] = None  # the most a recovery could rewind with a holder alive (interval - 1)
-    resumed_from_snapshot: Optional[int] = None  # a rerun: the step a lost driver's keepers held
-    steps_rewound_on_resume: Optional[int] = None  # a rerun: the earlier driver's last step - the resumed one
+    startup_s: float | None = None  # reserving, starting, jax.distributed, the first state (the goodput's startup)
+    compile_s: float | None = None
+    median_step_s: float | None = None
+    snapshot_every: int | None = None  # the last snapshot interval (the snapshot policy picks it)
+    max_rewind_steps: int | None = None  # the most a recovery could rewind with a holder alive (interval - 1)
+    resumed_from_snapshot: int | None = None  # a rerun: the step a lost driver's keepers held
+    steps_rewound_on_resume: int | None = None  # a rerun: the earlier driver's last step - the resumed one
 
 
 @dataclasses.dataclass
@@ -161,7 +162,7 @@ class StepLedger:
     """The metrics of every kept step, and their way into the event log: one ``steps`` line per
     chunk, plus the checkpoint saves and commits the workers report with their steps."""
 
-    def __init__(self, events, steps_per_chunk: int, save_timeout_s: Optional[float] = None):
+    def __init__(self, events, steps_per_chunk: int, save_timeout_s: float | None = None):
         self.events = events
         self.steps_per_chunk = steps_per_chunk
         self.save_timeout_s = save_timeout_s  # as configured (None: automatic)
@@ -381,11 +382,11 @@ def resume_changes(metadata: dict, *, seed: int, global_batch_size: int) -> dict
 class PreviousRun:
     """What the run before this one in a run directory left in its log."""
 
-    last_step: Optional[int]  # the newest step it logged with a finite loss (and every loss before it)
+    last_step: int | None  # the newest step it logged with a finite loss (and every loss before it)
     ended: bool  # it finished or stopped with an error (False: its driver was lost mid-run)
 
 
-def previous_run(run_dir: Optional[str]) -> PreviousRun:
+def previous_run(run_dir: str | None) -> PreviousRun:
     """The runs before this one in ``run_dir``'s log, read before this one trains (its
     ``run_started`` is written; a concurrent rerun's may follow); ``PreviousRun(None, True)``
     without one. Steps from a run's first non-finite loss on do not count."""

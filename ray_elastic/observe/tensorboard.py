@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Optional
 
 from ray_elastic.observe import event_types as ev
 from ray_elastic.observe import goodput
@@ -84,7 +83,7 @@ class TensorBoardWriter(EventListener):
         self.writer.close()
 
 
-def tensorboard_location(given, run_dir: Optional[str]) -> Optional[str]:
+def tensorboard_location(given, run_dir: str | None) -> str | None:
     """Where a run's scalars go: ``given`` (a local path or ``gs://``), else ``RUN_DIR/tensorboard``
     with a run directory; ``False``: nowhere."""
     if given is None and run_dir:

@@ -5,7 +5,7 @@ executes the answer."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from ray_elastic.decide.failures import (
     ErrorKind,
@@ -26,12 +26,12 @@ class FailureEvidence:
     dead_slices: set[str]
     world_slices: list[str]
     error_text: str  # the first error, one line
-    origin: Optional[str] = None
+    origin: str | None = None
     forming: bool = False  # the world failed before its first step
     steps_run: int = 0  # every step run so far, rewound ones too: progress of any kind
-    save_failed: Optional[str] = None  # a checkpoint save failed (its error, one line)
+    save_failed: str | None = None  # a checkpoint save failed (its error, one line)
     committed_step: int = -1  # the newest checkpoint committed so far
-    checkpoint_dir: Optional[str] = None
+    checkpoint_dir: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,7 @@ class FailureDecision:
 
     verdict: FailureVerdict
     failures_in_a_row: int
-    stop: Optional[ElasticRuntimeError] = None
+    stop: ElasticRuntimeError | None = None
 
 
 class FailurePolicy:
@@ -48,15 +48,15 @@ class FailurePolicy:
     ``max_failures`` per ``failure_window_s``, ``max_failures_in_a_row`` without progress,
     ``max_save_failures_in_a_row`` without a commit, and the user's ``retry_policy``."""
 
-    def __init__(self, config, retry_policy: Optional[Callable[[int, Exception], bool]] = None):
+    def __init__(self, config, retry_policy: Callable[[int, Exception], bool] | None = None):
         self.config, self.retry_policy = config, retry_policy
         self.failure_times: list[float] = []
         self.failures_in_a_row = 0
         self._steps_at_failure = 0
-        self._last_origin: Optional[str] = None
+        self._last_origin: str | None = None
         self._save_failures, self._committed_at_save_failure = 0, -1
 
-    def decide(self, ev: FailureEvidence, now: float, error: Optional[BaseException] = None) -> FailureDecision:
+    def decide(self, ev: FailureEvidence, now: float, error: BaseException | None = None) -> FailureDecision:
         """One failure's decision (``now``: monotonic seconds; ``error``: the first error, for the
         retry policy)."""
         verdict = classify_failure(
@@ -79,7 +79,7 @@ class FailurePolicy:
         stop = self._save_limit(ev) or self._retry_limit(verdict, now, error)
         return FailureDecision(verdict, self.failures_in_a_row, stop)
 
-    def _save_limit(self, ev: FailureEvidence) -> Optional[ElasticRuntimeError]:
+    def _save_limit(self, ev: FailureEvidence) -> ElasticRuntimeError | None:
         """Saves that failed ``max_save_failures_in_a_row`` times with none committed in between:
         each retry replays a few steps (progress for the other limits) and fails the same save again."""
         if ev.save_failed is None:
@@ -98,7 +98,7 @@ class FailurePolicy:
             "saves are only slow"
         )
 
-    def _retry_limit(self, verdict: FailureVerdict, now: float, error) -> Optional[ElasticRuntimeError]:
+    def _retry_limit(self, verdict: FailureVerdict, now: float, error) -> ElasticRuntimeError | None:
         if not verdict.recoverable:
             error_cls = TrainingCodeError if verdict.training_code else ElasticRuntimeError
             return error_cls(f"not recoverable: {verdict.reason}")

@@ -11,7 +11,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from typing import ClassVar, Sequence
+from collections.abc import Sequence
+from typing import ClassVar
 
 
 class Action(enum.StrEnum):

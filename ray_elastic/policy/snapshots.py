@@ -7,7 +7,7 @@ snapshots have cost so far; the interval it returns bounds what a recovery can r
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from ray_elastic.decide import snapshot_interval
 
@@ -21,7 +21,7 @@ class SnapshotCosts:
     snapshot_s: tuple[float, ...] = ()
     step_s: tuple[float, ...] = ()
     current: int = 1
-    step_cost: Optional[float] = None
+    step_cost: float | None = None
 
 
 @runtime_checkable
@@ -56,7 +56,7 @@ class AutoInterval:
         )
 
 
-def as_policy(snapshot_every: "int | SnapshotPolicy") -> SnapshotPolicy:
+def as_policy(snapshot_every: int | SnapshotPolicy) -> SnapshotPolicy:
     """``ElasticConfig.snapshot_every`` as a policy (an int n: :class:`EveryNSteps` (n))."""
     return EveryNSteps(snapshot_every) if isinstance(snapshot_every, int) else snapshot_every
 

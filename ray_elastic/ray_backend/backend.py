@@ -11,7 +11,7 @@ fake through ``ElasticTrainer.backend_cls``, as Ray Train's controller takes a
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import ray
 
@@ -39,14 +39,14 @@ class RayBackend:
 
     pool: WorkerPool  # set by connect
 
-    def __init__(self, task: TrainTask, config: ElasticConfig, address: Optional[str] = None):
+    def __init__(self, task: TrainTask, config: ElasticConfig, address: str | None = None):
         self.task = task
         self.config = config
         self.address = address
         self.ownership = KeeperOwnership(self._superseded)  # holds the run's keepers once connected
         self.health = RayClusterHealth(config)
 
-    def connect(self, run_id: str, *, home: Optional[str] = None, findable: bool = True) -> None:
+    def connect(self, run_id: str, *, home: str | None = None, findable: bool = True) -> None:
         """Connect; the run's keepers are named by ``run_id`` and taken over only with the secret
         kept in ``home`` (the run or checkpoint directory); ``findable``: a rerun can find the run."""
         if not ray.is_initialized():
@@ -56,7 +56,7 @@ class RayBackend:
         identity = RunIdentity.of(run_id, self.task.name(), layout, settings, secret, findable)
         self.keepers = self.ownership.keepers = Keepers(identity, self.config.orphan_timeout_s)
         self.pool = WorkerPool(ray.put(self.task), self.config, self.keepers, env=checkpoints.gcs_env())
-        self._world: Optional[World] = None
+        self._world: World | None = None
 
     def _superseded(self) -> None:
         """A newer driver owns the run: stop training now (its processes' failures end the loop)."""
@@ -76,7 +76,7 @@ class RayBackend:
             return None
 
     # -------------------------------------------------------------- slices
-    def reserve(self, count: int, on_wait: Optional[Callable[[int, int], None]] = None) -> list[Reservation]:
+    def reserve(self, count: int, on_wait: Callable[[int, int], None] | None = None) -> list[Reservation]:
         """``count`` slices, named by their hosts' TPU labels where Ray has them (a rerun's snapshots
         are filed by slice name), else when their first world forms."""
         reserved = reserve_slices(self.config.slice, count, self.config.slice_timeout_s, on_wait=on_wait)
@@ -93,7 +93,7 @@ class RayBackend:
         return ReplacementRequest(self.config.slice, self.config.replacement_timeout_s)
 
     def replenish(
-        self, members: list, per_host: Optional[int] = None, at_once: bool = False, for_world: Optional[int] = None
+        self, members: list, per_host: int | None = None, at_once: bool = False, for_world: int | None = None
     ) -> bool:
         return self.pool.replenish(members, per_host, at_once, for_world)
 
@@ -136,9 +136,9 @@ class RayBackend:
         generation: int,
         reservations: list,
         start_step: int,
-        restore: Callable[[str], Optional[list]],
-        checkpoint_step: Optional[int],
-        checkpoint_dir: Optional[str] = None,
+        restore: Callable[[str], list | None],
+        checkpoint_step: int | None,
+        checkpoint_dir: str | None = None,
     ) -> World:
         self._world = World.form(
             pool=self.pool,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Optional
 
 from ray_elastic.detect import health
 from ray_elastic.errors import ProcessGone, RayletGone
@@ -22,8 +21,8 @@ class HostWatch:
 
     def __init__(self, world):
         self.world = world
-        self._raylets: Optional[dict] = None  # node id -> where its raylet listens
-        self._learning: Optional[threading.Thread] = None
+        self._raylets: dict | None = None  # node id -> where its raylet listens
+        self._learning: threading.Thread | None = None
 
     def start(self) -> None:
         """Learn where the raylets listen, off the step loop, once per world."""
@@ -56,7 +55,7 @@ class HostWatch:
             )
         return errors
 
-    def lost(self, of: Optional[set[int]] = None) -> dict[int, BaseException]:
+    def lost(self, of: set[int] | None = None) -> dict[int, BaseException]:
         """The processes (of ``of``, default all) whose host's raylet refuses connections (its Ray
         node is dead), by process: every process on such a host, not only those of ``of``."""
         if not self._raylets:  # not learnt yet (the world's first moments) or none reachable

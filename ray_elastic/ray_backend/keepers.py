@@ -21,7 +21,7 @@ import secrets
 import threading
 import time
 import uuid
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -43,7 +43,7 @@ class RunIdentity:
 
     key: str
     snapshot: str
-    secret: Optional[str] = None
+    secret: str | None = None
     findable: bool = True
 
     @classmethod
@@ -53,9 +53,9 @@ class RunIdentity:
         task_name: str,
         layout: object,
         settings: object = (),
-        secret: Optional[str] = None,
+        secret: str | None = None,
         findable: bool = True,
-    ) -> "RunIdentity":
+    ) -> RunIdentity:
         key = hashlib.sha1(f"{run_id}\n{task_name}".encode()).hexdigest()[:16]
         snapshot = hashlib.sha1(f"{task_name}\n{layout!r}\n{settings!r}".encode()).hexdigest()[:16]
         return cls(key, snapshot, secret, findable)
@@ -67,7 +67,7 @@ class TakenOver:
 
     keeper: ray.actor.ActorHandle
     node_id: str
-    place: Optional[tuple[str, int]]  # (slice name, host index) of the process it kept for
+    place: tuple[str, int] | None  # (slice name, host index) of the process it kept for
     steps: list[int]
 
 
@@ -97,10 +97,10 @@ class Keepers:
         self.superseded = threading.Event()
         self._all: list[ray.actor.ActorHandle] = []  # every keeper this driver owns (alive or not)
         self._stop = threading.Event()
-        self._renewer: Optional[threading.Thread] = None
+        self._renewer: threading.Thread | None = None
         self._handed_back = False
         self._claiming = threading.Lock()
-        self._owner_claim: Optional[tuple] = None  # (owner record, its take_over ref) until the claim is read
+        self._owner_claim: tuple | None = None  # (owner record, its take_over ref) until the claim is read
 
     def check(self) -> None:
         """Raise :class:`SupersededError` once a newer driver owns the run (learned from any refusal)."""
@@ -152,7 +152,7 @@ class Keepers:
         self.check()
         return list(self.taken_over.values())
 
-    def _claimed(self, keeper: ray.actor.ActorHandle, claim: Optional[dict]) -> bool:
+    def _claimed(self, keeper: ray.actor.ActorHandle, claim: dict | None) -> bool:
         """Whether ``claim`` (a ``take_over`` answer; None: none) made ``keeper`` this driver's; a
         refusal because a newer driver owns it marks this driver superseded."""
         if claim is None or not claim["taken"]:
@@ -314,7 +314,7 @@ class KeeperOwnership:
     :class:`Keepers` (set once the backend connects; before that, nothing is owned or superseded)."""
 
     def __init__(self, on_superseded: Callable[[], None]):
-        self.keepers: Optional[Keepers] = None
+        self.keepers: Keepers | None = None
         self._on_superseded = on_superseded  # stops this driver's processes
 
     def _connected(self) -> Keepers:

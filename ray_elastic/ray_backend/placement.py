@@ -12,7 +12,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -35,14 +35,14 @@ class SliceReservation:
     def __init__(
         self,
         spec: SliceSpec,
-        head_timeout_s: Optional[float] = None,
-        on_wait: Optional[Callable[[], None]] = None,
-        cancelled: Optional[threading.Event] = None,
+        head_timeout_s: float | None = None,
+        on_wait: Callable[[], None] | None = None,
+        cancelled: threading.Event | None = None,
     ):
         self.spec = spec
         # Multi-host: claim the head host of a whole, idle slice first and pin every bundle to it.
-        self.pinned_slice: Optional[str]
-        self._head_pg: Optional[PlacementGroup]
+        self.pinned_slice: str | None
+        self._head_pg: PlacementGroup | None
         self.pinned_slice, self._head_pg = (
             _claim_whole_slice(spec, head_timeout_s, on_wait, cancelled) if spec.num_hosts > 1 else (None, None)
         )
@@ -61,8 +61,8 @@ class SliceReservation:
         placement_group = self._handle.placement_group
         assert placement_group is not None  # SlicePlacementGroup creates it in its constructor
         self.placement_group: PlacementGroup = placement_group
-        self.slice_name: Optional[str] = None  # learnt from the hosts when a world forms on it
-        self._ready_ref: Optional[ray.ObjectRef] = None
+        self.slice_name: str | None = None  # learnt from the hosts when a world forms on it
+        self._ready_ref: ray.ObjectRef | None = None
         self._is_ready = False
 
     def node_ids(self) -> list[str]:
@@ -147,9 +147,9 @@ def _whole_and_idle(slice_name: str, spec: SliceSpec, claim: PlacementGroup) -> 
 
 def _claim_whole_slice(
     spec: SliceSpec,
-    timeout_s: Optional[float],
-    on_wait: Optional[Callable[[], None]] = None,
-    cancelled: Optional[threading.Event] = None,
+    timeout_s: float | None,
+    on_wait: Callable[[], None] | None = None,
+    cancelled: threading.Event | None = None,
 ) -> tuple[str, PlacementGroup]:
     """The name of a whole, idle multi-host slice and the placement group holding its head host.
 
@@ -215,7 +215,7 @@ def _remove(pg: PlacementGroup) -> None:
 
 
 def reserve_slices(
-    spec: SliceSpec, count: int, timeout_s: float, on_wait: Optional[Callable[[int, int], None]] = None
+    spec: SliceSpec, count: int, timeout_s: float, on_wait: Callable[[int, int], None] | None = None
 ) -> list[SliceReservation]:
     """Reserve ``count`` slices; release all of them and raise if they are not ready in time.
 
@@ -302,13 +302,13 @@ class ReplacementRequest:
             SliceReservation, self.spec, self.head_timeout_s, cancelled=self._cancelled
         )
 
-    def poll(self) -> Optional[SliceReservation]:
+    def poll(self) -> SliceReservation | None:
         """The reservation if its slice is ready now (never blocks); asks again if the head reservation failed."""
         if not self._future.done():
             return None
         try:
             res = self._future.result()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any failure of the reservation: ask again
             logger.info("replacement head reservation failed (%s); asking again", e)
             self._future = self._submit()
             return None

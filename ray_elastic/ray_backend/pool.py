@@ -5,7 +5,7 @@ world does not wait for Python and JAX to start."""
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import ray
 
@@ -39,7 +39,7 @@ class WorkerPool:
     ``jax.distributed.initialize``), so a standby does not compete for chips.
     """
 
-    def __init__(self, task_ref: ray.ObjectRef, config: ElasticConfig, keepers: Keepers, env: Optional[dict] = None):
+    def __init__(self, task_ref: ray.ObjectRef, config: ElasticConfig, keepers: Keepers, env: dict | None = None):
         self.task_ref = task_ref
         self.run_keepers = keepers
         self.config = config
@@ -116,7 +116,7 @@ class WorkerPool:
             owners.append((info["node_id"], info["pid"]))
         return tuple(owners)
 
-    def _start(self, res: SliceReservation, host: int, for_world: Optional[int] = None) -> Standby:
+    def _start(self, res: SliceReservation, host: int, for_world: int | None = None) -> Standby:
         """A new slice process; ``for_world``: the size (slices) of the world it is started for, the
         only one whose step it then traces ahead (else the likely ones: see ``SliceWorker.prepare``)."""
         options = {"num_cpus": 0, "scheduling_strategy": res.host_strategy(host)}
@@ -125,7 +125,7 @@ class WorkerPool:
         actor = SliceWorker.options(**options).remote(self.task_ref, self.settings)  # type: ignore[attr-defined]
         return Standby(actor, actor.prepare.remote(for_world), actor.traced_ahead.remote())
 
-    def take(self, res: SliceReservation, host: int, for_world: Optional[int] = None) -> tuple[tuple, bool]:
+    def take(self, res: SliceReservation, host: int, for_world: int | None = None) -> tuple[tuple, bool]:
         """An actor and its prepare ref for (slice, host): the warm standby if there is one, else a
         new process, started for a world of ``for_world`` slices."""
         queue = self._standby.get((id(res), host))
@@ -135,9 +135,9 @@ class WorkerPool:
     def replenish(
         self,
         reservations: list[SliceReservation],
-        per_host: Optional[int] = None,
+        per_host: int | None = None,
         at_once: bool = False,
-        for_world: Optional[int] = None,
+        for_world: int | None = None,
     ) -> bool:
         """Start standbys until every host of these slices has ``config.standby_workers`` of them
         (``per_host`` instead: a replacement that arrives while others are awaited starts only the
@@ -210,5 +210,5 @@ class WorkerPool:
 def kill(actor) -> None:
     try:
         ray.kill(actor, no_restart=True)
-    except Exception as e:  # already gone
+    except Exception as e:  # noqa: BLE001 - already gone
         logger.debug("kill %s: %s", actor, e)

@@ -32,7 +32,7 @@ def check_task(task: TrainTask, config: ElasticConfig, resume=None) -> None:
     mesh = AbstractMesh(tuple(plan.mesh_shape.values()), tuple(plan.mesh_shape))
     try:
         spec = sp.state_spec(task, config.seed, None)
-    except Exception as e:  # noqa: BLE001 - the user's model code
+    except Exception as e:
         raise TrainingCodeError(
             f"building the model abstractly (nnx.eval_shape of create_model and create_optimizer) failed: {e!r}"
         ) from e
@@ -51,7 +51,7 @@ def check_task(task: TrainTask, config: ElasticConfig, resume=None) -> None:
         jax_world.trace_for(task, slice_settings(config), plan, batches)
     except TrainingCodeError:
         raise
-    except Exception as e:  # noqa: BLE001 - the user's loss or step
+    except Exception as e:
         raise TrainingCodeError(f"tracing the train step on the driver failed in the task's code: {e!r}") from e
 
 

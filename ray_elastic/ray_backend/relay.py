@@ -11,7 +11,7 @@ group and waits on one ref per group. A death still reaches the driver at once (
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

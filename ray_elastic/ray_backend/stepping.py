@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import ray
 
@@ -131,14 +131,14 @@ class StepStreams:
             wake.clear()
             for check in (
                 lambda: self._read(run, quiet, quiet_waiter, holders, stream_waiter),
-                lambda: self._check_nodes(run, suspect),
+                lambda: self._check_nodes(run, suspect),  # noqa: B023 - called in this iteration
                 lambda: self._check_hang(run),
             ):
                 outcome = check()
                 if outcome is not None:
                     return outcome
 
-    def _fill(self, run: "_Progress", end_step: int, grow_requested: Callable[[], bool]) -> bool:
+    def _fill(self, run: _Progress, end_step: int, grow_requested: Callable[[], bool]) -> bool:
         """Queue chunks up to ``CHUNKS_IN_FLIGHT`` (or, once a grow is requested, the empty chunk
         that stops the processes at the next boundary); True when a queue's head changed."""
         if not run.draining and grow_requested():
@@ -165,12 +165,12 @@ class StepStreams:
 
     def _read(
         self,
-        run: "_Progress",
+        run: _Progress,
         quiet: list[int],
         quiet_waiter: FirstReady,
         holders: list[int],
         stream_waiter: FirstReady,
-    ) -> Optional[RunOutcome]:
+    ) -> RunOutcome | None:
         """Deaths the beacons saw, then the quiet chunks that ended, then the holders' streams."""
         gone = self.world.deaths.dead()
         if gone:  # before Ray has said so (its signal comes through the GCS, late on a loaded host)
@@ -197,7 +197,7 @@ class StepStreams:
             stream_waiter.watch(self._heads(holders))
         return None
 
-    def _check_nodes(self, run: "_Progress", suspect: float) -> Optional[RunOutcome]:
+    def _check_nodes(self, run: _Progress, suspect: float) -> RunOutcome | None:
         """Steps stalled past ``suspect``: a host whose raylet refuses is a lost node (backing off)."""
         now = time.monotonic()
         if now - run.at <= suspect or now < run.next_node_check:
@@ -209,7 +209,7 @@ class StepStreams:
         run.node_check_every = min(2 * run.node_check_every, NODE_CHECK_MAX_S)
         return None
 
-    def _check_hang(self, run: "_Progress") -> Optional[RunOutcome]:
+    def _check_hang(self, run: _Progress) -> RunOutcome | None:
         """No progress past the watchdog's limit: probe every process. A save running past its bound
         is a failed save, silence with nothing busy a hang; a slow but busy world is watched again."""
         c = self.config
@@ -398,7 +398,7 @@ class StepStreams:
         return any(self.store.complete(self.world.slice_of(p), step) for p in processes)
 
     def sync_with_keepers(
-        self, processes: Optional[list[int]] = None, timeout_s: float = 1.0, dead: Optional[set] = None
+        self, processes: list[int] | None = None, timeout_s: float = 1.0, dead: set | None = None
     ) -> list[int]:
         """Make the store say what these processes' keepers really hold (all snapshot holders by
         default), up to the newest reported step (later ones have no metrics in the run: they are

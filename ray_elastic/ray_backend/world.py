@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import ray
 
@@ -29,7 +29,7 @@ from ray_elastic.tpu import SLICE_NAME_LABEL, WORKER_ID_LABEL
 logger = logging.getLogger(__name__)
 
 
-def host_labels(reservations: list[SliceReservation]) -> Optional[list[list[dict]]]:
+def host_labels(reservations: list[SliceReservation]) -> list[list[dict]] | None:
     """Per slice, per bundle: the TPU slice name and worker id of the node it is placed on.
 
     ``None`` when a node lacks the labels (the actors' own report is used instead).
@@ -58,7 +58,7 @@ def _gather(
     timeout_s: float,
     error: Callable[[list, BaseException], Exception] = FormingError,
     what: str = "while forming the world",
-    watch: Optional[Callable[[], None]] = None,
+    watch: Callable[[], None] | None = None,
 ) -> list:
     """``ray.get(refs)``, but failing at the first error rather than after the slowest ref, and
     naming whose it was (``error(owners, cause)``): when a peer dies, the others would wait in
@@ -77,7 +77,7 @@ def _gather(
         for ref in ready:
             try:
                 ray.get(ref)
-            except Exception as e:  # noqa: BLE001 - the first error ends the wait at once
+            except Exception as e:
                 raise error([pending[ref]], e) from e
             del pending[ref]
     return ray.get(refs)
@@ -128,7 +128,7 @@ def _alive(watch: Callable[[], None], deaths: DeathWatch, owners: list[str]) -> 
     return check
 
 
-def _beacon(info: dict) -> Optional[tuple[str, int, bytes]]:
+def _beacon(info: dict) -> tuple[str, int, bytes] | None:
     """Where a process's liveness beacon listens, and its token (None: it has none)."""
     return (info["ip"], info["beacon_port"], bytes.fromhex(info["beacon_token"])) if info.get("beacon_port") else None
 
@@ -149,7 +149,7 @@ class _Hosts:
         self.names: list[str] = []
 
     @classmethod
-    def take(cls, pool: WorkerPool, reservations: list[SliceReservation], num_hosts: int) -> "_Hosts":
+    def take(cls, pool: WorkerPool, reservations: list[SliceReservation], num_hosts: int) -> _Hosts:
         """One process per host of each slice: a warm standby where there is one."""
         taken = [[pool.take(res, h, len(reservations)) for h in range(num_hosts)] for res in reservations]
         return cls(reservations, taken, num_hosts)
@@ -201,9 +201,9 @@ class _Hosts:
         *,
         epoch: int,
         start_step: int,
-        restore: Optional[Callable[[str], Optional[list[SnapshotRef]]]],
-        checkpoint_step: Optional[int],
-        checkpoint_dir: Optional[str],
+        restore: Callable[[str], list[SnapshotRef] | None] | None,
+        checkpoint_step: int | None,
+        checkpoint_dir: str | None,
     ) -> list[dict]:
         """Every process joins the JAX world and loads its state; returns what each reported."""
         # Steps from start_step on are run again: what earlier worlds kept of them is dropped.
@@ -262,9 +262,9 @@ class World:
         join_infos: list[dict],
         reservations: list[SliceReservation],
         keepers: list,
-        channels: Optional[list[list[int]]] = None,
-        relays: Optional[list] = None,
-        deaths: Optional[DeathWatch] = None,
+        channels: list[list[int]] | None = None,
+        relays: list | None = None,
+        deaths: DeathWatch | None = None,
     ):
         self.plan = plan
         self.deaths = deaths or DeathWatch([])  # the driver's connections to its processes' beacons
@@ -290,11 +290,11 @@ class World:
         pool: WorkerPool,
         config: ElasticConfig,
         start_step: int,
-        restore: Optional[Callable[[str], Optional[list[SnapshotRef]]]] = None,
-        checkpoint_step: Optional[int] = None,
-        checkpoint_dir: Optional[str] = None,
+        restore: Callable[[str], list[SnapshotRef] | None] | None = None,
+        checkpoint_step: int | None = None,
+        checkpoint_dir: str | None = None,
         epoch: int = 0,
-    ) -> "World":
+    ) -> World:
         """Take one actor per host of each slice, join them into one JAX world, load state, compile.
 
         Args:
@@ -305,7 +305,7 @@ class World:
         t0 = time.perf_counter()
         hosts = _Hosts.take(pool, reservations, config.slice.num_hosts)
         times = FormationTimes(standbys_used=hosts.standbys_used, processes_starting=hosts.starting)
-        deaths: Optional[DeathWatch] = None
+        deaths: DeathWatch | None = None
         try:
             hosts.order(pool, config.jax_init_timeout_s)
             plan = config.world_plan(generation, hosts.names)
@@ -374,7 +374,7 @@ class World:
         self._chunks_sent += 1
         return refs
 
-    def finish_checkpoints(self, timeout_s: float, save_step: Optional[int] = None) -> list:
+    def finish_checkpoints(self, timeout_s: float, save_step: int | None = None) -> list:
         """Wait for every process's in-flight checkpoint save to commit (a planned stop, not a failure);
         with ``save_step``, first save the current state as that checkpoint. Returns process 0's newly
         committed (step, total seconds). Raises :class:`ProcessFailed` naming the first process that failed."""

@@ -21,7 +21,6 @@ import signal
 import tempfile
 import threading
 import time
-from typing import Optional
 
 from ray_elastic.sim.faults import SliceFaults
 from ray_elastic.sim.hosts import (
@@ -98,9 +97,9 @@ class SimulatedTPUCluster(SliceFaults):
         dashboard: bool = False,
         autoscaler: bool = False,
         launch_delay_s: float = 0.0,
-        max_slices: Optional[int] = None,
+        max_slices: int | None = None,
         idle_timeout_s: float = 3600.0,
-        pool_slices: Optional[int] = None,
+        pool_slices: int | None = None,
         gcs_fault_tolerance: bool = False,
     ):
         # Long: the head's parameters are one long keyword list; the rest is one call per step.
@@ -116,8 +115,8 @@ class SimulatedTPUCluster(SliceFaults):
         self._provisioners: list[Provisioner] = []
         self._starter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sim-node-starter")
         self._events_seen = 0
-        self.state_dir: Optional[str] = None  # the autoscaler provider's records
-        self.autoscaling_config_path: Optional[str] = None
+        self.state_dir: str | None = None  # the autoscaler provider's records
+        self.autoscaling_config_path: str | None = None
 
         import ray  # noqa: F401  (import here so the module can be inspected without Ray)
         from ray.cluster_utils import Cluster
@@ -169,7 +168,7 @@ class SimulatedTPUCluster(SliceFaults):
             raise
 
     def _environment(
-        self, gcs_port: int, num_slices: int, max_slices: Optional[int], idle_timeout_s: float, pool_slices
+        self, gcs_port: int, num_slices: int, max_slices: int | None, idle_timeout_s: float, pool_slices
     ) -> dict[str, str]:
         """What Ray reads from the environment of every process it starts (raylets, workers, job
         drivers, the autoscaler's monitor): set by the caller, given back at shutdown. With the
@@ -199,7 +198,7 @@ class SimulatedTPUCluster(SliceFaults):
 
         ray.init(address=self.address, log_to_driver=self._log_to_driver, namespace="ray_elastic")
 
-    def __enter__(self) -> "SimulatedTPUCluster":
+    def __enter__(self) -> SimulatedTPUCluster:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -219,7 +218,7 @@ class SimulatedTPUCluster(SliceFaults):
 
     # ------------------------------------------------------------- autoscaler
     def _write_autoscaling_config(
-        self, gcs_address: str, num_slices: int, idle_timeout_s: float, pool_slices: Optional[int]
+        self, gcs_address: str, num_slices: int, idle_timeout_s: float, pool_slices: int | None
     ) -> None:
         """Ray's cluster config for the autoscaler: the head, and the TPU slice node types."""
         import json
@@ -239,7 +238,7 @@ class SimulatedTPUCluster(SliceFaults):
         with open(self.autoscaling_config_path, "w") as f:
             json.dump(config, f, indent=1)
 
-    def set_capacity(self, max_slices: Optional[int]) -> None:
+    def set_capacity(self, max_slices: int | None) -> None:
         """(autoscaler) Slices that may be alive at once; ``None``: no limit. Below the live count it
         is a stock-out: nothing running is taken away, and every launch fails until capacity returns
         (the autoscaler retries each round; its demand stays visible in the cluster status)."""
@@ -391,7 +390,7 @@ class SimulatedTPUCluster(SliceFaults):
         procs += [p for p in self.stray_processes() if p.pid not in head]  # missed by the records
         send_signal(procs, signal.SIGKILL)
 
-    def provisioner(self, delay_s: float = 0.0, poll_s: float = 0.2, max_slices: Optional[int] = None) -> Provisioner:
+    def provisioner(self, delay_s: float = 0.0, poll_s: float = 0.2, max_slices: int | None = None) -> Provisioner:
         """Start a :class:`Provisioner` bound to this cluster (stopped by :meth:`shutdown`)."""
         if self.autoscaler:
             raise RuntimeError(
@@ -423,12 +422,12 @@ class SimulatedTPUCluster(SliceFaults):
             if sl.alive:
                 try:
                     self._signal_slice(sl, signal.SIGCONT)
-                except Exception:
+                except Exception:  # noqa: BLE001 - a slice already gone needs no resuming
                     pass
         if cluster is not None:
             try:
                 cluster.shutdown()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - shutting down: say it and go on
                 logger.warning("cluster shutdown: %s", e)
             self._cluster = None
         self._starter.shutdown(wait=False)

@@ -55,7 +55,7 @@ class SliceFaults:
                 continue  # an autoscaled host: the autoscaler retires its instance
             try:
                 self._cluster.remove_node(host.node, allow_graceful=False)
-            except Exception as e:  # already dead processes make remove_node's checks noisy
+            except Exception as e:  # noqa: BLE001 - already dead processes make remove_node's checks noisy
                 logger.debug("remove_node(%s): %s", name, e)
                 self._cluster.worker_nodes.discard(host.node)
         return killed_at

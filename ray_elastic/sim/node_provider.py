@@ -39,7 +39,6 @@ import os
 import signal
 import threading
 import time
-from typing import Optional
 
 import psutil
 
@@ -284,7 +283,7 @@ def autoscaling_config(
     gcs_address: str,
     head_instance_id: str,
     node_ip: str,
-    state_dir: Optional[str],
+    state_dir: str | None,
     object_store_bytes: int,
     slices: int,
     idle_timeout_s: float,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Optional
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +20,7 @@ class Provisioner:
     autoscaler retries a failed instance launch.
     """
 
-    def __init__(self, cluster, delay_s: float, poll_s: float, max_slices: Optional[int]):
+    def __init__(self, cluster, delay_s: float, poll_s: float, max_slices: int | None):
         self._cluster = cluster
         self.delay_s = delay_s
         self.poll_s = poll_s
@@ -62,7 +61,7 @@ class Provisioner:
                 return
             try:
                 pending = self._pending_tpu_groups()
-            except Exception as e:  # the driver may be shutting down
+            except Exception as e:  # noqa: BLE001 - the driver may be shutting down
                 logger.debug("provisioner poll failed: %s", e)
                 continue
             now = time.monotonic()

@@ -28,12 +28,11 @@ import os
 import socket
 import tempfile
 import time
-from typing import Optional
 
 HOST_ENV = "SIM_TPU_HOST"  # "<slice name>/<worker id>" on a simulated TPU host's processes
 MEGASCALE_KEYS = ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID", "MEGASCALE_PORT")
 PEERS_TIMEOUT_MS = 120_000  # a world's processes open their backends together, after jax.distributed.initialize
-_lock_fd: Optional[int] = None  # the chips' lock, held for the life of the process (as libtpu holds it)
+_lock_fd: int | None = None  # the chips' lock, held for the life of the process (as libtpu holds it)
 
 
 class TPURuntimeBreach(RuntimeError):
@@ -59,7 +58,7 @@ def runtime_dir() -> str:
     return os.path.join(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir(), "sim-tpu-runtime")
 
 
-def set_startup_cost(cost: StartupCost, directory: Optional[str] = None) -> None:
+def set_startup_cost(cost: StartupCost, directory: str | None = None) -> None:
     """Every backend opened from now on, on every simulated host, waits ``cost`` first."""
     d = directory or runtime_dir()
     os.makedirs(d, exist_ok=True)
@@ -69,7 +68,7 @@ def set_startup_cost(cost: StartupCost, directory: Optional[str] = None) -> None
     os.replace(tmp, os.path.join(d, "startup.json"))
 
 
-def startup_cost(directory: Optional[str] = None) -> StartupCost:
+def startup_cost(directory: str | None = None) -> StartupCost:
     try:
         with open(os.path.join(directory or runtime_dir(), "startup.json")) as f:
             return StartupCost(**json.load(f))
@@ -77,17 +76,17 @@ def startup_cost(directory: Optional[str] = None) -> StartupCost:
         return StartupCost()
 
 
-def breaches(directory: Optional[str] = None) -> list[dict]:
+def breaches(directory: str | None = None) -> list[dict]:
     """Every breach recorded so far (one dict per line of ``breaches.jsonl``)."""
     return _read(directory, "breaches.jsonl")
 
 
-def openings(directory: Optional[str] = None) -> list[dict]:
+def openings(directory: str | None = None) -> list[dict]:
     """Every backend the stand-in let start: host, pid and the ``MEGASCALE_*`` values it had."""
     return _read(directory, "opened.jsonl")
 
 
-def _read(directory: Optional[str], name: str) -> list[dict]:
+def _read(directory: str | None, name: str) -> list[dict]:
     try:
         with open(os.path.join(directory or runtime_dir(), name)) as f:
             return [json.loads(line) for line in f if line.strip()]
@@ -137,7 +136,7 @@ def _own_ip() -> str:
         return socket.gethostbyname("localhost")
 
 
-def check_world(records: list[dict]) -> Optional[str]:
+def check_world(records: list[dict]) -> str | None:
     """What is wrong with one world's MEGASCALE_* values (``records`` in process order), or None."""
     first = records[0]
     for p, r in enumerate(records):

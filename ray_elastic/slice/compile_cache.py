@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Optional
 
 import jax
 
@@ -13,7 +12,7 @@ from ray_elastic.decide import WorldPlan
 from ray_elastic.slice.mesh import device_grid
 
 
-def enable_compilation_cache(cache_dir: Optional[str]) -> None:
+def enable_compilation_cache(cache_dir: str | None) -> None:
     """Persistent compilation cache: a new generation recompiles from disk, not from scratch."""
     if not cache_dir:
         return

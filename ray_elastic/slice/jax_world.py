@@ -11,7 +11,6 @@ import collections
 import logging
 import threading
 import time
-from typing import Optional
 
 import jax
 import numpy as np
@@ -152,10 +151,10 @@ class TrainLoop:
         mesh: Mesh,
         fsdp_min_size: int,
         batches: StepBatches,
-        restore: Optional[list] = None,
+        restore: list | None = None,
         scale_updates: bool = False,
         checkpointer=None,
-        checkpoint_step: Optional[int] = None,
+        checkpoint_step: int | None = None,
         restore_from=None,
         rules=(),
         eval_batches=None,
@@ -171,17 +170,17 @@ class TrainLoop:
         self.eval_batches = eval_batches
         self._rows = BatchPrefetcher(batches, *self.row_range, depth=prefetch)
         self._in_flight: collections.deque = collections.deque()  # (step, metrics, dispatched at)
-        self._last_finish: Optional[float] = None
+        self._last_finish: float | None = None
         self._eval = None  # the jitted eval step, compiled at the first evaluation
 
         self.spec, self.state_shardings, self.batch_sharding, self._step = _programs(
             task, plan, seed, fsdp_min_size, mesh, rules, scale_updates, pack
         )
-        self.packed: Optional[jax.Array] = None  # the newest dispatched step's state, packed (``pack``)
+        self.packed: jax.Array | None = None  # the newest dispatched step's state, packed (``pack``)
         self.leaf_paths = leaf_paths(self.spec.abstract)
         self.sharded_params = sum(1 for sh in jax.tree.leaves(self.state_shardings) if any(sh.spec))
         self.checkpointer = checkpointer
-        self.restored_metadata: Optional[dict] = None
+        self.restored_metadata: dict | None = None
         if checkpoint_step is not None:
             self.state = self._from_checkpoint(restore_from or checkpointer, checkpoint_step)
         elif restore is None:
@@ -237,7 +236,7 @@ class TrainLoop:
     def close(self) -> None:
         self._rows.close()
 
-    def compile(self, step: int, traced: Optional[jax.stages.Traced] = None) -> dict:
+    def compile(self, step: int, traced: jax.stages.Traced | None = None) -> dict:
         """Compile the step (from the persistent cache when warm); seconds of each phase.
 
         ``traced``: from :func:`trace_ahead` for this world's layout (tracing is then already

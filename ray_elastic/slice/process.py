@@ -6,14 +6,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Optional
 
 from ray_elastic.errors import SliceDownError
 
 logger = logging.getLogger(__name__)
 
 
-def set_niceness(niceness: Optional[int]) -> None:
+def set_niceness(niceness: int | None) -> None:
     """Give every thread of this process ``niceness`` (``ElasticConfig.worker_niceness``; None: leave
     Ray's ``RAY_worker_niceness``, 15 by default). On Linux niceness is per thread, and threads
     started later inherit their creator's. Lowering it needs root or CAP_SYS_NICE."""

@@ -6,7 +6,6 @@ each world size, whether snapshots are on, the first snapshot interval)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 from ray_elastic.decide import WorldShapes
 
@@ -22,13 +21,13 @@ class SliceSettings:
     scale_updates: bool  # the learning rate follows the world's size (``lr_rule``)
     pack: bool  # snapshots are on: the step packs its new state for the snapshot writer
     snapshot_every: int  # a chunk's snapshot interval when the controller names none
-    checkpoint_dir: Optional[str]
+    checkpoint_dir: str | None
     checkpoint_every: int
-    max_to_keep: Optional[int]
+    max_to_keep: int | None
     async_checkpointing: bool
     eval_every: int
     eval_batch: int
     eval_steps: int
-    compilation_cache_dir: Optional[str]
+    compilation_cache_dir: str | None
     megascale_port: int
-    worker_niceness: Optional[int]
+    worker_niceness: int | None

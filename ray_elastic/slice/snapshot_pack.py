@@ -12,7 +12,7 @@ into the blocks a restore takes (:func:`~ray_elastic.state.snapshot_slots.unpack
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -101,7 +101,7 @@ def layout(leaves: list[jax.Array], paths: tuple = ()) -> SlotLayout:
     )
 
 
-def host_rows(packed: jax.Array, layout: SlotLayout) -> list[Optional[np.ndarray]]:
+def host_rows(packed: jax.Array, layout: SlotLayout) -> list[np.ndarray | None]:
     """This process's rows of ``packed`` that a piece is read from, as bytes in the layout's order
     (host arrays; waits for it); None for a row whose shards another local device holds too."""
     row = {d: i for i, d in enumerate(layout.row_devices)}

@@ -5,7 +5,7 @@ thread (:class:`~ray_elastic.state.snapshot_writer.SnapshotWriter`)."""
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import jax
 
@@ -17,10 +17,10 @@ from ray_elastic.state.snapshot_writer import SnapshotWriter
 class Snapshots:
     """One world's snapshots of one process: where its packed state's bytes go, and the writer."""
 
-    def __init__(self, keeper, generation: int, epoch: Optional[int], loop, streamed: Callable[[], int]):
+    def __init__(self, keeper, generation: int, epoch: int | None, loop, streamed: Callable[[], int]):
         self.layout = snapshot_pack.layout(jax.tree.leaves(loop.state), loop.leaf_paths)
         self.writer = SnapshotWriter(keeper, generation, epoch, self.layout, streamed)
-        self._packer: Optional[Callable] = None
+        self._packer: Callable | None = None
 
     def submit(self, loop, step: int) -> None:
         """Keep the state after ``step`` (the newest dispatched, which packed it): the step loop

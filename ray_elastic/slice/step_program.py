@@ -10,7 +10,8 @@ logical axis rules, or by the automatic FSDP rule (:mod:`ray_elastic.decide.layo
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +54,7 @@ def from_raw(raw, keys):
     return jax.tree.map(lambda x, k: x if k is None else jax.random.wrap_key_data(x, impl=k), raw, keys)
 
 
-def state_spec(task: TrainTask, seed: int, update_scale: Optional[float]) -> StateSpec:
+def state_spec(task: TrainTask, seed: int, update_scale: float | None) -> StateSpec:
     """Build the model and optimizer abstractly: shapes, dtypes and annotations, no arrays."""
 
     def make():

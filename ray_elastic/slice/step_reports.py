@@ -4,7 +4,6 @@ one was due) is kept, and the steps its keeper now holds."""
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 
 class StepReports:
@@ -29,7 +28,7 @@ class StepReports:
         """The newest finished step's metrics (not yet streamed)."""
         return self._finished[-1]
 
-    def take(self, writer: Optional[object]) -> dict:
+    def take(self, writer: object | None) -> dict:
         """Finished steps to stream (those before the step whose snapshot ``writer`` is still
         writing), and the steps kept since the last report with the seconds each snapshot cost."""
         pending = writer.pending() if writer is not None else None

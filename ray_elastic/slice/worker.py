@@ -17,7 +17,6 @@ import logging
 import os
 import threading
 import time
-from typing import Optional
 
 import ray
 
@@ -49,14 +48,14 @@ class SliceWorker:
     def __init__(self, task, settings: SliceSettings):
         set_niceness(settings.worker_niceness)
         try:  # the driver's connection to it ends when this process does (liveness.DeathWatch)
-            self._beacon: Optional[Beacon] = Beacon(ray.util.get_node_ip_address())
+            self._beacon: Beacon | None = Beacon(ray.util.get_node_ip_address())
         except OSError as e:
             logger.warning("no liveness beacon (its death is then seen through Ray only): %r", e)
             self._beacon = None
         self.task = task
         self.settings = settings
-        self.plan: Optional[WorldPlan] = None
-        self.process_id: Optional[int] = None
+        self.plan: WorldPlan | None = None
+        self.process_id: int | None = None
         self.loop = None
         self.batches = None
         self.eval_batches = None
@@ -64,16 +63,16 @@ class SliceWorker:
         self._tracing: list = []  # the same futures, for ``traced_ahead`` (``compile`` pops ``traced``)
         self._prepared = threading.Event()
         self.last_step = -1
-        self.saving_since: Optional[float] = None  # inside a checkpoint save since: not a hang (save_timeout_s)
+        self.saving_since: float | None = None  # inside a checkpoint save since: not a hang (save_timeout_s)
         self.evaluating = False  # inside an eval (no step finishes meanwhile: not a hang)
         self._port_holder = None  # process 0: the coordinator's port, held until JAX binds it
-        self.writer: Optional[SnapshotWriter] = None  # snapshot holders: copies snapshots to the keeper's ring
+        self.writer: SnapshotWriter | None = None  # snapshot holders: copies snapshots to the keeper's ring
         self._snapshots = None  # and what packs them (``slice.snapshotting``), one per world
         self.reports = StepReports()  # finished steps and kept snapshots, until streamed
         self._snapshot_step = -1  # the newest step handed to the writer
         self._compiled_ahead = False  # once per world, after its first chunk (process 0)
 
-    def prepare(self, for_world: Optional[int] = None) -> dict:
+    def prepare(self, for_world: int | None = None) -> dict:
         """Everything that does not need the world: import JAX, load the task's data. Then, in the
         background, trace the step for the worlds this process may join (``for_world``: the size of
         the one it was started for; a process joins one world only, and the others' traces took CPU
@@ -108,7 +107,7 @@ class SliceWorker:
         self._prepared.wait()
         concurrent.futures.wait(self._tracing)
 
-    def _likely_plans(self, for_world: Optional[int] = None) -> list[WorldPlan]:
+    def _likely_plans(self, for_world: int | None = None) -> list[WorldPlan]:
         """Layouts of the largest worlds this run may form (``ElasticConfig.world_plan``, as forming does),
         or of the one world of ``for_world`` slices."""
         c = self.settings
@@ -156,11 +155,11 @@ class SliceWorker:
         host_index: int,
         coordinator_address: str,
         timeout_s: float,
-        snapshot: Optional[SnapshotRef] = None,
-        checkpoint_step: Optional[int] = None,
-        checkpoint_dir: Optional[str] = None,
+        snapshot: SnapshotRef | None = None,
+        checkpoint_step: int | None = None,
+        checkpoint_dir: str | None = None,
         keeper=None,
-        epoch: Optional[int] = None,
+        epoch: int | None = None,
         chip_owners: tuple = (),
     ) -> dict:
         """``jax.distributed.initialize``, mesh, and the state: fresh, from a snapshot or from a checkpoint.
@@ -255,7 +254,7 @@ class SliceWorker:
                 self._port_holder = None
         return time.perf_counter() - t0
 
-    def _checkpointers(self, checkpoint_step: Optional[int], checkpoint_dir: Optional[str]) -> tuple:
+    def _checkpointers(self, checkpoint_step: int | None, checkpoint_dir: str | None) -> tuple:
         """The run's checkpointer (None without ``checkpoint_dir``), and the one to restore from:
         the same, or another run's directory, read only."""
         from ray_elastic.state.checkpoints import Checkpointer
@@ -266,7 +265,7 @@ class SliceWorker:
             return own, Checkpointer(checkpoint_dir, None, read_only=True)
         return own, own
 
-    def _fetch(self, snapshot: Optional[SnapshotRef], epoch: int) -> tuple[Optional[dict], float]:
+    def _fetch(self, snapshot: SnapshotRef | None, epoch: int) -> tuple[dict | None, float]:
         """This host's part of ``snapshot`` from the keeper holding it, and the seconds it took."""
         if snapshot is None:
             return None, 0.0
@@ -295,7 +294,7 @@ class SliceWorker:
         start_step: int,
         num_steps: int,
         final_step: int,
-        snapshot_every: Optional[int] = None,
+        snapshot_every: int | None = None,
         eval_before: bool = False,
     ):
         """Run steps ``start_step ..``; stream what the controller needs.
@@ -406,7 +405,7 @@ class SliceWorker:
         start_step: int,
         num_steps: int,
         final_step: int,
-        snapshot_every: Optional[int] = None,
+        snapshot_every: int | None = None,
         eval_before: bool = False,
     ) -> None:
         """:meth:`run_chunk` for a process that streams nothing (it keeps no snapshot): the driver
@@ -432,7 +431,7 @@ class SliceWorker:
         finally:
             self.saving_since = None
 
-    def finish_checkpoints(self, save_step: Optional[int] = None) -> list:
+    def finish_checkpoints(self, save_step: int | None = None) -> list:
         """Wait until the in-flight save is committed (before a planned teardown or the end); with
         ``save_step``, save the current state as that checkpoint first (the run's last one, when the
         world that was saving it failed). The (step, total seconds) of saves that finished since they

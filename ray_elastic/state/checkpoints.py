@@ -23,7 +23,7 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any, ClassVar
 
 from ray_elastic.errors import StorageError
 
@@ -64,7 +64,7 @@ class CheckpointInfo:
 
     step: int
     metadata: dict
-    directory: Optional[str] = None
+    directory: str | None = None
 
     @property
     def restore_step(self) -> int:
@@ -101,7 +101,7 @@ def _check_gcs_readable(directory: str) -> None:
         list(storage.Client().list_blobs(bucket_name, prefix=prefix.strip("/") + "/", max_results=1))
     except exceptions.NotFound as e:
         raise ValueError(f"resume_from {directory!r}: bucket {bucket_name!r} does not exist") from e
-    except Exception as e:  # noqa: BLE001 - credentials, permissions, endpoint, network
+    except Exception as e:
         raise ValueError(
             f"cannot read resume_from {directory!r}: {e}. Grant the training service account "
             "roles/storage.objectViewer on the bucket"
@@ -117,7 +117,7 @@ def _check_gcs(directory: str) -> None:
     try:
         client = storage.Client()
         bucket = client.lookup_bucket(bucket_name)
-    except Exception as e:  # noqa: BLE001 - credentials, endpoint, network
+    except Exception as e:
         raise ValueError(
             f"cannot reach GCS for checkpoint_dir {directory!r}: {e}. Check credentials "
             "(gcloud auth application-default login, or the VM's service account) and network"
@@ -133,7 +133,7 @@ def _check_gcs(directory: str) -> None:
         blob = bucket.blob(probe)
         blob.upload_from_string(b"ok")
         blob.delete()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise ValueError(
             f"checkpoint_dir {directory!r} is not writable: {e}. Grant the training service account "
             "roles/storage.objectAdmin on the bucket, or choose another checkpoint_dir"
@@ -155,7 +155,7 @@ def _check_local(directory: str) -> None:
         ) from e
 
 
-def _manager(directory: str, read_only: bool, max_to_keep: Optional[int] = None, async_save: bool = True):
+def _manager(directory: str, read_only: bool, max_to_keep: int | None = None, async_save: bool = True):
     import orbax.checkpoint as ocp
 
     options = ocp.CheckpointManagerOptions(
@@ -170,7 +170,7 @@ def _manager(directory: str, read_only: bool, max_to_keep: Optional[int] = None,
     return ocp.CheckpointManager(directory, item_names=(STATE_ITEM, META_ITEM), options=options)
 
 
-def foreign_task(info: Optional[CheckpointInfo], task_name: str) -> Optional[str]:
+def foreign_task(info: CheckpointInfo | None, task_name: str) -> str | None:
     """The task that wrote ``info`` when it is not ``task_name`` (checkpoints belong to a run's task);
     None when it is ours, or unknown (written before checkpoints carried it)."""
     theirs = info.metadata.get("task") if info is not None else None
@@ -221,7 +221,7 @@ def _leaves(tree):
         yield tree
 
 
-def latest_checkpoint(directory: str, skip: frozenset = frozenset()) -> Optional[CheckpointInfo]:
+def latest_checkpoint(directory: str, skip: frozenset = frozenset()) -> CheckpointInfo | None:
     """The newest committed checkpoint in ``directory`` whose metadata reads, and that metadata, or None.
 
     ``skip``: steps known to be unreadable (a world failed to restore them): the previous one is used.
@@ -265,7 +265,7 @@ class _SaveDurations:
     EVENT = "/jax/checkpoint/write/async/thread_duration_sec"
     _installed = False
     _lock = threading.Lock()
-    durations: list[float] = []
+    durations: ClassVar[list[float]] = []
 
     @classmethod
     def install(cls) -> None:
@@ -337,7 +337,7 @@ class Checkpointer:
         read_only: only restore (another run's directory, ``fit(resume_from=...)``).
     """
 
-    def __init__(self, directory: str, max_to_keep: Optional[int], async_save: bool = True, read_only: bool = False):
+    def __init__(self, directory: str, max_to_keep: int | None, async_save: bool = True, read_only: bool = False):
         _SaveDurations.install()
         configure_orbax()
         _SaveDurations.take()  # durations of an earlier world in this process are not ours
@@ -394,7 +394,7 @@ class Checkpointer:
         """
         try:
             self._mgr.wait_until_finished()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise StorageError(
                 f"committing checkpoint {self._started[-1] if self._started else '?'} failed: {e!r}"
             ) from e

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import os
 import secrets
-from typing import Optional
 
 FILE = ".ray-elastic-secret"
 
 
-def run_secret(directory: Optional[str]) -> Optional[str]:
+def run_secret(directory: str | None) -> str | None:
     """The secret kept in ``directory`` (created there, owner-readable only, on the first run);
     None without a directory."""
     if not directory:

@@ -26,7 +26,6 @@ import logging
 import os
 import threading
 import time
-from typing import Optional
 
 import numpy as np
 import ray
@@ -63,7 +62,7 @@ def evictable(
 PREVIOUS_DRIVER = -1  # the generation a taken-over keeper files its snapshots under (the new run's start at 0)
 
 
-def _digest(secret: Optional[str]) -> Optional[str]:
+def _digest(secret: str | None) -> str | None:
     return None if secret is None else hashlib.sha256(secret.encode()).hexdigest()
 
 
@@ -85,10 +84,10 @@ class SnapshotKeeper:
     def __init__(
         self,
         keep_steps: int = KEEP_STEPS,
-        orphan_timeout_s: Optional[float] = None,
+        orphan_timeout_s: float | None = None,
         identity=None,
         epoch: int = 0,
-        secret: Optional[str] = None,
+        secret: str | None = None,
     ):
         self.keep_steps = keep_steps
         self._entries: dict[tuple[int, int], dict] = {}  # handed over by call
@@ -98,7 +97,7 @@ class SnapshotKeeper:
         self.identity, self.epoch = identity, epoch  # whose snapshots these are; the driver that owns them
         self._secret = _digest(secret)  # who may take it over (None: anyone who finds it)
         self._released = False
-        self.place: Optional[tuple[str, int]] = None  # (slice name, host index) of the process it keeps for
+        self.place: tuple[str, int] | None = None  # (slice name, host index) of the process it keeps for
         self._renewed = time.monotonic()
         remove_orphans()  # rings of keepers killed on this host before they could remove them
         atexit.register(self._free)
@@ -122,7 +121,7 @@ class SnapshotKeeper:
         self._segments = []
 
     @ray.method(concurrency_group="lease")
-    def status(self, secret: Optional[str] = None) -> Optional[dict]:
+    def status(self, secret: str | None = None) -> dict | None:
         """What a new driver decides from: the owning driver's epoch, the node. None without the
         run's secret (the epoch is what the owner's calls carry)."""
         if _digest(secret) != self._secret or self._released:
@@ -137,7 +136,7 @@ class SnapshotKeeper:
         self._renewed = time.monotonic()
         return True
 
-    def take_over(self, epoch: int, identity, secret: Optional[str] = None) -> dict:
+    def take_over(self, epoch: int, identity, secret: str | None = None) -> dict:
         """A new driver of the run (``epoch`` above the keeper's) takes the keeper and what it holds.
 
         ``taken`` False (``why``): an equal or newer driver has it (the caller was superseded), or
@@ -174,7 +173,7 @@ class SnapshotKeeper:
         self._free()
         return True
 
-    def begin(self, generation: int, start_step: int, place: Optional[tuple[str, int]] = None, epoch: int = 0) -> bool:
+    def begin(self, generation: int, start_step: int, place: tuple[str, int] | None = None, epoch: int = 0) -> bool:
         """A world of ``generation`` starts after ``start_step - 1``: steps from ``start_step`` on are
         run again by it, so what earlier worlds kept of them (after a resize, other numbers) is dropped,
         and a late write from an earlier world is refused. ``place``: the (slice, host) it keeps for.
@@ -191,19 +190,19 @@ class SnapshotKeeper:
         self._evict()
         return True
 
-    def open_segment(self, generation: int, layout: SlotLayout, epoch: Optional[int] = None) -> Optional[str]:
+    def open_segment(self, generation: int, layout: SlotLayout, epoch: int | None = None) -> str | None:
         """A ring for ``generation``'s process to write its snapshots into (the file's path); None
         when refused (a late world, or a driver that was taken over)."""
         if generation < self._generation or (epoch is not None and epoch != self.epoch):
             return None
-        for gen, seg in [x for x in self._segments if x[0] == generation]:
+        for _gen, seg in [x for x in self._segments if x[0] == generation]:
             seg.close(unlink=True)
         self._segments = [x for x in self._segments if x[0] != generation]
         seg = SlotSegment.create(generation, layout, layout.slots())
         self._segments.append((generation, seg))
         return seg.path
 
-    def keep(self, generation: int, step: int, snapshot: dict, epoch: Optional[int] = None) -> bool:
+    def keep(self, generation: int, step: int, snapshot: dict, epoch: int | None = None) -> bool:
         """Hold ``snapshot`` (blocks and ranges, copied out of the call's arguments); False when
         refused (a late write of an earlier world, or of a driver that was taken over)."""
         if generation < self._generation or (epoch is not None and epoch != self.epoch):
@@ -260,7 +259,7 @@ class SnapshotKeeper:
 
 
 def ask_keepers(
-    keepers: list, timeout_s: float, dead: Optional[set] = None, starting: frozenset = frozenset()
+    keepers: list, timeout_s: float, dead: set | None = None, starting: frozenset = frozenset()
 ) -> dict[int, list[tuple[int, int]]]:
     """Index -> (generation, step) held, for each of ``keepers`` (None skipped) that answers within
     ``timeout_s``. A keeper Ray reports dead holds nothing (``[]``; its snapshots died with it) and

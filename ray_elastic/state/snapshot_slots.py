@@ -24,7 +24,8 @@ import mmap
 import os
 import tempfile
 import uuid
-from typing import Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import psutil
@@ -76,7 +77,7 @@ class SlotLayout:
     row_devices: tuple[int, ...] = ()  # the device id whose buffer each row holds
 
     @classmethod
-    def of(cls, shapes, dtypes, ranges, paths) -> "SlotLayout":
+    def of(cls, shapes, dtypes, ranges, paths) -> SlotLayout:
         """One row holding each leaf's block whole, one after the other."""
         pieces, at = [], 0
         for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
@@ -131,11 +132,11 @@ class SlotSegment:
         self.nslots = int(self.header[H_SLOTS])
         self.slot_header = np.ndarray((self.nslots, SLOT_WORDS), np.int64, self._mm, HEADER_WORDS * 8)
         self._data_at = aligned((HEADER_WORDS + self.nslots * SLOT_WORDS) * 8)
-        self.sealed_view: Optional[dict[int, tuple[int, int]]] = None  # keeper side: step -> (slot, seq) at sealing
+        self.sealed_view: dict[int, tuple[int, int]] | None = None  # keeper side: step -> (slot, seq) at sealing
 
     # ------------------------------------------------------------------ keeper side
     @classmethod
-    def create(cls, generation: int, layout: SlotLayout, nslots: int, directory: Optional[str] = None) -> "SlotSegment":
+    def create(cls, generation: int, layout: SlotLayout, nslots: int, directory: str | None = None) -> SlotSegment:
         d = directory or shm_dir()
         path = os.path.join(d, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
         data_at = aligned((HEADER_WORDS + nslots * SLOT_WORDS) * 8)
@@ -165,7 +166,7 @@ class SlotSegment:
         seg.slot_header[:, 2] = -1  # no step
         return seg
 
-    def seal(self, before_step: Optional[int] = None) -> None:
+    def seal(self, before_step: int | None = None) -> None:
         """No write from now on counts (a newer world began): what the slots hold now is frozen,
         less the steps from ``before_step`` on (the new world runs them again)."""
         if self.sealed_view is None:
@@ -215,7 +216,7 @@ class SlotSegment:
 
     # ------------------------------------------------------------------ writer side
     @classmethod
-    def open(cls, path: str, layout: SlotLayout) -> "SlotSegment":
+    def open(cls, path: str, layout: SlotLayout) -> SlotSegment:
         fd = os.open(path, os.O_RDWR)
         seg = cls(path, layout, fd, created=False)
         if int(seg.header[H_MAGIC]) != MAGIC or int(seg.header[H_SLOT_BYTES]) != layout.slot_bytes:
@@ -278,7 +279,7 @@ class SlotSegment:
         return [(i, int(h[i, 2]), int(h[i, 0])) for i in range(self.nslots) if h[i, 0] % 2 == 0 and h[i, 2] >= 0]
 
 
-def remove_orphans(directory: Optional[str] = None) -> int:
+def remove_orphans(directory: str | None = None) -> int:
     """Remove the segments of keepers that no longer run on this host (killed without unlinking)."""
     d = directory or shm_dir()
     removed = 0

@@ -14,7 +14,7 @@ import os
 import select
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import numpy as np
 import psutil
@@ -69,25 +69,25 @@ class SnapshotWriter:
         self,
         keeper,
         generation: int,
-        epoch: Optional[int],
+        epoch: int | None,
         layout: SlotLayout,
         streamed: Callable[[], int] = lambda: -1,
     ):
         self.keeper, self.generation, self.epoch, self.layout = keeper, generation, epoch, layout
         self._streamed = streamed
-        self._keeper_exit: Optional[_ExitWatch] = None
+        self._keeper_exit: _ExitWatch | None = None
         self._gone = ""  # why the ring was let go (its keeper exited)
         self.segment = self._open_ring()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot-writer")
-        self._future: Optional[concurrent.futures.Future] = None
+        self._future: concurrent.futures.Future | None = None
         self._lock = threading.Lock()
         self._kept: list[int] = []
         self._not_kept: list[tuple[int, str]] = []  # (step, why): the driver reports them as events
-        self._pending: Optional[int] = None
+        self._pending: int | None = None
         self._ready: Callable[[], None] = lambda: None  # waits for the state the snapshot in flight copies
         self.seconds: list[float] = []  # per snapshot: the thread's CPU time, and the wait in ``submit``
 
-    def _open_ring(self) -> Optional[SlotSegment]:
+    def _open_ring(self) -> SlotSegment | None:
         """The keeper's ring for this world; None (snapshots go by call) when it refused or the
         ring is not on this host."""
         try:
@@ -162,7 +162,7 @@ class SnapshotWriter:
             finally:
                 self._pending = None
 
-    def pending(self) -> Optional[int]:
+    def pending(self) -> int | None:
         """The step whose snapshot is being written (None: none)."""
         if self._future is not None and self._future.done():
             self.wait()
