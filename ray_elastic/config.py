@@ -13,7 +13,7 @@ from ray_elastic.decide import WorldPlan, WorldShapes, batch_for_world, lr_scale
 from ray_elastic.decide.field_types import mistyped_fields
 from ray_elastic.decide.layout import DEFAULT_SLICE_MESH, FSDP_AXIS, normalize_rules, resolve_slice_mesh
 from ray_elastic.policy.scaling import MODES, ScalingPolicy, scaling_policy  # noqa: F401 - MODES: the CLI's choices
-from ray_elastic.policy.snapshots import AutoInterval, SnapshotPolicy, as_policy, takes_snapshots
+from ray_elastic.policy.snapshots import AutoInterval, SnapshotPolicy, as_policy, check_snapshot_every, takes_snapshots
 from ray_elastic.tpu import SliceSpec
 
 BATCH_POLICIES = ("constant", "scale")
@@ -38,7 +38,6 @@ ORPHAN_TIMEOUT_BOUNDS = (5.0, 86400.0)  # lease renewals come every 1-5 s; a los
 _SECONDS_FIELDS = (
     "slice_timeout_s",
     "jax_init_timeout_s",
-    "snapshot_budget",
     "replacement_timeout_s",
     "hang_timeout_factor",
     "hang_timeout_min_s",
@@ -259,7 +258,7 @@ class ElasticConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        self._check_snapshot_policy()
+        check_snapshot_every(self.snapshot_every)
         if not self.snapshots_on and self.checkpoint_dir is None and not self.allow_restart_from_scratch:
             raise ValueError(
                 "snapshot_every=0 without a checkpoint_dir keeps no state to recover from: any lost "
@@ -361,28 +360,6 @@ class ElasticConfig:
     def eval_batch(self) -> int:
         return self.eval_batch_size or self.global_batch_size
 
-    def _check_snapshot_policy(self) -> None:
-        every = self.snapshot_every
-        if isinstance(every, int) and not isinstance(every, bool):
-            if every < 0:
-                raise ValueError(f"snapshot_every must be >= 0 (0 turns snapshots off), got {every}")
-            return
-        if every == "auto":
-            raise ValueError(
-                "snapshot_every='auto' is AutoInterval() (from ray_elastic import AutoInterval), the default"
-            )
-        if not isinstance(every, SnapshotPolicy):
-            raise ValueError(
-                f"snapshot_every must be an integer >= 0 or a SnapshotPolicy (AutoInterval(budget=...), "
-                f"EveryNSteps(n)), got {every!r}"
-            )
-        budget = getattr(every, "budget", None)
-        if isinstance(every, AutoInterval) and (not isinstance(budget, (int, float)) or not 0 < budget < 1):
-            raise ValueError(
-                f"AutoInterval(budget=...) is the share of the step time snapshots may cost, between 0 and 1 "
-                f"(0.02 = 2%), got {budget!r}"
-            )
-
     @property
     def snapshot_policy(self) -> SnapshotPolicy:
         return as_policy(self.snapshot_every)
@@ -392,15 +369,12 @@ class ElasticConfig:
         return takes_snapshots(self.snapshot_policy)
 
     def world_plan(self, generation: int, slice_names: list[str]) -> WorldPlan:
-        """The layout of a world of these slices: mesh, batch and update scale for its size.
-
-        The one definition: standbys trace ahead for the plans it gives, and a world formed
-        later must get the same one, or the traced step does not fit and is traced again.
-        """
+        """The layout of a world of these slices (mesh, batch and update scale for its size)."""
         return self.world_shapes([len(slice_names)]).plan(generation, slice_names)
 
     def world_shapes(self, sizes: list[int] | None = None) -> WorldShapes:
-        """How a world of each of ``sizes`` slices (default: :meth:`world_sizes`) is laid out."""
+        """How a world of each of ``sizes`` slices (default: :meth:`world_sizes`) is laid out: the
+        one definition, which the slice processes get too, so a step traced ahead fits the world."""
         return WorldShapes(
             self.slice.num_hosts,
             self.slice.host_devices,

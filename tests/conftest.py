@@ -129,8 +129,17 @@ AREAS = {  # module -> what it tests, as a marker: ``pytest -m recovery`` (CONTR
     ),
 }
 CLUSTER_FIXTURES = {"sim_cluster", "shared_sim_cluster", "local_gcs"}
-# Modules whose tests start a cluster, Ray or JAX processes of their own (not through a fixture).
-STARTS_PROCESSES = {"test_job_submit", "test_notebook", "test_driver_loss", "test_head_loss", "test_bench_smoke"}
+# Modules whose tests start a cluster, Ray or JAX processes of their own (not through a fixture);
+# single tests elsewhere that do, or that compile real JAX programs, say so with @pytest.mark.cluster.
+STARTS_PROCESSES = {
+    "test_job_submit",
+    "test_notebook",
+    "test_driver_loss",
+    "test_head_loss",
+    "test_bench_smoke",
+    "test_cli",
+    "test_jax_world",
+}
 
 
 def pytest_collection_modifyitems(items):

@@ -402,7 +402,7 @@ def test_one_name_for_each_callback():
     """At 0.1 there is one way to do each thing: the old callback names are refused, not aliased."""
     for old in ("on_chunk", "on_elastic_event_callback"):
         with pytest.raises(TypeError, match=old):
-            ElasticTrainer(DigitsMLPTask(), ElasticConfig(num_slices=2, global_batch_size=12), **{old: print})
+            ElasticTrainer(DigitsMLPTask(), ElasticConfig(num_slices=2, global_batch_size=48), **{old: print})
 
 
 def test_a_raylet_port_nothing_listens_on_is_proof_of_a_lost_node_and_a_listening_one_is_not():
@@ -437,6 +437,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.cluster  # starts processes
 def test_a_process_death_closes_its_beacon_connection_and_a_stopped_process_does_not():
     """What the step loop sees a process's death by (``liveness.DeathWatch``), on real processes: a
     SIGKILL ends the connection within milliseconds, a SIGSTOP does not (a hang is the watchdog's),
@@ -591,6 +592,7 @@ def _once_failing_save(step: int):
     return fire
 
 
+@pytest.mark.cluster  # starts processes
 def test_a_beacon_holds_only_the_drivers_connections_and_a_bounded_number_of_strangers():
     """The beacon accepted every connection and held it forever, so a port scan or a
     stray client could exhaust its file descriptors. Strangers (no token, a wrong token, silence) are

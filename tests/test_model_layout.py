@@ -163,6 +163,7 @@ def _train(task_name: str, microbatch: str) -> None:
     print(json.dumps({"microbatches": plan.num_microbatches, "steps": loop.run(0, 6)}))
 
 
+@pytest.mark.cluster  # compiles and runs real JAX steps (seconds)
 @pytest.mark.parametrize("task", ["digits", "llm"])
 def test_gradient_accumulation_matches_the_whole_batch_to_float32_rounding(task):
     whole, micro = _subprocess("_train", task, "0"), _subprocess("_train", task, "2")
@@ -172,6 +173,7 @@ def test_gradient_accumulation_matches_the_whole_batch_to_float32_rounding(task)
     assert a[-1] < a[0]
 
 
+@pytest.mark.cluster  # compiles and runs real JAX steps (seconds)
 def test_a_custom_train_step_reports_its_metrics_and_carries_its_state():
     out = _subprocess("_train", "custom", "2")["steps"]
     assert all({"loss", "grad_norm", "ema"} <= set(m) for m in out)

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
+from ray_elastic.decide import ErrorKind as K
 from ray_elastic.decide import (
-    Action,
     FailureVerdict,
     RestoreSource,
     batch_for_world,
@@ -19,9 +19,8 @@ from ray_elastic.decide import (
     plan_world,
     watchdog_timeout,
 )
-from ray_elastic.decide import ErrorKind as K
 from ray_elastic.decide.layout import fsdp_partition as param_partition
-from ray_elastic.policy.scaling import MODES, scaling_policy
+from ray_elastic.policy.scaling import MODES, Action, scaling_policy
 from ray_elastic.state.snapshots import SnapshotStore
 
 

@@ -64,3 +64,23 @@ def as_policy(snapshot_every: int | SnapshotPolicy) -> SnapshotPolicy:
 def takes_snapshots(policy: SnapshotPolicy) -> bool:
     """False only for a policy that never snapshots (``EveryNSteps(0)``): the step then packs nothing."""
     return policy != EveryNSteps(0)
+
+
+def check_snapshot_every(every: object) -> None:
+    """``ValueError`` saying what to change unless ``every`` is an int >= 0 or a snapshot policy."""
+    if isinstance(every, int) and not isinstance(every, bool):
+        if every < 0:
+            raise ValueError(f"snapshot_every must be >= 0 (0 turns snapshots off), got {every}")
+        return
+    if every == "auto":
+        raise ValueError("snapshot_every='auto' is AutoInterval() (from ray_elastic import AutoInterval), the default")
+    if not isinstance(every, SnapshotPolicy):
+        raise ValueError(
+            f"snapshot_every must be an integer >= 0 or a SnapshotPolicy (AutoInterval(budget=...), "
+            f"EveryNSteps(n)), got {every!r}"
+        )
+    if isinstance(every, AutoInterval) and (not isinstance(every.budget, (int, float)) or not 0 < every.budget < 1):
+        raise ValueError(
+            f"AutoInterval(budget=...) is the share of the step time snapshots may cost, between 0 and 1 "
+            f"(0.02 = 2%), got {every.budget!r}"
+        )
