@@ -181,14 +181,27 @@ def alternating_snapshots(chunks: dict[int, int]):
         SnapshotCadence.interval_from = original
 
 
+def settled_steps(times: list[float], chunks: dict[int, int]) -> dict[int, list[float]]:
+    """Per chunk (its first step): the step times of its steps after the first ``SETTLE``."""
+    starts = sorted(chunks)
+    return {
+        a: [times[s] for s in range(a + SETTLE, b) if s < len(times)] for a, b in zip(starts, starts[1:] + [len(times)])
+    }
+
+
+def ab_chunks_ms(times: list[float], chunks: dict[int, int]) -> list[list]:
+    """Per chunk of an A/B run: [first step, interval, median settled step in ms] (printed: drift shows)."""
+    return [
+        [a, chunks[a], round(statistics.median(ts) * 1e3, 1)] for a, ts in settled_steps(times, chunks).items() if ts
+    ]
+
+
 def ab_cost(times: list[float], chunks: dict[int, int], first: int) -> float | None:
     """What keeping every step costs, from an A/B run: per snapshotting chunk after ``first``, the
     median of its settled steps over the median of its neighbours' (chunks without snapshots); the
     median of those ratios, minus one. Pairs of neighbours cancel the hour's drift."""
     starts = sorted(chunks)
-    settled = {
-        a: [times[s] for s in range(a + SETTLE, b) if s < len(times)] for a, b in zip(starts, starts[1:] + [len(times)])
-    }
+    settled = settled_steps(times, chunks)
     ratios = []
     for i in range(1, len(starts) - 1):
         a = starts[i]
@@ -235,6 +248,7 @@ def run_ray(steps: int, spec, model: str, ab: bool = False, **overrides) -> dict
     return {
         "step_s": statistics.mean(times),
         **({"ab_cost": ab_cost(result.step_times_s, chunks, first)} if ab else {}),
+        **({"ab_chunks_ms": ab_chunks_ms(result.step_times_s, chunks)} if ab else {}),
         "cpu_ms_per_step": {k: round((bt[k] - at[k]) / (b - a) * 1e3, 2) for k in bt},
         "snapshot_every": result.summary["snapshot_every"],
         "steady_steps": len(times),
@@ -321,6 +335,9 @@ def main() -> None:
                 model, fn = runs[name]
                 got[name].append(fn(cluster, {"large": args.large_steps, "llm": args.llm_steps}.get(model, args.steps)))
                 print(f"rep {rep} {name:<22} {got[name][-1]['step_s'] * 1e3:8.2f} ms/step", flush=True)
+                if "ab_cost" in got[name][-1]:
+                    r = got[name][-1]
+                    print(f"  A/B cost {r['ab_cost']}; chunks [first, every, ms]: {r['ab_chunks_ms']}", flush=True)
     probes.append(cpu_probe_s())
     print(f"machine: {hour(probes)}", flush=True)
     med = {k: statistics.median(r["step_s"] for r in v) for k, v in got.items()}

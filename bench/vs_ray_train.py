@@ -7,7 +7,10 @@ dispatched before the last loss is read, no ``ray.train.report`` inside the time
 costs ~1.5 s here, and one every 20 steps tripled the mean step; on CPUs the
 train function initialises ``jax.distributed`` itself, which JaxTrainer does only on TPUs and
 GPUs), on a local Ray instance; ray-elastic runs it on 3 simulated slices of 1 host x 2 devices, with snapshots after
-every step (``every_step``), with its default (``default``) and with snapshots off. Each run is a
+every step (``every_step``), with its default (``default``) and with snapshots off.
+``ray_train_grain`` is JaxTrainer reading its rows as ray-elastic does (``slice.data.StepBatches``:
+grain's shuffled, repeated dataset, one example at a time, ~30 us each here) instead of
+indexing numpy arrays: the data path apart from the trainers. Each run is a
 fresh subprocess; runs are interleaved, each repetition in an order rotated by one. The figure is
 the mean time per step over the second half of each run (the interval between finished steps);
 medians over repetitions are compared. Beside it, the CPU time per steady step by role
@@ -77,12 +80,20 @@ def ray_train_loop(config: dict) -> None:
     per = BATCH // jax.process_count()
     order = np.random.default_rng(0).permutation(len(y_all))
 
+    if config.get("grain"):  # the rows as ray-elastic reads them: grain, shuffled per epoch, example by example
+        from ray_elastic.examples.digits_mlp import DigitsMLPTask
+        from ray_elastic.slice.data import StepBatches
+
+        batches = StepBatches(DigitsMLPTask(hidden=HIDDEN).dataset(), BATCH, 0)
+
     def batch(s: int):
-        idx = order[(np.arange(per) + s * BATCH + rank * per) % len(y_all)]
-        return (
-            jax.make_array_from_process_local_data(rows, x_all[idx]),
-            jax.make_array_from_process_local_data(rows, y_all[idx]),
-        )
+        if config.get("grain"):
+            local = batches.rows(s, rank * per, (rank + 1) * per)
+            x, y = local["x"], local["y"]
+        else:
+            idx = order[(np.arange(per) + s * BATCH + rank * per) % len(y_all)]
+            x, y = x_all[idx], y_all[idx]
+        return jax.make_array_from_process_local_data(rows, x), jax.make_array_from_process_local_data(rows, y)
 
     finished, pending = [], None
     for s in range(steps):
@@ -120,7 +131,7 @@ def cpu_ms_per_step(a: dict, b: dict, steps: int) -> dict:
     return {k: round((b[k] - a[k]) / steps * 1e3, 2) for k in b} if a and b else {}
 
 
-def run_ray_train(steps: int) -> dict:
+def run_ray_train(steps: int, grain: bool = False) -> dict:
     import ray
     from ray.train import RunConfig
     from ray.train.v2.api.config import ScalingConfig
@@ -138,6 +149,7 @@ def run_ray_train(steps: int) -> dict:
                 "steps": steps,
                 "out": os.path.join(storage, "step_s"),
                 "coordinator": f"127.0.0.1:{free_port()}",
+                "grain": grain,
             },
             scaling_config=ScalingConfig(num_workers=WORKERS),
             run_config=RunConfig(storage_path=storage, name="bench"),
@@ -188,6 +200,8 @@ def run_ray_elastic(steps: int, snapshot_every, **overrides) -> float:
 
 RUNS = {
     "ray_train": lambda n: run_ray_train(n),
+    # JaxTrainer reading its rows through ray-elastic's data path (grain, one example at a time)
+    "ray_train_grain": lambda n: run_ray_train(n, grain=True),
     "every_step": lambda n: run_ray_elastic(n, 1),
     "default": lambda n: run_ray_elastic(n, None),
     "no_snapshots": lambda n: run_ray_elastic(n, 0),
@@ -248,6 +262,8 @@ def main() -> None:
         "every_step_cost": round(r - 1, 4) if (r := ratio("every_step", "no_snapshots")) else None,
         "no_snapshots_vs_ray_train": ratio("no_snapshots", "ray_train"),
         "no_standbys_vs_ray_train": ratio("no_snapshots_no_standbys", "ray_train"),
+        "every_step_vs_ray_train_grain": ratio("every_step", "ray_train_grain"),
+        "no_standbys_vs_ray_train_grain": ratio("no_snapshots_no_standbys", "ray_train_grain"),
         "step_ms": {k: round(v * 1e3, 2) for k, v in med.items()},
         "cpu_ms_per_step": cpu,
         "steps": args.steps,
