@@ -406,3 +406,37 @@ def test_a_rewind_is_explained_only_when_every_holder_was_lost_or_its_step_faile
         {"kind": "scale_up", "restored_from_step": 10, "steps_rewound": 1},
     ]
     assert unexplained_rewinds(grow, replicas=2) == 1
+
+
+def test_world_shapes_lay_out_every_world_size_as_the_config_does():
+    """The slice processes plan worlds from ``WorldShapes`` (in their ``SliceSettings``), the driver
+    from the config: the same plan for every world size the run may train on, or a step traced
+    ahead would not fit the world formed later."""
+    import pickle
+
+    from ray_elastic import ElasticConfig
+    from ray_elastic.ray_backend.slice_settings import slice_settings
+
+    cfg = ElasticConfig(num_slices=4, global_batch_size=48, min_slices=2, batch_policy="scale", lr_rule="sqrt")
+    settings = pickle.loads(pickle.dumps(slice_settings(cfg)))  # as it crosses to a slice process
+    assert settings.worlds.sizes() == sorted(cfg.world_sizes()) == [2, 3, 4]
+    names = ["a", "b", "c", "d"]
+    for n in settings.worlds.sizes():
+        assert settings.worlds.plan(5, names[:n]) == cfg.world_plan(5, names[:n])
+    assert settings.worlds.plan(0, names[:2]).global_batch_size == 24  # "scale": the batch follows the world
+    with pytest.raises(ValueError, match="no layout for a world of 1 slices"):
+        settings.worlds.plan(0, names[:1])
+
+
+def test_the_snapshot_policy_decides_the_interval_and_whether_the_step_packs():
+    from ray_elastic import AutoInterval, ElasticConfig, EveryNSteps
+    from ray_elastic.policy.snapshots import SnapshotCosts
+    from ray_elastic.ray_backend.slice_settings import slice_settings
+
+    assert AutoInterval().interval(SnapshotCosts()) == 1  # nothing measured: every step
+    assert AutoInterval(budget=0.02).interval(SnapshotCosts((0.004,) * 5, (0.1,) * 5)) == 2
+    assert EveryNSteps(4).interval(SnapshotCosts((9.0,), (0.1,))) == 4  # whatever it costs
+    base = dict(num_slices=2, global_batch_size=48, allow_restart_from_scratch=True)
+    for every, on, first in ((AutoInterval(), True, 1), (3, True, 3), (EveryNSteps(0), False, 0), (0, False, 0)):
+        settings = slice_settings(ElasticConfig(**base, snapshot_every=every))
+        assert (settings.pack, settings.snapshot_every) == (on, first), every
