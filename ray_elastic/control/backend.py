@@ -54,7 +54,7 @@ class FormationTimes:
     compiled_from_cache: int = 0  # processes whose step came from the persistent cache (not compiled)
     snapshots_by_call: int = 0  # holders that could not map their keeper's ring: a call per snapshot
 
-    def joined(self, joins: list[dict]) -> None:
+    def joined(self, joins: list[dict[Any, Any]]) -> None:
         """What the processes' ``join_world`` said: the slowest of each phase."""
         self.jax_init_s = max(j["init_s"] for j in joins)
         self.chips_wait_s = max(j["chips_wait_s"] for j in joins)
@@ -66,11 +66,11 @@ class WorldHandle(Protocol):
     """One generation of the JAX world, formed on ``reservations`` (plan order)."""
 
     plan: WorldPlan
-    workers: list
-    reservations: list
+    workers: list[Any]
+    reservations: list[Any]
     times: FormationTimes
-    join_infos: list[dict]
-    host_infos: list[dict]
+    join_infos: list[dict[Any, Any]]
+    host_infos: list[dict[Any, Any]]
 
     def slice_of(self, process_id: int) -> str: ...
 
@@ -78,7 +78,7 @@ class WorldHandle(Protocol):
 
     def teardown(self, confirm_s: float = 0.0) -> None: ...
 
-    def finish_checkpoints(self, timeout_s: float, save_step: int | None = None) -> list: ...
+    def finish_checkpoints(self, timeout_s: float, save_step: int | None = None) -> list[Any]: ...
 
 
 class StepSink(Protocol):
@@ -88,11 +88,11 @@ class StepSink(Protocol):
     step_times: list[float]  # every step run, rewound ones too (the watchdog, the snapshot policy)
     logged_step: int  # the newest step in the event log: keepers are told no step past it
 
-    def add(self, metrics: dict) -> None: ...
+    def add(self, metrics: dict[Any, Any]) -> None: ...
 
-    def add_eval(self, item: dict) -> bool: ...  # with {"step": s} alone: whether s's eval is known
+    def add_eval(self, item: dict[Any, Any]) -> bool: ...  # with {"step": s} alone: whether s's eval is known
 
-    def saves_committed(self, finished: list) -> None: ...
+    def saves_committed(self, finished: list[Any]) -> None: ...
 
     def save_limit_s(self) -> float: ...  # how long a checkpoint save may run
 
@@ -102,12 +102,12 @@ class StepSink(Protocol):
 class Streams(Protocol):
     """Driving one world: its steps until done, a failure, a hang or a grow-back."""
 
-    not_kept: list
+    not_kept: list[Any]
     not_kept_count: int
 
     def run(self, start_step: int, end_step: int, grow_requested: Callable[[], bool]) -> RunOutcome: ...
 
-    def drain(self, timeout_s: float, errors: dict) -> None: ...
+    def drain(self, timeout_s: float, errors: dict[Any, Any]) -> None: ...
 
     def take_snapshot_steps(self) -> list[int]: ...
 

@@ -19,9 +19,10 @@ import os
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from ray_elastic.config import ElasticConfig
-from ray_elastic.control.backend import Backend, BackendFactory
+from ray_elastic.control.backend import Backend, BackendFactory, WorldHandle
 from ray_elastic.control.final_checkpoint import final_checkpoint, finish_checkpoints
 from ray_elastic.control.generations import Generations
 from ray_elastic.control.recorder import RunRecorder
@@ -80,15 +81,15 @@ class Controller:
         *,
         address: str | None = None,
         progress: bool = True,
-        on_step: Callable[[dict], None] | None = None,
+        on_step: Callable[[dict[Any, Any]], None] | None = None,
         retry_policy: Callable[[int, Exception], bool] | None = None,
         pre_callback: Callable[[], None] | None = None,
         on_event: Callable[[ev.Event], None] | None = None,
         run_dir: str | None = None,
         name: str | None = None,
         run_id: str | None = None,
-        tensorboard_dir=None,
-    ):
+        tensorboard_dir: str | bool | None = None,
+    ) -> None:
         if not isinstance(task, TrainTask):
             raise ValueError(f"task must be a ray_elastic.TrainTask, got {type(task).__name__}")
         if not isinstance(config, ElasticConfig):
@@ -106,10 +107,16 @@ class Controller:
         self.state = S.INITIALIZING
 
     @property
-    def world(self):
+    def world(self) -> WorldHandle | None:
         """The current generation's :class:`~ray_elastic.ray_backend.world.World` (None before the first)."""
         gens = getattr(self, "gens", None)  # set by each fit
         return gens.world if gens else None
+
+    def _formed(self) -> WorldHandle:
+        """The current world, in a state that has one."""
+        if self.world is None:
+            raise RuntimeError(f"no world in state {self.state}")
+        return self.world
 
     @property
     def recoveries(self) -> list[RecoveryRecord]:
@@ -256,7 +263,7 @@ class Controller:
     # ----------------------------------------------------------------- running
     def _run(self, num_steps: int) -> RunOutcome:
         self._enter(S.RUNNING)
-        world, start = self.world, self.worlds[-1].start_step
+        world, start = self._formed(), self.worlds[-1].start_step
         streams = self.backend.drive(world, self.gens.store, self.ledger)
         self.ledger.start_world(world.plan.generation, streams.take_snapshot_steps)
         t0 = time.perf_counter()
@@ -330,7 +337,7 @@ class Controller:
             finish_checkpoints(self.checkpoints, self.world, self.ledger)
         except ProcessFailed as e:
             return RunOutcome(OutcomeKind.FAILURE, {e.process: e.cause}, outcome.last_progress_at)
-        self.world.teardown()
+        self._formed().teardown()
         return WorldChange(
             OutcomeKind.GROW,
             list(self.gens.members),
@@ -368,7 +375,7 @@ class Controller:
             wait_s=wait_s,
             capacity_ready_at=capacity_ready_at,
             mode=self.config.mode,
-            saved_by=self.world.join_infos[0].get("checkpoint_metadata"),
+            saved_by=self._formed().join_infos[0].get("checkpoint_metadata"),
         )
         return None
 

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from ray_elastic.config import ElasticConfig
 from ray_elastic.control.backend import Backend, WorldHandle
@@ -42,7 +43,7 @@ class Evidence:
     generation: int
     vouched: set[str]  # slices whose hosts answered after their process died
     origin: str | None = None  # the slice whose error came first (None: unknown, or the whole world)
-    unreadable_checkpoints: frozenset = frozenset()  # checkpoint steps a process failed to restore
+    unreadable_checkpoints: frozenset[Any] = frozenset()  # checkpoint steps a process failed to restore
 
     @property
     def suspects(self) -> set[str]:
@@ -58,9 +59,9 @@ class Generations:
         self.backend = backend
         self.checkpoints = run_checkpoints or RunCheckpoints(config.checkpoint_dir)
         self.scaling = config.scaling_policy()
-        self.members: list = []  # slice reservations of the current/next world, replica order
-        self.replacements: list = []  # pending replacement requests (the autoscaler's demand)
-        self.quarantined: list = []  # reservations of slices that kept failing: held until the run ends
+        self.members: list[Any] = []  # slice reservations of the current/next world, replica order
+        self.replacements: list[Any] = []  # pending replacement requests (the autoscaler's demand)
+        self.quarantined: list[Any] = []  # reservations of slices that kept failing: held until the run ends
         self.last_restore: RestorePlan | None = None  # what the newest world loaded (or tried to)
         self.store = SnapshotStore(config.slice.num_hosts)
         self.worlds: list[WorldRecord] = []
@@ -69,7 +70,7 @@ class Generations:
         self.taken_over_step = -1  # the newest step they hold completely (the run resumes at least there)
 
     # ------------------------------------------------------------ capacity
-    def reserve(self, on_wait: Callable[[int, int], None] | None = None) -> list:
+    def reserve(self, on_wait: Callable[[int, int], None] | None = None) -> list[Any]:
         """The first world's slices, with a process started on each host while the world is
         asked for (the pool starts one per host at a time: the one the world takes, which prepares
         for that world only; the others after its first step). ``on_wait(ready, asked)`` every few
@@ -78,7 +79,7 @@ class Generations:
         self.backend.replenish(self.members, for_world=len(self.members))
         return list(self.members)
 
-    def ready_replacements(self) -> list:
+    def ready_replacements(self) -> list[Any]:
         return [r for r in self.replacements if r.poll() is not None]
 
     def capacity_returned(self) -> bool:
@@ -96,18 +97,18 @@ class Generations:
         self.backend.replenish(newcomers, at_once=True)  # together: none is still starting beside the grow
         return self.backend.warm(self.members + newcomers)
 
-    def decide(self, survivors: list, *, timed_out: bool) -> NextWorld:
+    def decide(self, survivors: list[Any], *, timed_out: bool) -> NextWorld:
         names = [_name(r, i) for i, r in enumerate(survivors)]
         return self.scaling.next_world(names, len(self.ready_replacements()), timed_out=timed_out)
 
     def await_capacity(
         self,
-        survivors: list,
+        survivors: list[Any],
         *,
         grow: bool,
         on_wait: Callable[[str, float], None],
         on_lost: Callable[[list[str]], None] | None = None,
-    ) -> tuple[NextWorld, float, list]:
+    ) -> tuple[NextWorld, float, list[Any]]:
         """Poll until the next world may form or the mode gives up; returns the decision, seconds
         waited and the survivors still alive.
 
@@ -138,7 +139,7 @@ class Generations:
                     on_lost(names)
             self.backend.replenish([req.poll() for req in self.ready_replacements()], per_host=1)
 
-    def take(self, survivors: list, decision: NextWorld) -> tuple[list, list]:
+    def take(self, survivors: list[Any], decision: NextWorld) -> tuple[list[Any], list[Any]]:
         """The members ``decision`` names: its survivors (in order) and up to ``decision.replacements``
         ready replacement slices, which stop being pending and become members at once (whatever
         fails before the world forms, :meth:`release` still gives them back). Returns (members, added)."""
@@ -152,7 +153,7 @@ class Generations:
             self.replacements.remove(req)
         return list(self.members), added
 
-    def drop(self, res, *, replace: bool = True, quarantine: bool = False) -> None:
+    def drop(self, res: Any, *, replace: bool = True, quarantine: bool = False) -> None:
         """A slice left for good: free it (or, ``quarantine``, keep holding it until the run ends, so
         nothing of this run is placed there again), forget its snapshots, and (by default) ask for a
         replacement."""
@@ -167,7 +168,7 @@ class Generations:
             # A pending slice placement group is what makes the autoscaler provision a new slice.
             self.replacements.append(self.backend.request_replacement())
 
-    def split(self, lost: set[str], quarantined: frozenset[str] | set[str] = frozenset()) -> list:
+    def split(self, lost: set[str], quarantined: frozenset[str] | set[str] = frozenset()) -> list[Any]:
         """After a failure of the current world: drop the ``lost`` slices (holding the ``quarantined``
         ones), return the others (replica order)."""
         survivors = []
@@ -229,18 +230,20 @@ class Generations:
             unreadable_checkpoints=self._unreadable(outcome),
         )
 
-    def _unreadable(self, outcome: RunOutcome) -> frozenset:
+    def _unreadable(self, outcome: RunOutcome) -> frozenset[Any]:
         steps = {unreadable_checkpoint(e) for e in outcome.errors.values()}
         return frozenset(s for s in steps if s is not None)
 
-    def _vouched(self, kinds: dict, reservations: list) -> set[str]:
+    def _vouched(self, kinds: dict[Any, Any], reservations: list[Any]) -> set[str]:
         """Slices whose process died while each of its hosts still answers: the hosts live, so the
         slice only crashed and no grace period for a node death needs to be spent."""
         crashed = [(i, r) for i, r in enumerate(reservations) if kinds.get(_name(r, i)) is ErrorKind.PROCESS_DIED]
         return {_name(r, i) for i, r in crashed if self.backend.health.hosts_answer(r)}
 
     # --------------------------------------------------------------- state
-    def failure_evidence(self, seen, outcome: RunOutcome, first: BaseException, saves: list, ledger) -> FailureEvidence:
+    def failure_evidence(
+        self, seen: Any, outcome: RunOutcome, first: BaseException, saves: list[Any], ledger: Any
+    ) -> FailureEvidence:
         """What the failure policy decides from: the world's evidence, node health, the run's progress."""
         return FailureEvidence(
             kinds=seen.kinds,
@@ -258,7 +261,7 @@ class Generations:
         )
 
     def take_over(
-        self, found: list, logged: int | None = None, committed: int | None = None
+        self, found: list[Any], logged: int | None = None, committed: int | None = None
     ) -> tuple[dict[str, dict[int, list[int]]], list[int], str]:
         """File the snapshots an earlier driver's keepers hold (``TakenOver`` s) as this run's, by
         slice and host: the first world restores them if they are newer than the newest checkpoint.
@@ -288,7 +291,7 @@ class Generations:
         return held, refused, why if refused else ""
 
     def restore_plan(
-        self, members: list, resume: checkpoints.CheckpointInfo | None = None, last_step: int | None = None
+        self, members: list[Any], resume: checkpoints.CheckpointInfo | None = None, last_step: int | None = None
     ) -> RestorePlan:
         """The newest state among ``members``' snapshots and the committed checkpoints (``resume``: the
         checkpoint the run starts from, the first world only; ``last_step``: the newest step the run
@@ -323,7 +326,7 @@ class Generations:
         return plan
 
     # -------------------------------------------------------------- worlds
-    def form(self, members: list, restore: RestorePlan) -> WorldRecord:
+    def form(self, members: list[Any], restore: RestorePlan) -> WorldRecord:
         """Form the next generation on ``members``, loading the state ``restore`` names.
 
         Raises whatever forming raised; ``members`` are the members either way, so the
@@ -336,7 +339,7 @@ class Generations:
         generation = len(self.worlds)
         donors: dict[str, str] = {}
 
-        def from_snapshot(name: str) -> list | None:
+        def from_snapshot(name: str) -> list[Any] | None:
             donor = restore.donor(name)
             if donor is None:
                 return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from ray_elastic.config import ElasticConfig
 from ray_elastic.control.states import OutcomeKind, RunOutcome
@@ -27,7 +28,7 @@ class RunRecorder:
         self.events, self.ledger = events, ledger
         self.recoveries: list[RecoveryRecord] = []
 
-    def started(self, config: ElasticConfig, num_steps: int, resume, resume_dir: str | None) -> None:
+    def started(self, config: ElasticConfig, num_steps: int, resume: Any, resume_dir: str | None) -> None:
         """The run starts (from ``resume``, a checkpoint, when given)."""
         self.events.emit(
             ev.RunStarted(
@@ -52,11 +53,11 @@ class RunRecorder:
 
     def taken_over(
         self,
-        held: dict,
+        held: dict[Any, Any],
         snapshot_step: int,
         previous: int | None,
         *,
-        refused: list | None = None,
+        refused: list[Any] | None = None,
         why: str = "",
         released: str = "",
         dropped: int = 0,
@@ -76,7 +77,7 @@ class RunRecorder:
                 )
             )
 
-    def waiting(self, state: str, what: str, *, ready: int, asked: int, waited_s: float, demand) -> None:
+    def waiting(self, state: str, what: str, *, ready: int, asked: int, waited_s: float, demand: str) -> None:
         """What the run waits for and what is missing: a job waiting minutes for TPU capacity must not
         look hung. A ``waiting`` event (the progress line shows it) and a log line."""
         self.events.emit(ev.Waiting(state=state, ready=ready, asked=asked, waited_s=waited_s, demand=demand))
@@ -84,9 +85,9 @@ class RunRecorder:
 
     def failure(
         self,
-        seen,
+        seen: Any,
         outcome: RunOutcome,
-        decision,
+        decision: Any,
         first: BaseException,
         *,
         now: float,
@@ -127,7 +128,7 @@ class RunRecorder:
             )
         )
 
-    def world_ran(self, world, start: int, seconds: float, outcome: RunOutcome, streams) -> None:
+    def world_ran(self, world: Any, start: int, seconds: float, outcome: RunOutcome, streams: Any) -> None:
         """A world's steps ended: snapshots its holders did not keep, the last steps, how it ended."""
         if streams.not_kept:  # a holder's snapshots are not there: a later recovery may rewind (say why now)
             self.events.emit(
@@ -157,7 +158,7 @@ class RunRecorder:
         wait_s: float,
         capacity_ready_at: float,
         mode: str,
-        saved_by: dict | None,
+        saved_by: dict[Any, Any] | None,
     ) -> None:
         """A world formed after ``change``: the world, where its state came from, and the recovery
         or grow-back it ends (the steps after the restored one are forgotten: they run again)."""

@@ -6,10 +6,10 @@ import dataclasses
 import numbers
 import types
 import typing
-from typing import Union
+from typing import Any, Union
 
 
-def mistyped_fields(obj) -> list[tuple[str, str, object]]:
+def mistyped_fields(obj: Any) -> list[tuple[str, str, object]]:
     """(field name, what it must be, value) of each field of dataclass ``obj`` whose value does not fit
     its declared type (a bool is no number; a list is taken for a tuple)."""
     hints = typing.get_type_hints(type(obj))
@@ -20,7 +20,7 @@ def mistyped_fields(obj) -> list[tuple[str, str, object]]:
     ]
 
 
-def _is_a(value, want) -> bool:
+def _is_a(value: object, want: Any) -> bool:
     """``value`` fits the type hint ``want`` (Optional/Union, int, float, bool, str, tuple, dict, classes)."""
     if typing.get_origin(want) in (Union, types.UnionType):
         return any(_is_a(value, arg) for arg in typing.get_args(want))
@@ -36,7 +36,7 @@ def _is_a(value, want) -> bool:
     return isinstance(value, typing.get_origin(want) or want)
 
 
-def _describe(want) -> str:
+def _describe(want: Any) -> str:
     if typing.get_origin(want) in (Union, types.UnionType):
         return " or ".join(_describe(arg) for arg in typing.get_args(want))
     return {int: "a whole number", float: "a number", bool: "True or False", str: "a string"}.get(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 REPLICA_AXIS = "replica"
 FSDP_AXIS = "fsdp"
@@ -74,7 +75,7 @@ def resolve_slice_mesh(
     return tuple(axes.items())
 
 
-def normalize_rules(rules, mesh_axes: Sequence[str]) -> Rules:
+def normalize_rules(rules: Any, mesh_axes: Sequence[str]) -> Rules:
     """``[(logical name, mesh axis | (axes...) | None), ...]`` as a tuple of (name, axes or None),
     refusing a rule that names a mesh axis the slice does not have (or ``replica``)."""
     out = []
@@ -100,12 +101,12 @@ def normalize_rules(rules, mesh_axes: Sequence[str]) -> Rules:
     return tuple(out)
 
 
-def fsdp_partition(shape: Sequence[int], fsdp_size: int, min_size: int) -> tuple:
+def fsdp_partition(shape: Sequence[int], fsdp_size: int, min_size: int) -> tuple[Any, ...]:
     """Automatic FSDP rule: shard the largest dimension divisible by the slice's ``fsdp`` size.
 
     Small arrays (fewer than ``min_size`` elements) stay replicated: sharding them costs more in
     collectives than it saves in memory."""
-    spec: list = [None] * len(shape)
+    spec: list[Any] = [None] * len(shape)
     if fsdp_size <= 1 or math.prod(shape) < min_size:
         return tuple(spec)
     for dim in sorted(range(len(shape)), key=lambda i: -shape[i]):
@@ -118,11 +119,11 @@ def fsdp_partition(shape: Sequence[int], fsdp_size: int, min_size: int) -> tuple
 def partition(
     path: str,
     shape: Sequence[int],
-    names: Sequence | None,
+    names: Sequence[Any] | None,
     rules: Rules,
     mesh_shape: Mapping[str, int],
     min_size: int,
-) -> tuple:
+) -> tuple[Any, ...]:
     """Where the dimensions of the array at ``path`` go: one entry per dimension, ``None``
     (replicated), an axis name, or a tuple of axis names.
 
@@ -137,7 +138,7 @@ def partition(
             f"{tuple(names)}: give one name (or None) per dimension"
         )
     table = dict(rules)
-    spec: list = []
+    spec: list[Any] = []
     resolved = False
     for dim, name in zip(shape, names):
         if name is None:
@@ -178,6 +179,6 @@ def partition(
     return tuple(spec)
 
 
-def spec_sizes(spec: Sequence[str | tuple | None], mesh_shape: Mapping[str, int]) -> list[int]:
+def spec_sizes(spec: Sequence[str | tuple[Any, ...] | None], mesh_shape: Mapping[str, int]) -> list[int]:
     """How many ways each dimension is split by ``spec``."""
     return [1 if s is None else math.prod(mesh_shape[a] for a in ((s,) if isinstance(s, str) else s)) for s in spec]

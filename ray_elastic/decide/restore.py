@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 from ray_elastic.errors import StateLostError
 
@@ -28,7 +29,7 @@ class RestorePlan:
     holders: tuple[str, ...] = ()
     directory: str | None = None  # where a checkpoint comes from (the run's own, or resume_from)
     # What it was chosen from (``Generations.restore_plan`` fills it; the world_formed event carries it).
-    evidence: dict = dataclasses.field(default_factory=dict, compare=False)
+    evidence: dict[Any, Any] = dataclasses.field(default_factory=dict, compare=False)
 
     def donor(self, slice_name: str) -> str | None:
         """Whose snapshot ``slice_name`` loads: its own when it holds one (a zero-copy read from its

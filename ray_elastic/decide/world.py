@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from ray_elastic.decide.layout import FSDP_AXIS, REPLICA_AXIS, resolve_slice_mesh
 
@@ -100,7 +101,7 @@ def plan_world(
     data_stride: int = 0,
     lr_scale: float = 1.0,
     snapshot_slices: int = 0,
-    slice_mesh: dict | None = None,
+    slice_mesh: dict[Any, Any] | None = None,
     microbatch_size: int = 0,
 ) -> WorldPlan:
     """Lay out a world, refusing layouts that cannot split the batch evenly.
@@ -151,7 +152,7 @@ def batch_for_world(num_active: int, num_total: int, global_batch_size: int, pol
     return scaled
 
 
-def lr_scale(num_active: int, num_total: int, rule) -> float:
+def lr_scale(num_active: int, num_total: int, rule: str | None) -> float:
     """Multiplier on the optimizer's updates under the ``scale`` policy (None: 1.0)."""
     if rule is None:
         return 1.0
@@ -170,7 +171,7 @@ class WorldShapes:
     devices_per_host: int
     data_stride: int
     snapshot_slices: int
-    slice_mesh: dict | None
+    slice_mesh: dict[Any, Any] | None
     microbatch_size: int
     by_size: dict[int, tuple[int, float]]  # world size -> (global batch, lr scale)
 

@@ -18,12 +18,12 @@ _KINDS: dict[str, list[type[Event]]] = {}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Event(Mapping):
+class Event(Mapping[Any, Any]):
     """Base of every event: ``ts`` is when it happened (wall clock, ``time.time()``)."""
 
     kind: ClassVar[str] = ""
     ts: float = dataclasses.field(default_factory=time.time)
-    extra: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    extra: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
@@ -31,7 +31,7 @@ class Event(Mapping):
             _KINDS.setdefault(cls.kind, []).insert(0, cls)  # a variant defined later is tried first
 
     @classmethod
-    def accepts(cls, fields: dict) -> bool:
+    def accepts(cls, fields: dict[Any, Any]) -> bool:
         """Whether a logged ``fields`` of this kind is this class (kinds with variants override it)."""
         return True
 
@@ -41,7 +41,7 @@ class Event(Mapping):
         return {**own, **self.extra}
 
     @classmethod
-    def from_fields(cls, ts: float, fields: dict) -> Event:
+    def from_fields(cls, ts: float, fields: dict[Any, Any]) -> Event:
         names = {f.name for f in dataclasses.fields(cls)} - {"ts", "extra"}
         known = {n: fields.pop(n, None) for n in names}  # an older log may lack a field: None
         return cls(ts=ts, extra=fields, **known)
@@ -70,7 +70,7 @@ class UnknownEvent(Event):
         return dict(self.extra)
 
 
-def parse(raw: Mapping) -> Event:
+def parse(raw: Mapping[Any, Any]) -> Event:
     """An event from its JSON form (or the event itself)."""
     if isinstance(raw, Event):
         return raw
@@ -104,8 +104,8 @@ class Resume(Event):
     kind = "resume"
     checkpoint_step: int
     directory: str | None = None
-    task: dict | None = None
-    saved_world: dict | None = None
+    task: dict[Any, Any] | None = None
+    saved_world: dict[Any, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -116,8 +116,8 @@ class Rerun(Event):
     kind = "rerun"
     previous_last_step: int | None = None  # the newest step the earlier driver reported (its log)
     snapshot_step: int = -1  # the newest step the taken-over keepers hold completely
-    held: dict = dataclasses.field(default_factory=dict)  # slice -> host -> steps held
-    refused_steps: list = dataclasses.field(default_factory=list)  # held, but not restorable: ...
+    held: dict[Any, Any] = dataclasses.field(default_factory=dict)  # slice -> host -> steps held
+    refused_steps: list[Any] = dataclasses.field(default_factory=list)  # held, but not restorable: ...
     refused_why: str = ""  # ... why (their losses were never logged as finite)
     released: str = ""  # the keepers were released instead (why: an explicit resume_from)
     dropped_snapshots: int = 0  # held of another model or training settings: dropped
@@ -128,7 +128,7 @@ class ResumeConfigChanged(Event):
     """Settings that change the data order differ from the checkpoint's: name -> (then, now)."""
 
     kind = "resume_config_changed"
-    changed: dict
+    changed: dict[Any, Any]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -157,9 +157,9 @@ class Steps(Event):
     steps: list[int]
     losses: list[float]
     step_time_s: list[float]
-    finished_at: list | None = None  # wall clock per step (older logs: absent)
-    snapshot_steps: list = dataclasses.field(default_factory=list)
-    metrics: dict = dataclasses.field(default_factory=dict)  # the task's own metrics, one list per name
+    finished_at: list[Any] | None = None  # wall clock per step (older logs: absent)
+    snapshot_steps: list[Any] = dataclasses.field(default_factory=list)
+    metrics: dict[Any, Any] = dataclasses.field(default_factory=dict)  # the task's own metrics, one list per name
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -178,7 +178,7 @@ class ChunkRun(Event):
 class Eval(Event):
     kind = "eval"
     step: int
-    metrics: dict  # "eval/..." -> value
+    metrics: dict[Any, Any]  # "eval/..." -> value
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -198,7 +198,7 @@ class SnapshotNotKept(Event):
     kind = "snapshot_not_kept"
     generation: int
     count: int
-    first: list
+    first: list[Any]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -221,7 +221,7 @@ class CheckpointRestore(Event):
     step: int
     generation: int
     seconds: float
-    saved_by: dict | None = None  # the checkpoint's metadata (task, world)
+    saved_by: dict[Any, Any] | None = None  # the checkpoint's metadata (task, world)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -242,7 +242,7 @@ class FailureEvent(Event):
     generation: int
     cause: str
     lost_slices: list[str]
-    kinds: dict  # slice -> what happened to it
+    kinds: dict[Any, Any]  # slice -> what happened to it
     last_step: int
     classify_s: float = 0.0
     since_last_progress_s: float = 0.0
@@ -291,7 +291,7 @@ class LostWhileWaiting(FailureEvent):
     cause: str = CAUSE
 
     @classmethod
-    def accepts(cls, fields: dict) -> bool:
+    def accepts(cls, fields: dict[Any, Any]) -> bool:
         return fields.get("cause") == cls.CAUSE
 
 
@@ -313,7 +313,7 @@ class WorldFormed(Event):
     # What the restore was chosen from: the newest complete snapshot step per slice as the streams
     # reported them and as the keepers still held them, the steps keepers had let go of, the
     # newest committed checkpoint's step. A rewind is explained by it, or is a bug.
-    restore_evidence: dict = dataclasses.field(default_factory=dict)
+    restore_evidence: dict[Any, Any] = dataclasses.field(default_factory=dict)
 
     TIMES: ClassVar[tuple[str, ...]] = (
         "start_actors_s",
@@ -342,7 +342,7 @@ class WorldFormed(Event):
         return {**own, **times}
 
     @classmethod
-    def from_fields(cls, ts: float, fields: dict) -> Event:
+    def from_fields(cls, ts: float, fields: dict[Any, Any]) -> Event:
         times = {k: fields.pop(k) for k in cls.TIMES if k in fields}
         restored = fields.pop("restored_from_step", None)
         fields.update(times=times, start_step=None if restored is None else restored + 1)

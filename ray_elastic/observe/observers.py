@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from ray_elastic.observe import event_types as ev
 from ray_elastic.observe import goodput
@@ -103,7 +104,11 @@ class RayMetricsObserver(EventListener):
 class UserCallbacks(EventListener):
     """The user's ``on_step`` (every finished step's metrics) and ``on_event`` (the elastic events)."""
 
-    def __init__(self, on_step=None, on_event=None):
+    def __init__(
+        self,
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+        on_event: Callable[[ev.Event], None] | None = None,
+    ) -> None:
         for arg, cb in (("on_step", on_step), ("on_event", on_event)):
             if cb is not None and not callable(cb):
                 raise ValueError(f"{arg} must be callable, got {type(cb).__name__}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 from ray_elastic.decide.failures import (
     ErrorKind,
@@ -48,7 +49,7 @@ class FailurePolicy:
     ``max_failures`` per ``failure_window_s``, ``max_failures_in_a_row`` without progress,
     ``max_save_failures_in_a_row`` without a commit, and the user's ``retry_policy``."""
 
-    def __init__(self, config, retry_policy: Callable[[int, Exception], bool] | None = None):
+    def __init__(self, config: Any, retry_policy: Callable[[int, Exception], bool] | None = None):
         self.config, self.retry_policy = config, retry_policy
         self.failure_times: list[float] = []
         self.failures_in_a_row = 0
@@ -98,7 +99,7 @@ class FailurePolicy:
             "saves are only slow"
         )
 
-    def _retry_limit(self, verdict: FailureVerdict, now: float, error) -> ElasticRuntimeError | None:
+    def _retry_limit(self, verdict: FailureVerdict, now: float, error: BaseException | None) -> ElasticRuntimeError | None:
         if not verdict.recoverable:
             error_cls = TrainingCodeError if verdict.training_code else ElasticRuntimeError
             return error_cls(f"not recoverable: {verdict.reason}")
@@ -115,6 +116,6 @@ class FailurePolicy:
                 f"(max_failures_in_a_row={cfg.max_failures_in_a_row}); last: {verdict.reason}"
             )
         attempt = len(self.failure_times)
-        if self.retry_policy is not None and not self.retry_policy(attempt, error):  # type: ignore[arg-type]
+        if self.retry_policy is not None and not self.retry_policy(attempt, error):  # type: ignore[arg-type]  # the failure as it came
             return RetriesExhaustedError(f"retry_policy declined attempt {attempt} after {verdict.reason}")
         return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import ray
 
@@ -93,11 +94,11 @@ class RayBackend:
         return ReplacementRequest(self.config.slice, self.config.replacement_timeout_s)
 
     def replenish(
-        self, members: list, per_host: int | None = None, at_once: bool = False, for_world: int | None = None
+        self, members: list[Any], per_host: int | None = None, at_once: bool = False, for_world: int | None = None
     ) -> bool:
         return self.pool.replenish(members, per_host, at_once, for_world)
 
-    def missing_snapshots(self, refs: list, members: Sequence = (), timeout_s: float = 1.0) -> set[int]:
+    def missing_snapshots(self, refs: list[Any], members: Sequence[Any] = (), timeout_s: float = 1.0) -> set[int]:
         """Indices of ``refs`` (:class:`SnapshotRef`) whose keeper answers but no longer holds them, or
         is dead. In the same round, the keeper of every host of ``members`` is asked too: one that
         died while its slice stays (an OOM kill, ``ray.kill``) is replaced by a new, empty one, so
@@ -123,7 +124,7 @@ class RayBackend:
             if r.keeper._actor_id in held and (r.generation, r.step) not in held[r.keeper._actor_id]
         }
 
-    def warm(self, reservations: list, every: bool = False) -> bool:
+    def warm(self, reservations: list[Any], every: bool = False) -> bool:
         return self.pool.warm(reservations, every)
 
     def discard(self, reservation) -> None:
@@ -134,9 +135,9 @@ class RayBackend:
         self,
         *,
         generation: int,
-        reservations: list,
+        reservations: list[Any],
         start_step: int,
-        restore: Callable[[str], list | None],
+        restore: Callable[[str], list[Any] | None],
         checkpoint_step: int | None,
         checkpoint_dir: str | None = None,
     ) -> World:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import ray
 
@@ -22,13 +23,13 @@ class FirstReady:
     def __init__(self, wake: threading.Event):
         self._wake = wake
         self._cond = threading.Condition()
-        self._refs: list = []
+        self._refs: list[Any] = []
         self._fired = False
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="ray-elastic-first-ready", daemon=True)
         self._thread.start()
 
-    def watch(self, refs: list) -> None:
+    def watch(self, refs: list[Any]) -> None:
         """From now on wait for the first of ``refs`` (what the queues now start with)."""
         with self._cond:
             self._refs, self._fired = list(refs), False

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 from ray_elastic.detect import health
 from ray_elastic.errors import ProcessGone, RayletGone
@@ -21,7 +22,7 @@ class HostWatch:
 
     def __init__(self, world):
         self.world = world
-        self._raylets: dict | None = None  # node id -> where its raylet listens
+        self._raylets: dict[Any, Any] | None = None  # node id -> where its raylet listens
         self._learning: threading.Thread | None = None
 
     def start(self) -> None:

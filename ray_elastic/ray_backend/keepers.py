@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -100,7 +101,7 @@ class Keepers:
         self._renewer: threading.Thread | None = None
         self._handed_back = False
         self._claiming = threading.Lock()
-        self._owner_claim: tuple | None = None  # (owner record, its take_over ref) until the claim is read
+        self._owner_claim: tuple[Any, ...] | None = None  # (owner record, its take_over ref) until the claim is read
 
     def check(self) -> None:
         """Raise :class:`SupersededError` once a newer driver owns the run (learned from any refusal)."""
@@ -152,7 +153,7 @@ class Keepers:
         self.check()
         return list(self.taken_over.values())
 
-    def _claimed(self, keeper: ray.actor.ActorHandle, claim: dict | None) -> bool:
+    def _claimed(self, keeper: ray.actor.ActorHandle, claim: dict[Any, Any] | None) -> bool:
         """Whether ``claim`` (a ``take_over`` answer; None: none) made ``keeper`` this driver's; a
         refusal because a newer driver owns it marks this driver superseded."""
         if claim is None or not claim["taken"]:
@@ -224,7 +225,7 @@ class Keepers:
         self.remove([old.keeper for old in self.taken_over.values()], wait=False)  # (called while training)
         self.taken_over.clear()
 
-    def remove(self, keepers: list, wait: bool = True) -> None:
+    def remove(self, keepers: list[Any], wait: bool = True) -> None:
         """Kill ``keepers`` that this driver owns (each confirms it; one a newer driver owns says so,
         and this driver learns it was superseded); others (a bundle's own keeper) are killed.
         ``wait=False``: the answers are awaited on a thread (a lost node's keeper never answers, and
@@ -288,7 +289,7 @@ class Keepers:
         self.taken_over.clear()
 
 
-def _answers(refs: list, timeout_s: float = ANSWER_S) -> list:
+def _answers(refs: list[Any], timeout_s: float = ANSWER_S) -> list[Any]:
     """Each ref's value, or None for one that failed or did not answer in time (None refs too)."""
     live = [r for r in refs if r is not None]
     if live:

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -108,7 +109,7 @@ class SliceReservation:
         self._release_head()
 
 
-def _live_hosts(slice_name: str) -> list[dict]:
+def _live_hosts(slice_name: str) -> list[dict[Any, Any]]:
     return [n for n in ray.nodes() if n["Alive"] and (n.get("Labels") or {}).get(SLICE_NAME_LABEL) == slice_name]
 
 

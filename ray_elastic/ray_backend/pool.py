@@ -5,7 +5,7 @@ world does not wait for Python and JAX to start."""
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import ray
 
@@ -39,7 +39,9 @@ class WorkerPool:
     ``jax.distributed.initialize``), so a standby does not compete for chips.
     """
 
-    def __init__(self, task_ref: ray.ObjectRef, config: ElasticConfig, keepers: Keepers, env: dict | None = None):
+    def __init__(
+        self, task_ref: ray.ObjectRef, config: ElasticConfig, keepers: Keepers, env: dict[Any, Any] | None = None
+    ):
         self.task_ref = task_ref
         self.run_keepers = keepers
         self.config = config
@@ -48,7 +50,7 @@ class WorkerPool:
         # (id(reservation), host) -> standbys, oldest first
         self._standby: dict[tuple[int, int], list[Standby]] = {}
         self._keepers: dict[tuple[int, int], ray.actor.ActorHandle] = {}  # (id(reservation), host) -> keeper
-        self._answered: set = set()  # actor ids of keepers that have answered a call: their process is up
+        self._answered: set[Any] = set()  # actor ids of keepers that have answered a call: their process is up
         self.relays = RelayPool()  # fan chunks out to many quiet processes (large worlds)
         self._chip_owners: list[list[ray.ObjectRef]] = []  # prepare refs of the latest worlds' joiners
 
@@ -82,7 +84,7 @@ class WorkerPool:
         """The keeper has answered a call (a new one may still be starting, and holds nothing yet)."""
         return keeper._actor_id in self._answered
 
-    def confirm_keepers(self, keepers: list) -> None:
+    def confirm_keepers(self, keepers: list[Any]) -> None:
         self._answered.update(k._actor_id for k in keepers)
 
     def renew_keeper(self, res: SliceReservation, host: int) -> ray.actor.ActorHandle:
@@ -125,7 +127,7 @@ class WorkerPool:
         actor = SliceWorker.options(**options).remote(self.task_ref, self.settings)  # type: ignore[attr-defined]
         return Standby(actor, actor.prepare.remote(for_world), actor.traced_ahead.remote())
 
-    def take(self, res: SliceReservation, host: int, for_world: int | None = None) -> tuple[tuple, bool]:
+    def take(self, res: SliceReservation, host: int, for_world: int | None = None) -> tuple[tuple[Any, ...], bool]:
         """An actor and its prepare ref for (slice, host): the warm standby if there is one, else a
         new process, started for a world of ``for_world`` slices."""
         queue = self._standby.get((id(res), host))
@@ -159,7 +161,7 @@ class WorkerPool:
             for h in range(res.spec.num_hosts):
                 self.keeper(res, h)
                 queues[(res, h)] = self._standby.setdefault((id(res), h), [])
-        busy: set = set()  # the newest standby of hosts still short of ``want``, if still starting
+        busy: set[Any] = set()  # the newest standby of hosts still short of ``want``, if still starting
         if not at_once:
             newest = [q[-1].traced for q in queues.values() if q and len(q) < want]
             if newest:

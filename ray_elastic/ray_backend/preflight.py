@@ -9,6 +9,7 @@ minutes of waiting for TPU slices. The eval dataset must hold the eval batches a
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from ray_elastic.config import ElasticConfig
 from ray_elastic.errors import TrainingCodeError
@@ -111,7 +112,7 @@ def _check_eval_data(task: TrainTask, config: ElasticConfig) -> None:
         )
 
 
-def snapshot_layout(task: TrainTask, config: ElasticConfig) -> tuple:
+def snapshot_layout(task: TrainTask, config: ElasticConfig) -> tuple[Any, ...]:
     """What one host's snapshot depends on besides the run: the model's arrays (paths, shapes and
     dtypes, in order) and one slice's layout. A snapshot taken under another is never restored (a rerun with a
     changed model takes no snapshot of the old one)."""
@@ -126,7 +127,7 @@ def snapshot_layout(task: TrainTask, config: ElasticConfig) -> tuple:
     return (arrays, c.slice, sorted(c.slice_mesh.items()), tuple(c.logical_axis_rules), c.fsdp_min_size)
 
 
-def run_settings(task: TrainTask, config: ElasticConfig) -> tuple:
+def run_settings(task: TrainTask, config: ElasticConfig) -> tuple[Any, ...]:
     """What makes two runs of one model different: the task's plain fields (a learning rate, a
     width) and the config's training settings. A snapshot of a run with other settings (a sweep
     trial reusing a crashed trial's run directory) is never restored."""
@@ -135,7 +136,7 @@ def run_settings(task: TrainTask, config: ElasticConfig) -> tuple:
     def is_plain(v) -> bool:
         return isinstance(v, plain) or (isinstance(v, (tuple, list)) and all(isinstance(x, plain) for x in v))
 
-    found: dict = {}
+    found: dict[Any, Any] = {}
     for owner in [*reversed(type(task).__mro__[:-1]), task]:  # class defaults, then the instance's own
         found.update({k: v for k, v in vars(owner).items() if not k.startswith("_") and is_plain(v)})
     fields = sorted((k, repr(v)) for k, v in found.items())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -23,7 +24,7 @@ RELAY_CONCURRENCY = 4  # chunks a relay has in flight at once (the driver queues
 ORDER_TIMEOUT_S = 60.0  # a chunk waits this long for the one before it to be submitted
 
 
-Target = tuple  # (process id, actor handle, method name, leading args)
+Target = tuple[Any, ...]  # (process id, actor handle, method name, leading args)
 
 
 @ray.remote(num_cpus=0, max_concurrency=RELAY_CONCURRENCY)  # type: ignore[call-overload]
@@ -98,9 +99,9 @@ class RelayPool:
     the next worlds (a relay's process start would otherwise add to every formation)."""
 
     def __init__(self):
-        self.relays: list = []
+        self.relays: list[Any] = []
 
-    def assign(self, generation: int, groups: list[list[Target]], timeout_s: float = 60.0) -> list:
+    def assign(self, generation: int, groups: list[list[Target]], timeout_s: float = 60.0) -> list[Any]:
         """A relay for each group of ``generation``'s targets, ready to run its chunks. A kept relay
         that died or does not answer in ``timeout_s`` is replaced by a new one."""
         self.relays += [self._start() for _ in range(len(groups) - len(self.relays))]
@@ -126,7 +127,7 @@ class RelayPool:
         strategy = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         return ChunkRelay.options(scheduling_strategy=strategy).remote()
 
-    def reach(self, generation: int, processes: int, quiet: Sequence[int], target) -> tuple[list[list[int]], list]:
+    def reach(self, generation: int, processes: int, quiet: Sequence[int], target) -> tuple[list[list[int]], list[Any]]:
         """A world's channels (:func:`channels`) and the relay serving each (None: the driver's own);
         ``target(p)`` is what a relay calls for quiet process p: ``(actor, method name, leading args)``."""
         chans = channels(range(processes), quiet)

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import ray
 
@@ -78,7 +79,9 @@ class StepStreams:
         self.queues: list[collections.deque] = [collections.deque() for _ in self.channels]
         self.streaming = [len(ch) == 1 and world.plan.takes_snapshots(ch[0]) for ch in self.channels]
         self._snapshot_steps: list[int] = []  # steps newly kept by some holder, not yet reported
-        self.not_kept: list[dict] = []  # the first few a holder's keeper did not take: {"slice", "step", "why"}
+        self.not_kept: list[
+            dict[Any, Any]
+        ] = []  # the first few a holder's keeper did not take: {"slice", "step", "why"}
         self.not_kept_count = 0  # and how many in all (a dead keeper misses every step)
         self._acked_at: dict[int, float] = {}  # process -> when its keeper was last told
         self._reported = self._snapshot_reported = -1
@@ -239,7 +242,7 @@ class StepStreams:
         run.at = time.monotonic()  # slow, not hung: watch again from now
         return None
 
-    def _heads(self, channels: list[int]) -> list:
+    def _heads(self, channels: list[int]) -> list[Any]:
         return [self.queues[c][0] for c in channels if self.queues[c]]
 
     def _submit(self, first: int, n: int, final_step: int) -> None:
@@ -398,7 +401,7 @@ class StepStreams:
         return any(self.store.complete(self.world.slice_of(p), step) for p in processes)
 
     def sync_with_keepers(
-        self, processes: list[int] | None = None, timeout_s: float = 1.0, dead: set | None = None
+        self, processes: list[int] | None = None, timeout_s: float = 1.0, dead: set[Any] | None = None
     ) -> list[int]:
         """Make the store say what these processes' keepers really hold (all snapshot holders by
         default), up to the newest reported step (later ones have no metrics in the run: they are

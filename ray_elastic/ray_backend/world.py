@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import ray
 
@@ -29,7 +30,7 @@ from ray_elastic.tpu import SLICE_NAME_LABEL, WORKER_ID_LABEL
 logger = logging.getLogger(__name__)
 
 
-def host_labels(reservations: list[SliceReservation]) -> list[list[dict]] | None:
+def host_labels(reservations: list[SliceReservation]) -> list[list[dict[Any, Any]]] | None:
     """Per slice, per bundle: the TPU slice name and worker id of the node it is placed on.
 
     ``None`` when a node lacks the labels (the actors' own report is used instead).
@@ -53,13 +54,13 @@ WATCH_S = 0.25  # how often a wait while forming looks at the members' placement
 
 
 def _gather(
-    refs: list,
-    owners: list,
+    refs: list[Any],
+    owners: list[Any],
     timeout_s: float,
-    error: Callable[[list, BaseException], Exception] = FormingError,
+    error: Callable[[list[Any], BaseException], Exception] = FormingError,
     what: str = "while forming the world",
     watch: Callable[[], None] | None = None,
-) -> list:
+) -> list[Any]:
     """``ray.get(refs)``, but failing at the first error rather than after the slowest ref, and
     naming whose it was (``error(owners, cause)``): when a peer dies, the others would wait in
     ``jax.distributed.initialize``, a collective or a checkpoint commit until their timeout.
@@ -128,7 +129,7 @@ def _alive(watch: Callable[[], None], deaths: DeathWatch, owners: list[str]) -> 
     return check
 
 
-def _beacon(info: dict) -> tuple[str, int, bytes] | None:
+def _beacon(info: dict[Any, Any]) -> tuple[str, int, bytes] | None:
     """Where a process's liveness beacon listens, and its token (None: it has none)."""
     return (info["ip"], info["beacon_port"], bytes.fromhex(info["beacon_token"])) if info.get("beacon_port") else None
 
@@ -136,7 +137,7 @@ def _beacon(info: dict) -> tuple[str, int, bytes] | None:
 class _Hosts:
     """The processes taken for a world, per slice and host, and the phases of joining them."""
 
-    def __init__(self, reservations: list[SliceReservation], taken: list[list], num_hosts: int):
+    def __init__(self, reservations: list[SliceReservation], taken: list[list[Any]], num_hosts: int):
         self.reservations, self.num_hosts = reservations, num_hosts
         self.actors = [[a for (a, _), _ in sa] for sa in taken]  # as taken; ``workers``: in host order
         self.prepared = [[p for (_, p), _ in sa] for sa in taken]
@@ -144,8 +145,8 @@ class _Hosts:
         flat = [p for sp in self.prepared for p in sp]
         started, _ = ray.wait(flat, num_returns=len(flat), timeout=0)
         self.starting = len(flat) - len(started)
-        self.workers: list[list] = []
-        self.keepers: list[list] = []
+        self.workers: list[list[Any]] = []
+        self.keepers: list[list[Any]] = []
         self.names: list[str] = []
 
     @classmethod
@@ -204,7 +205,7 @@ class _Hosts:
         restore: Callable[[str], list[SnapshotRef] | None] | None,
         checkpoint_step: int | None,
         checkpoint_dir: str | None,
-    ) -> list[dict]:
+    ) -> list[dict[Any, Any]]:
         """Every process joins the JAX world and loads its state; returns what each reported."""
         # Steps from start_step on are run again: what earlier worlds kept of them is dropped.
         begun = [
@@ -256,14 +257,14 @@ class World:
     def __init__(
         self,
         plan: WorldPlan,
-        workers: list,
-        host_infos: list[dict],
+        workers: list[Any],
+        host_infos: list[dict[Any, Any]],
         times: FormationTimes,
-        join_infos: list[dict],
+        join_infos: list[dict[Any, Any]],
         reservations: list[SliceReservation],
-        keepers: list,
+        keepers: list[Any],
         channels: list[list[int]] | None = None,
-        relays: list | None = None,
+        relays: list[Any] | None = None,
         deaths: DeathWatch | None = None,
     ):
         self.plan = plan
@@ -358,7 +359,7 @@ class World:
 
     def run_chunk(
         self, start_step: int, num_steps: int, final_step: int, snapshot_every: int, eval_before: bool = False
-    ) -> list:
+    ) -> list[Any]:
         """Start a chunk of steps on every process; one ref per channel: a streaming generator for
         each snapshot holder, a plain task (one result at the chunk's end) for each other process,
         or a relay's call (``{}``, or the errors by process) for each group of them."""
@@ -374,7 +375,7 @@ class World:
         self._chunks_sent += 1
         return refs
 
-    def finish_checkpoints(self, timeout_s: float, save_step: int | None = None) -> list:
+    def finish_checkpoints(self, timeout_s: float, save_step: int | None = None) -> list[Any]:
         """Wait for every process's in-flight checkpoint save to commit (a planned stop, not a failure);
         with ``save_step``, first save the current state as that checkpoint. Returns process 0's newly
         committed (step, total seconds). Raises :class:`ProcessFailed` naming the first process that failed."""
