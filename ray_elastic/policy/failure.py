@@ -99,7 +99,9 @@ class FailurePolicy:
             "saves are only slow"
         )
 
-    def _retry_limit(self, verdict: FailureVerdict, now: float, error: BaseException | None) -> ElasticRuntimeError | None:
+    def _retry_limit(
+        self, verdict: FailureVerdict, now: float, error: BaseException | None
+    ) -> ElasticRuntimeError | None:
         if not verdict.recoverable:
             error_cls = TrainingCodeError if verdict.training_code else ElasticRuntimeError
             return error_cls(f"not recoverable: {verdict.reason}")
