@@ -24,7 +24,7 @@ from fake_backend import (
 
 from ray_elastic import ElasticConfig, ElasticTrainer, SliceSpec
 from ray_elastic.control.states import ControllerState as S
-from ray_elastic.control.states import OutcomeKind, RunOutcome
+from ray_elastic.control.states import InvalidTransition, OutcomeKind, RunOutcome, check_transition
 from ray_elastic.errors import (
     CapacityTimeoutError,
     ElasticRuntimeError,
@@ -403,6 +403,28 @@ def test_one_name_for_each_callback():
     for old in ("on_chunk", "on_elastic_event_callback"):
         with pytest.raises(TypeError, match=old):
             ElasticTrainer(DigitsMLPTask(), ElasticConfig(num_slices=2, global_batch_size=48), **{old: print})
+
+
+# Every path a run can take, as the controller walks it; any other step is refused.
+FLOWS = [
+    [S.INITIALIZING, S.SCHEDULING, S.FORMING_WORLD, S.RUNNING, S.FINISHED],  # no failure
+    [S.RUNNING, S.RECOVERING, S.FORMING_WORLD, S.RUNNING],  # a failure, recovered at once
+    [S.RECOVERING, S.WAITING_FOR_CAPACITY, S.FORMING_WORLD],  # waiting for a replacement
+    [S.FORMING_WORLD, S.RECOVERING],  # a failure while forming
+    [S.RUNNING, S.RESIZING, S.FORMING_WORLD],  # growing back
+    [S.RUNNING, S.RESIZING, S.RECOVERING],  # a process lost while the world stops to grow back
+]
+LEGAL = {(a, b) for flow in FLOWS for a, b in itertools.pairwise(flow)}
+
+
+@pytest.mark.parametrize("old,new", list(itertools.product(S, S)), ids=lambda s: s.value)
+def test_check_transition(old, new):
+    allowed = (old, new) in LEGAL or (new is S.ERRORED and not old.is_terminal)  # any live state may error
+    if allowed:
+        check_transition(old, new)
+    else:
+        with pytest.raises(InvalidTransition, match=f"from {old.value} to {new.value}"):
+            check_transition(old, new)
 
 
 def test_a_raylet_port_nothing_listens_on_is_proof_of_a_lost_node_and_a_listening_one_is_not():
