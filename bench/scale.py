@@ -147,7 +147,7 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
     from ray_elastic.config import ElasticConfig, SliceSpec
     from ray_elastic.decide import plan_world
     from ray_elastic.observe.events import EventLog
-    from ray_elastic.observe.results import StepLedger
+    from ray_elastic.observe.step_ledger import StepLedger
     from ray_elastic.ray_backend.relay import RelayPool
     from ray_elastic.ray_backend.stepping import StepStreams
     from ray_elastic.slice.worker import FLUSH_S

@@ -272,7 +272,7 @@ class ElasticConfig:
         ):
             raise ValueError(f"checkpoint_dir must be a local path or gs://bucket/prefix, got {self.checkpoint_dir!r}")
         if self.checkpoint_dir is not None:
-            from ray_elastic.state.checkpoints import resolve
+            from ray_elastic.state.storage_locations import resolve
 
             object.__setattr__(self, "checkpoint_dir", resolve(self.checkpoint_dir.strip()))
 

@@ -332,7 +332,7 @@ def _drain_after_process_1_died(late_keep_s=None, node_lost: bool = False, inter
     import numpy as np
 
     from ray_elastic.observe.events import EventLog
-    from ray_elastic.observe.results import StepLedger
+    from ray_elastic.observe.step_ledger import StepLedger
     from ray_elastic.ray_backend.stepping import StepStreams
     from ray_elastic.state.snapshots import SnapshotRef, SnapshotStore
 

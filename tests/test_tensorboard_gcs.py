@@ -38,7 +38,7 @@ def test_a_read_only_bucket_can_be_resumed_from_but_not_checkpointed_to(local_gc
     from google.cloud import storage
 
     from ray_elastic.sim.local_gcs import FlakyEndpoint
-    from ray_elastic.state.checkpoints import check_location
+    from ray_elastic.state.storage_locations import check_location
 
     bucket = f"ro-{uuid.uuid4().hex[:8]}"
     storage.Client().create_bucket(bucket)

@@ -150,7 +150,7 @@ def _host_facts(checkpoint_dir: str | None) -> dict:
             versions[p] = None
     error = None
     if checkpoint_dir:
-        from ray_elastic.state.checkpoints import check_location
+        from ray_elastic.state.storage_locations import check_location
 
         try:
             check_location(checkpoint_dir)
@@ -282,7 +282,7 @@ def check_megascale_port(hosts: list[Host], port: int, timeout_s: float) -> list
 
 def run_checks(checkpoint_dir: str | None, megascale_port: int, timeout_s: float) -> list[Finding]:
     """Every check, on the cluster ``ray`` is connected to."""
-    from ray_elastic.state.checkpoints import gcs_env
+    from ray_elastic.state.storage_locations import gcs_env
 
     hosts = tpu_hosts()
     findings = check_labels_and_slices(hosts)

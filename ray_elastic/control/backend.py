@@ -82,7 +82,7 @@ class WorldHandle(Protocol):
 
 
 class StepSink(Protocol):
-    """Where a driven world's steps go (the run's :class:`~ray_elastic.observe.results.StepLedger`):
+    """Where a driven world's steps go (the run's :class:`~ray_elastic.observe.step_ledger.StepLedger`):
     their metrics, evals, committed saves and snapshot intervals, and what the drive reads back."""
 
     step_times: list[float]  # every step run, rewound ones too (the watchdog, the snapshot policy)

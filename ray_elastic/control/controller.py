@@ -49,6 +49,7 @@ from ray_elastic.observe.observers import (
     UserCallbacks,
 )
 from ray_elastic.observe.results import FitResult, RecoveryRecord, WorldChange
+from ray_elastic.observe.step_ledger import StepLedger
 from ray_elastic.observe.tensorboard import TensorBoardWriter, tensorboard_location
 from ray_elastic.policy.failure import FailurePolicy
 from ray_elastic.policy.scaling import Action, NextWorld
@@ -243,7 +244,7 @@ class Controller:
         self.failures = FailurePolicy(cfg, self.retry_policy)
         self._first_step = resume.step if resume else 0
         self.events = EventLog(self.run_dir, [self.callbacks], fenced=lambda: self.backend.ownership.superseded)
-        self.ledger = results.StepLedger(self.events, cfg.steps_per_chunk, cfg.save_timeout_s)
+        self.ledger = StepLedger(self.events, cfg.steps_per_chunk, cfg.save_timeout_s)
         self.record = RunRecorder(self.events, self.ledger)
         self.record.started(cfg, num_steps, resume, run_checkpoints.start_dir)
 

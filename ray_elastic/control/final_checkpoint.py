@@ -8,7 +8,7 @@ from ray_elastic.control.backend import WorldHandle
 from ray_elastic.control.run_checkpoints import RunCheckpoints
 from ray_elastic.control.states import OutcomeKind, RunOutcome
 from ray_elastic.errors import ProcessFailed
-from ray_elastic.observe.results import StepLedger
+from ray_elastic.observe.step_ledger import StepLedger
 
 
 def finish_checkpoints(

@@ -16,7 +16,8 @@ from ray_elastic.decide import RestorePlan, RestoreSource
 from ray_elastic.observe import event_types as ev
 from ray_elastic.observe import results
 from ray_elastic.observe.events import EventLog
-from ray_elastic.observe.results import RecoveryRecord, StepLedger, WorldChange, WorldRecord
+from ray_elastic.observe.results import RecoveryRecord, WorldChange, WorldRecord
+from ray_elastic.observe.step_ledger import StepLedger
 
 logger = logging.getLogger(__name__)
 

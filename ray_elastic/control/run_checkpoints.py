@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from ray_elastic.config import ElasticConfig
-from ray_elastic.state import checkpoints
+from ray_elastic.state import checkpoints, storage_locations
 from ray_elastic.state.checkpoints import CheckpointInfo
 
 logger = logging.getLogger(__name__)
@@ -34,9 +34,11 @@ class RunCheckpoints:
         if resume_from is not None:
             if not isinstance(resume_from, str) or not resume_from.strip():
                 raise ValueError(f"resume_from must be a local path or gs://bucket/prefix, got {resume_from!r}")
-            resume_from = checkpoints.resolve(resume_from.strip())  # ~ and relative paths, as the workers read them
-            if checkpoints.is_gcs(resume_from):
-                checkpoints.check_location(resume_from, writable=False)  # read access is all a resume needs
+            resume_from = storage_locations.resolve(
+                resume_from.strip()
+            )  # ~ and relative paths, as the workers read them
+            if storage_locations.is_gcs(resume_from):
+                storage_locations.check_location(resume_from, writable=False)  # read access is all a resume needs
         own = _own_checkpoint(cfg, task_name, resume_from) if cfg.checkpoint_dir else None
         run = cls(cfg.checkpoint_dir, resume_from)
         if resume_from is None:
@@ -98,7 +100,7 @@ def _own_checkpoint(cfg: ElasticConfig, task_name: str, resume_from: str | None)
     """The newest checkpoint of ``cfg.checkpoint_dir``, refused when a run of ``task_name`` must not
     start from or save among them."""
     assert cfg.checkpoint_dir is not None
-    checkpoints.check_location(cfg.checkpoint_dir)
+    storage_locations.check_location(cfg.checkpoint_dir)
     own = checkpoints.latest_checkpoint(cfg.checkpoint_dir)
     theirs = checkpoints.foreign_task(own, task_name)
     if own is not None and resume_from not in (None, cfg.checkpoint_dir):

@@ -13,7 +13,7 @@ from typing import Any
 from ray_elastic.observe import event_types as ev
 from ray_elastic.observe import goodput
 from ray_elastic.observe.events import EventListener
-from ray_elastic.observe.results import STEP_FIELDS
+from ray_elastic.observe.step_ledger import STEP_FIELDS
 
 GOODPUT_EVERY_S = 10.0
 

@@ -25,7 +25,7 @@ from ray_elastic.ray_backend.pool import WorkerPool, kill
 from ray_elastic.ray_backend.preflight import run_settings, snapshot_layout
 from ray_elastic.ray_backend.stepping import StepStreams
 from ray_elastic.ray_backend.world import World, host_labels
-from ray_elastic.state import checkpoints
+from ray_elastic.state import storage_locations
 from ray_elastic.state.run_secret import run_secret
 from ray_elastic.state.snapshot_keeper import ask_keepers
 from ray_elastic.state.snapshots import SnapshotStore
@@ -56,7 +56,7 @@ class RayBackend:
         secret = run_secret(home) if findable else None
         identity = RunIdentity.of(run_id, self.task.name(), layout, settings, secret, findable)
         self.keepers = self.ownership.keepers = Keepers(identity, self.config.orphan_timeout_s)
-        self.pool = WorkerPool(ray.put(self.task), self.config, self.keepers, env=checkpoints.gcs_env())
+        self.pool = WorkerPool(ray.put(self.task), self.config, self.keepers, env=storage_locations.gcs_env())
         self._world: World | None = None
 
     def _superseded(self) -> None:

@@ -6,8 +6,8 @@ Two sides, no Ray in either:
   writes its own shards with an async :class:`orbax.checkpoint.CheckpointManager`
   (nothing goes through the driver); orbax commits a step once every host is
   done (``commit_success.txt`` on GCS, the final rename on local disk).
-* :func:`check_location`, :func:`latest_checkpoint` run on the driver: they check
-  the location before any slice is reserved, and find the newest *committed* step
+* :func:`latest_checkpoint` runs on the driver (after :mod:`~ray_elastic.state.storage_locations`
+  checked the location, before any slice is reserved): it finds the newest *committed* step
   with orbax's own finalisation rules, so an unfinished step is never restored.
 
 Steps are named by steps completed: checkpoint ``100`` holds the state after
@@ -22,40 +22,14 @@ import logging
 import os
 import threading
 import time
-import uuid
 from typing import Any, ClassVar
 
 from ray_elastic.errors import StorageError
+from ray_elastic.state.storage_locations import is_gcs
 
-# Environment that points GCS clients at an endpoint (emulator, credentials, project).
-# The driver forwards the ones it has to every slice process.
-GCS_ENV_VARS = (
-    "STORAGE_EMULATOR_HOST",
-    "TENSORSTORE_GCS_HTTP_URL",
-    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
-    "NO_GCE_CHECK",
-    "GOOGLE_CLOUD_PROJECT",
-    "GOOGLE_APPLICATION_CREDENTIALS",
-    "EPATH_USE_TF",
-)
 logger = logging.getLogger(__name__)
 STATE_ITEM = "state"
 META_ITEM = "meta"
-
-
-def gcs_env() -> dict[str, str]:
-    """The GCS-related environment of this process, for the slice processes."""
-    return {k: os.environ[k] for k in GCS_ENV_VARS if k in os.environ}
-
-
-def resolve(path: str) -> str:
-    """A local path as every process must read it: ``~`` expanded and made absolute on the driver (the
-    slice processes' working directory is not the driver's); ``gs://`` paths as they are."""
-    return path if is_gcs(path) else os.path.abspath(os.path.expanduser(path))
-
-
-def is_gcs(path: str) -> bool:
-    return path.startswith("gs://")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,88 +47,6 @@ class CheckpointInfo:
 
 
 # ------------------------------------------------------------------ driver side
-def check_location(directory: str, writable: bool = True) -> None:
-    """Fail now, with what to change, if checkpoints cannot be written to ``directory`` (or, with
-    ``writable=False``, read from it: a run resumes from another run's checkpoints with read access).
-
-    For ``gs://bucket/prefix`` the bucket must exist (it is never created here) and a
-    probe object must be writable; a local directory is created and probed. Nothing
-    else in the directory is touched. Reading only lists the prefix.
-    """
-    if not isinstance(directory, str) or not directory.strip():
-        raise ValueError(f"checkpoint_dir must be a local path or gs://bucket/prefix, got {directory!r}")
-    if is_gcs(directory):
-        _check_gcs(directory) if writable else _check_gcs_readable(directory)
-    elif writable:
-        _check_local(directory)
-
-
-def _check_gcs_readable(directory: str) -> None:
-    """Listing the prefix is all a resume needs (``roles/storage.objectViewer``)."""
-    bucket_name, _, prefix = directory[len("gs://") :].partition("/")
-    if not bucket_name:
-        raise ValueError(f"resume_from {directory!r} has no bucket: use gs://BUCKET/PREFIX")
-    from google.api_core import exceptions
-    from google.cloud import storage
-
-    try:
-        list(storage.Client().list_blobs(bucket_name, prefix=prefix.strip("/") + "/", max_results=1))
-    except exceptions.NotFound as e:
-        raise ValueError(f"resume_from {directory!r}: bucket {bucket_name!r} does not exist") from e
-    except Exception as e:
-        raise ValueError(
-            f"cannot read resume_from {directory!r}: {e}. Grant the training service account "
-            "roles/storage.objectViewer on the bucket"
-        ) from e
-
-
-def _check_gcs(directory: str) -> None:
-    bucket_name, _, prefix = directory[len("gs://") :].partition("/")
-    if not bucket_name:
-        raise ValueError(f"checkpoint_dir {directory!r} has no bucket: use gs://BUCKET/PREFIX")
-    from google.cloud import storage
-
-    try:
-        client = storage.Client()
-        bucket = client.lookup_bucket(bucket_name)
-    except Exception as e:
-        raise ValueError(
-            f"cannot reach GCS for checkpoint_dir {directory!r}: {e}. Check credentials "
-            "(gcloud auth application-default login, or the VM's service account) and network"
-        ) from e
-    if bucket is None:
-        raise ValueError(
-            f"checkpoint_dir {directory!r}: bucket {bucket_name!r} does not exist. Create it "
-            f"(gcloud storage buckets create gs://{bucket_name} --location=<your TPU region>) "
-            "or point checkpoint_dir at an existing bucket"
-        )
-    probe = f"{prefix.strip('/')}/.ray-elastic-probe-{uuid.uuid4().hex}".lstrip("/")
-    try:
-        blob = bucket.blob(probe)
-        blob.upload_from_string(b"ok")
-        blob.delete()
-    except Exception as e:
-        raise ValueError(
-            f"checkpoint_dir {directory!r} is not writable: {e}. Grant the training service account "
-            "roles/storage.objectAdmin on the bucket, or choose another checkpoint_dir"
-        ) from e
-
-
-def _check_local(directory: str) -> None:
-    path = os.path.abspath(os.path.expanduser(directory))
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".ray-elastic-probe-{uuid.uuid4().hex}")
-        with open(probe, "wb") as f:
-            f.write(b"ok")
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(
-            f"checkpoint_dir {directory!r} is not writable ({e.strerror or e}): choose a directory every "
-            "slice host can write (a shared filesystem on multi-host clusters), or a gs:// bucket"
-        ) from e
-
-
 def _manager(directory: str, read_only: bool, max_to_keep: int | None = None, async_save: bool = True):
     import orbax.checkpoint as ocp
 
