@@ -151,6 +151,7 @@ def test_a_rerun_restores_only_a_step_every_host_of_a_slice_still_holds():
     clock): the first world restores the newest step that every host of some slice holds, and
     never a fresher checkpoint's rival from memory that is incomplete."""
     from ray_elastic.control.generations import Generations
+    from ray_elastic.control.takeover import file_taken_over
     from ray_elastic.decide import RestoreSource
     from ray_elastic.ray_backend.keepers import TakenOver
 
@@ -163,7 +164,7 @@ def test_a_rerun_restores_only_a_step_every_host_of_a_slice_still_holds():
         TakenOver(object(), "n3", ("b", 1), [38, 39, 40]),
         TakenOver(object(), "n4", None, [50]),  # never placed in a world: holds nothing usable
     ]
-    held, refused, _ = gens.take_over(found, logged=42)
+    held, refused, _ = file_taken_over(gens, found, logged=42)
     assert held == {"a": {0: [40, 41, 42], 1: [39, 40, 41]}, "b": {0: [38, 39, 40], 1: [38, 39, 40]}}
     assert refused == [] and gens.taken_over_step == 41
     plan = gens.restore_plan([], None, last_step=-1)  # the rerun's members are not named yet
@@ -171,7 +172,7 @@ def test_a_rerun_restores_only_a_step_every_host_of_a_slice_still_holds():
     # The lost driver's log ends at step 40: the steps after it have no metrics any more, so the
     # rerun resumes at 40 (both slices hold it) and runs 41 and 42 again: the record stays whole.
     logged = Generations(config, FakeBackend(slices=2))
-    assert logged.take_over(found, logged=40)[1] == [41, 42]
+    assert file_taken_over(logged, found, logged=40)[1] == [41, 42]
     assert logged.taken_over_step == 40
     assert logged.restore_plan([], None, last_step=-1).holders == ("a", "b")
 
@@ -180,18 +181,19 @@ def test_a_rerun_offers_only_steps_whose_losses_were_logged_as_finite():
     """A snapshot reaches its keeper before its loss is checked: a rerun restores only steps the
     lost driver logged with a finite loss; with no log at all, none past the newest checkpoint."""
     from ray_elastic.control.generations import Generations
+    from ray_elastic.control.takeover import file_taken_over
     from ray_elastic.ray_backend.keepers import TakenOver
 
     config = ElasticConfig(num_slices=1, global_batch_size=48, slice=SliceSpec("v4", "2x2x1"))
     found = [TakenOver(object(), "n0", ("a", 0), [40, 41, 42])]
     early = Generations(config, FakeBackend(slices=1))  # a log that ended long before (a NaN at 21)
-    _held, refused, why = early.take_over(found, logged=20)
+    _held, refused, why = file_taken_over(early, found, logged=20)
     assert early.taken_over_step == -1 and refused == [40, 41, 42] and "finite loss" in why
     unlogged = Generations(config, FakeBackend(slices=1))  # no run_dir: checkpoint 42 covers steps 0..41
-    assert unlogged.take_over(found, logged=None, committed=42)[1] == [42]
+    assert file_taken_over(unlogged, found, logged=None, committed=42)[1] == [42]
     assert unlogged.taken_over_step == 41
     nothing = Generations(config, FakeBackend(slices=1))
-    assert nothing.take_over(found)[1] == [40, 41, 42] and nothing.taken_over_step == -1
+    assert file_taken_over(nothing, found)[1] == [40, 41, 42] and nothing.taken_over_step == -1
 
 
 def test_the_log_of_a_lost_run_counts_steps_up_to_its_first_non_finite_loss(tmp_path):

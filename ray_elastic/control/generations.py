@@ -26,8 +26,7 @@ from ray_elastic.observe.results import WorldRecord
 from ray_elastic.policy.failure import FailureEvidence
 from ray_elastic.policy.scaling import Action, NextWorld
 from ray_elastic.state import checkpoints
-from ray_elastic.state.snapshot_keeper import PREVIOUS_DRIVER
-from ray_elastic.state.snapshots import SnapshotRef, SnapshotStore
+from ray_elastic.state.snapshots import SnapshotStore
 
 logger = logging.getLogger(__name__)
 WAIT_POLL_S = 0.2
@@ -259,36 +258,6 @@ class Generations:
             committed_step=ledger.committed_step,
             checkpoint_dir=self.config.checkpoint_dir,
         )
-
-    def take_over(
-        self, found: list[Any], logged: int | None = None, committed: int | None = None
-    ) -> tuple[dict[str, dict[int, list[int]]], list[int], str]:
-        """File the snapshots an earlier driver's keepers hold (``TakenOver`` s) as this run's, by
-        slice and host: the first world restores them if they are newer than the newest checkpoint.
-
-        Only a step whose loss that driver saw and logged as finite is offered (``logged``: the
-        newest such step in its log): a snapshot reaches its keeper before its loss is checked, and
-        the metrics of later steps died with that driver. With nothing logged (no run directory),
-        none past the newest committed checkpoint (``committed``: the steps it covers).
-        Returns (slice -> host -> steps held, the steps refused, why they were)."""
-        placed = [t for t in found if t.place is not None]
-        held: dict[str, dict[int, list[int]]] = {}
-        for t in placed:
-            held.setdefault(t.place[0], {})[t.place[1]] = sorted(t.steps)
-        if logged is not None:
-            upto, why = logged, f"after step {logged}, the last the lost driver logged with a finite loss"
-        else:
-            upto = (committed or 0) - 1
-            why = "no run log says their losses were finite (no run_dir): none past the newest committed checkpoint"
-        for t in placed:
-            name, host = t.place
-            self.store.hold_only(
-                name, host, {s: SnapshotRef(t.keeper, PREVIOUS_DRIVER, s) for s in t.steps if s <= upto}
-            )
-        self.taken_over_slices = set(held)
-        self.taken_over_step = max(self.store.latest_complete(list(held)).values(), default=-1)
-        refused = sorted({s for t in placed for s in t.steps if s > upto})
-        return held, refused, why if refused else ""
 
     def restore_plan(
         self, members: list[Any], resume: checkpoints.CheckpointInfo | None = None, last_step: int | None = None

@@ -9,12 +9,15 @@ before it trains (its final checkpoint would be labelled with a step it is not).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from ray_elastic.control.backend import Backend
 from ray_elastic.control.generations import Generations
 from ray_elastic.control.recorder import RunRecorder
 from ray_elastic.observe import results
 from ray_elastic.state import checkpoints
+from ray_elastic.state.snapshot_keeper import PREVIOUS_DRIVER
+from ray_elastic.state.snapshots import SnapshotRef
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +43,7 @@ def take_over_run(
         backend.ownership.release_unclaimed()
         found = []
     committed = resume.step if resume is not None and resume_from is None else None
-    held, refused, why = gens.take_over(found, previous.last_step, committed)
+    held, refused, why = file_taken_over(gens, found, previous.last_step, committed)
     record.taken_over(
         held,
         gens.taken_over_step,
@@ -67,3 +70,32 @@ def take_over_run(
             gens.taken_over_step,
         )
     return previous
+
+
+def file_taken_over(
+    gens: Generations, found: list[Any], logged: int | None = None, committed: int | None = None
+) -> tuple[dict[str, dict[int, list[int]]], list[int], str]:
+    """File the snapshots an earlier driver's keepers hold (``TakenOver`` s) as this run's, by
+    slice and host: the first world restores them if they are newer than the newest checkpoint.
+
+    Only a step whose loss that driver saw and logged as finite is offered (``logged``: the
+    newest such step in its log): a snapshot reaches its keeper before its loss is checked, and
+    the metrics of later steps died with that driver. With nothing logged (no run directory),
+    none past the newest committed checkpoint (``committed``: the steps it covers).
+    Returns (slice -> host -> steps held, the steps refused, why they were)."""
+    placed = [t for t in found if t.place is not None]
+    held: dict[str, dict[int, list[int]]] = {}
+    for t in placed:
+        held.setdefault(t.place[0], {})[t.place[1]] = sorted(t.steps)
+    if logged is not None:
+        upto, why = logged, f"after step {logged}, the last the lost driver logged with a finite loss"
+    else:
+        upto = (committed or 0) - 1
+        why = "no run log says their losses were finite (no run_dir): none past the newest committed checkpoint"
+    for t in placed:
+        name, host = t.place
+        gens.store.hold_only(name, host, {s: SnapshotRef(t.keeper, PREVIOUS_DRIVER, s) for s in t.steps if s <= upto})
+    gens.taken_over_slices = set(held)
+    gens.taken_over_step = max(gens.store.latest_complete(list(held)).values(), default=-1)
+    refused = sorted({s for t in placed for s in t.steps if s > upto})
+    return held, refused, why if refused else ""

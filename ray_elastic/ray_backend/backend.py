@@ -20,11 +20,11 @@ from ray_elastic.config import ElasticConfig
 from ray_elastic.control.backend import Reservation, StepSink, WorldHandle
 from ray_elastic.ray_backend.cluster_health import RayClusterHealth
 from ray_elastic.ray_backend.keepers import KeeperOwnership, Keepers, RunIdentity
-from ray_elastic.ray_backend.placement import ReplacementRequest, pending_slice_demand, reserve_slices
+from ray_elastic.ray_backend.placement import ReplacementRequest, host_labels, pending_slice_demand, reserve_slices
 from ray_elastic.ray_backend.pool import WorkerPool, kill
 from ray_elastic.ray_backend.preflight import run_settings, snapshot_layout
 from ray_elastic.ray_backend.stepping import StepStreams
-from ray_elastic.ray_backend.world import World, host_labels
+from ray_elastic.ray_backend.world import World
 from ray_elastic.state import storage_locations
 from ray_elastic.state.run_secret import run_secret
 from ray_elastic.state.snapshot_keeper import ask_keepers

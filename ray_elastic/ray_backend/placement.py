@@ -326,3 +326,23 @@ class ReplacementRequest:
         give the reservation back (now, or when it is made)."""
         self._cancelled.set()
         self._future.add_done_callback(lambda f: f.exception() is None and f.result().release())
+
+
+def host_labels(reservations: list[SliceReservation]) -> list[list[dict[Any, Any]]] | None:
+    """Per slice, per bundle: the TPU slice name and worker id of the node it is placed on.
+
+    ``None`` when a node lacks the labels (the actors' own report is used instead).
+    """
+    node_labels = {n["NodeID"]: n.get("Labels") or {} for n in ray.nodes() if n["Alive"]}
+    out = []
+    for res in reservations:
+        hosts = []
+        for node in res.node_ids():
+            lab = node_labels.get(node, {})
+            if SLICE_NAME_LABEL not in lab:
+                return None
+            hosts.append({"slice_name": lab[SLICE_NAME_LABEL], "tpu_worker_id": lab.get(WORKER_ID_LABEL, "")})
+        if len(hosts) != res.spec.num_hosts:
+            return None
+        out.append(hosts)
+    return out

@@ -22,32 +22,11 @@ from ray_elastic.decide import WorldPlan
 from ray_elastic.detect import health
 from ray_elastic.detect.liveness import DeathWatch
 from ray_elastic.errors import FormingError, HostLost, ProcessFailed, ProcessGone, RayletGone
-from ray_elastic.ray_backend.placement import SliceReservation
+from ray_elastic.ray_backend.placement import SliceReservation, host_labels
 from ray_elastic.ray_backend.pool import WorkerPool, kill
 from ray_elastic.state.snapshots import SnapshotRef
-from ray_elastic.tpu import SLICE_NAME_LABEL, WORKER_ID_LABEL
 
 logger = logging.getLogger(__name__)
-
-
-def host_labels(reservations: list[SliceReservation]) -> list[list[dict[Any, Any]]] | None:
-    """Per slice, per bundle: the TPU slice name and worker id of the node it is placed on.
-
-    ``None`` when a node lacks the labels (the actors' own report is used instead).
-    """
-    node_labels = {n["NodeID"]: n.get("Labels") or {} for n in ray.nodes() if n["Alive"]}
-    out = []
-    for res in reservations:
-        hosts = []
-        for node in res.node_ids():
-            lab = node_labels.get(node, {})
-            if SLICE_NAME_LABEL not in lab:
-                return None
-            hosts.append({"slice_name": lab[SLICE_NAME_LABEL], "tpu_worker_id": lab.get(WORKER_ID_LABEL, "")})
-        if len(hosts) != res.spec.num_hosts:
-            return None
-        out.append(hosts)
-    return out
 
 
 WATCH_S = 0.25  # how often a wait while forming looks at the members' placements
