@@ -8,6 +8,7 @@ kind of hour its other figures come from, so two runs are compared only when it 
 
 from __future__ import annotations
 
+import statistics
 import time
 
 PROBE_LOOP = 20_000_000  # the loop of bench/README.md's calibrations: 0.8-0.97 s in a normal hour here
@@ -60,4 +61,20 @@ def cpu_seconds_by_role() -> dict[str, float]:
             role = "ray"
         if role is not None:
             out[role] += t.user + t.system
+    return out
+
+
+def cpu_ms_per_step(before: dict[str, float], after: dict[str, float], steps: int) -> dict[str, float]:
+    """CPU ms per step by role between two :func:`cpu_seconds_by_role` readings ``steps`` apart
+    (empty when either reading is missing)."""
+    return {k: round((after[k] - before[k]) / steps * 1e3, 2) for k in after} if before and after else {}
+
+
+def median_cpu_by_role(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per configuration: the median over its repetitions of each role's CPU ms per step, and
+    ``all`` (their sum); printed as the bench's ``median CPU ms/step`` line."""
+    out = {k: {role: round(statistics.median(r[role] for r in v), 2) for role in v[0]} for k, v in runs.items() if v[0]}
+    for by_role in out.values():
+        by_role["all"] = round(sum(by_role.values()), 2)
+    print("median CPU ms/step: " + "; ".join(f"{k} {v}" for k, v in out.items()))
     return out

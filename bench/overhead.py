@@ -214,7 +214,7 @@ def ab_cost(times: list[float], chunks: dict[int, int], first: int) -> float | N
 
 
 def run_ray(steps: int, spec, model: str, ab: bool = False, **overrides) -> dict:
-    from machine import cpu_seconds_by_role
+    from machine import cpu_ms_per_step, cpu_seconds_by_role
 
     from ray_elastic import ElasticConfig, ElasticTrainer
 
@@ -249,7 +249,7 @@ def run_ray(steps: int, spec, model: str, ab: bool = False, **overrides) -> dict
         "step_s": statistics.mean(times),
         **({"ab_cost": ab_cost(result.step_times_s, chunks, first)} if ab else {}),
         **({"ab_chunks_ms": ab_chunks_ms(result.step_times_s, chunks)} if ab else {}),
-        "cpu_ms_per_step": {k: round((bt[k] - at[k]) / (b - a) * 1e3, 2) for k in bt},
+        "cpu_ms_per_step": cpu_ms_per_step(at, bt, b - a),
         "snapshot_every": result.summary["snapshot_every"],
         "steady_steps": len(times),
         "warm_at_step": warm_from[0] if warm_from else None,
@@ -280,7 +280,7 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    from machine import cpu_probe_s, hour
+    from machine import cpu_probe_s, hour, median_cpu_by_role
 
     from ray_elastic import AutoInterval
     from ray_elastic.sim.cluster import SimulatedTPUCluster
@@ -350,16 +350,7 @@ def main() -> None:
         )
     )
 
-    cpu = {  # per run name: the median CPU ms per steady step of each role, and of them all
-        k: {
-            role: round(statistics.median(r["cpu_ms_per_step"][role] for r in v), 2) for role in v[0]["cpu_ms_per_step"]
-        }
-        for k, v in got.items()
-        if v[0].get("cpu_ms_per_step")
-    }
-    for by_role in cpu.values():
-        by_role["all"] = round(sum(by_role.values()), 2)
-    print("median CPU ms/step: " + "; ".join(f"{k} {v}" for k, v in cpu.items()))
+    cpu = median_cpu_by_role({k: [r.get("cpu_ms_per_step") or {} for r in v] for k, v in got.items()})
 
     def cpu_cost(k: str, base: str) -> dict | None:
         """What ``k`` adds to ``base``'s CPU per step, by role, and as a fraction of all of base's."""

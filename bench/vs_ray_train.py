@@ -127,12 +127,9 @@ def cpu_at_markers(out: str, stop: threading.Event, cpu: dict) -> None:
         cpu[mark] = cpu_seconds_by_role()
 
 
-def cpu_ms_per_step(a: dict, b: dict, steps: int) -> dict:
-    return {k: round((b[k] - a[k]) / steps * 1e3, 2) for k in b} if a and b else {}
-
-
 def run_ray_train(steps: int, grain: bool = False) -> dict:
     import ray
+    from machine import cpu_ms_per_step
     from ray.train import RunConfig
     from ray.train.v2.api.config import ScalingConfig
     from ray.train.v2.jax import JaxTrainer
@@ -175,7 +172,7 @@ def run_ray_train(steps: int, grain: bool = False) -> dict:
 
 
 def run_ray_elastic(steps: int, snapshot_every, **overrides) -> float:
-    from machine import cpu_seconds_by_role
+    from machine import cpu_ms_per_step, cpu_seconds_by_role
 
     from ray_elastic import ElasticConfig, ElasticTrainer
     from ray_elastic.examples.digits_mlp import DigitsMLPTask
@@ -222,7 +219,7 @@ def main() -> None:
     names = list(RUNS) if args.only is None else args.only.split(",")
     if set(names) - set(RUNS):
         ap.error(f"--only: the runs are {', '.join(RUNS)}")
-    from machine import cpu_probe_s, hour
+    from machine import cpu_probe_s, hour, median_cpu_by_role
 
     probes = [cpu_probe_s()]
     got: dict[str, list[float]] = {k: [] for k in names}
@@ -246,12 +243,7 @@ def main() -> None:
     print("median ms/step: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in med.items()))
     print("min-max ms/step: " + ", ".join(f"{k} {min(v) * 1e3:.1f}-{max(v) * 1e3:.1f}" for k, v in got.items()))
 
-    cpu = {  # per run: the median CPU ms per steady step of each role, and of them all
-        k: {role: round(statistics.median(r[role] for r in v), 2) for role in v[0]} for k, v in cpu_runs.items() if v[0]
-    }
-    for by_role in cpu.values():
-        by_role["all"] = round(sum(by_role.values()), 2)
-    print("median CPU ms/step: " + "; ".join(f"{k} {v}" for k, v in cpu.items()))
+    cpu = median_cpu_by_role(cpu_runs)
 
     def ratio(a: str, b: str):
         return round(med[a] / med[b], 4) if a in med and b in med else None

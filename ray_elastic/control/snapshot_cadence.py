@@ -25,7 +25,6 @@ class SnapshotCadence:
         step_times: list[float],
         on_interval: Callable[[int, int], None] | None = None,
     ):
-        self.config = config
         self.policy = config.snapshot_policy
         self.step_times = step_times  # the run's, every step run
         self.on_interval = on_interval
