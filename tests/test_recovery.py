@@ -127,6 +127,16 @@ def _say_if_slow(trainer, t0: float, limit_s: float) -> None:
         warnings.warn(f"a fit took {took:.0f} s ({tail:.1f} s after its last event):\n{timeline(events)}", stacklevel=2)
 
 
+def rewind_evidence(result) -> str:
+    """What a rewind was chosen from: the recoveries, the run's timeline, and each world's restore evidence."""
+    formed = [
+        (e.get("generation"), e.get("restored_from_step"), e.get("restore_source"), e.get("restore_evidence"))
+        for e in result.events
+        if e["kind"] == "world_formed"
+    ]
+    return f"{result.recoveries}\n{timeline(result.events)}\nworlds: {formed}"
+
+
 def run(cluster, faults: dict, steps: int = STEPS, check_rewound: bool = True, **cfg_kw):
     plan = FaultPlan(faults, settle_by=steps - 5)
     trainer = ElasticTrainer(DigitsMLPTask(), config(cluster, **cfg_kw), progress=False, on_step=plan.on_step)
@@ -136,7 +146,7 @@ def run(cluster, faults: dict, steps: int = STEPS, check_rewound: bool = True, *
     _say_if_slow(trainer, t0, SLOW_FIT_S)  # seen once: 104 s
     assert not plan.faults, f"faults never fired: {plan.faults}"
     assert result.steps == list(range(steps))
-    assert not check_rewound or result.summary["steps_rewound"] == 0, result.recoveries
+    assert not check_rewound or result.summary["steps_rewound"] == 0, rewind_evidence(result)
     formed = [e for e in result.events if e["kind"] == "world_formed"]
     assert all(e["snapshots_by_call"] == 0 for e in formed), formed  # every holder wrote its keeper's ring
     return trainer, result
@@ -229,7 +239,11 @@ def test_a_death_behind_a_relay_is_seen_by_its_signal(cluster, baseline, monkeyp
 def test_a_dead_relay_is_replaced_when_the_next_world_forms(cluster, baseline, monkeypatch):
     """Relays are kept for the next worlds; one that died made every later world fail
     to form (reused without a check, outside the try that tears a half-formed world down). Killed
-    here mid-chunk: its group's chunk fails, and the next world starts a new relay in its place."""
+    here mid-chunk: its group's chunk fails, and the next world starts a new relay in its place.
+
+    No process failed, so the survivors step on through the chunks they were given while the
+    driver decides (slowed here by 3 s, as on a busy machine): their writes must not overwrite
+    the snapshots the driver read the metrics of (they did: 9-13 steps rewound in a loaded suite)."""
     from ray_elastic.ray_backend import relay
 
     monkeypatch.setattr(relay, "RELAY_MIN_QUIET", 1)
@@ -238,6 +252,8 @@ def test_a_dead_relay_is_replaced_when_the_next_world_forms(cluster, baseline, m
 
     def kill_relay(t):
         killed.append(t.world.relays[1])
+        decide = t.failures.decide
+        t.failures.decide = lambda *a: (time.sleep(3.0), decide(*a))[1]
         ray.kill(killed[0], no_restart=True)
 
     trainer, result = run(cluster, {20: kill_relay}, snapshot_replicas=1)
@@ -342,7 +358,7 @@ def _drain_after_process_1_died(late_keep_s=None, node_lost: bool = False, inter
     ray.get([keepers[p].keep.remote(0, 10, snap) for p in ((1,) if node_lost else (0, 1))])
     plan = types.SimpleNamespace(takes_snapshots=lambda p: True, hosts_per_slice=1, generation=0)
     world = types.SimpleNamespace(
-        channels=[[0], [1], [2]], plan=plan, keepers=keepers, workers=[], slice_of=lambda p: f"slice-{p}"
+        channels=[[0], [1], [2]], plan=plan, keepers=keepers, workers=[], slice_of=lambda p: f"slice-{p}", epoch=0
     )
     cfg = ElasticConfig(num_slices=3, global_batch_size=48, snapshot_every=1)
     streams = StepStreams(world, cfg, SnapshotStore(hosts_per_slice=1), StepLedger(EventLog(), cfg.steps_per_chunk))
@@ -372,6 +388,49 @@ def _drain_after_process_1_died(late_keep_s=None, node_lost: bool = False, inter
             ray.kill(k)
 
 
+def test_survivors_stepping_on_after_a_failure_cannot_overwrite_what_the_next_world_restores(cluster):
+    """A failure that breaks no collective (a relay or a save failed) leaves the survivors
+    stepping through the chunks they were given while the driver decides and tears down (seconds on
+    busy cores). Their writers go on filling their rings; the step the driver read the metrics of
+    must still be there when the next world loads it: the drain seals the rings (9-13 steps were
+    rewound in a loaded suite when it did not)."""
+    import types
+
+    from test_snapshot_slots import LAYOUT, fill
+
+    from ray_elastic.observe.events import EventLog
+    from ray_elastic.observe.step_ledger import StepLedger
+    from ray_elastic.ray_backend.stepping import StepStreams
+    from ray_elastic.state.snapshot_slots import SlotSegment
+    from ray_elastic.state.snapshots import SnapshotStore
+
+    keepers = [head_keeper() for _ in range(2)]
+    rings = [SlotSegment.open(ray.get(k.open_segment.remote(0, LAYOUT)), LAYOUT) for k in keepers]
+    try:
+        for step in range(11):
+            assert all(r.write(0, step, fill(step)) for r in rings)
+        plan = types.SimpleNamespace(takes_snapshots=lambda p: True, hosts_per_slice=1, generation=0)
+        world = types.SimpleNamespace(
+            channels=[[0], [1]], plan=plan, keepers=keepers, workers=[], slice_of=lambda p: f"slice-{p}", epoch=0
+        )
+        cfg = ElasticConfig(num_slices=2, global_batch_size=48, snapshot_every=1)
+        store = SnapshotStore(hosts_per_slice=1)
+        streams = StepStreams(world, cfg, store, StepLedger(EventLog(), cfg.steps_per_chunk))
+        streams._reported = 10  # the newest step whose metrics the driver has
+        streams.drain(0.05, {})
+        for step in range(11, 11 + 3 * LAYOUT.slots()):  # the survivors step on, far past the ring
+            for r in rings:
+                r.write(0, step, fill(step))
+        assert store.latest_complete(["slice-0", "slice-1"]) == {"slice-0": 10, "slice-1": 10}
+        for k in keepers:
+            assert int(ray.get(k.fetch.remote(0, 10))["leaves"][1]) == 10
+    finally:
+        for r in rings:
+            r.close()
+        for k in keepers:
+            ray.kill(k)
+
+
 def test_after_a_failure_every_surviving_holder_keeps_the_newest_step(cluster):
     """The driver learns of a step from the first holder that streams it; when that holder dies,
     the others hand the same step to their keepers a moment later. Recovery waits until every
@@ -387,7 +446,7 @@ def test_a_surviving_holder_that_never_keeps_the_newest_step_costs_the_recovery_
     behind step 11, stuck in a collective with the dead peer): once another slice holds step 10,
     the drain gives the others ``OTHER_HOLDERS_S``, not the whole 3 s bound (in
     ``bench/recovery.py`` a process kill's recovery started 3.1 s after it, the length of that bound)."""
-    from ray_elastic.ray_backend.stepping import OTHER_HOLDERS_S
+    from ray_elastic.ray_backend.keeper_sync import OTHER_HOLDERS_S
 
     store, waited = _drain_after_process_1_died(late_keep_s=None)
     assert store.latest_complete(["slice-0", "slice-2"]) == {"slice-0": 10, "slice-2": 9}
@@ -409,7 +468,7 @@ def test_a_lost_nodes_keeper_does_not_shorten_the_wait_for_the_surviving_holders
     dead process's slice, whose node is gone (its keeper never answers), and process 2's keeper
     gets it 1.5 s into the drain, past ``OTHER_HOLDERS_S``. The drain waits for it: the next world
     restores step 10, not 9."""
-    from ray_elastic.ray_backend.stepping import OTHER_HOLDERS_S
+    from ray_elastic.ray_backend.keeper_sync import OTHER_HOLDERS_S
 
     store, waited = _drain_after_process_1_died(late_keep_s=OTHER_HOLDERS_S + 0.5, node_lost=True)
     assert store.complete("slice-2", 10), waited

@@ -32,8 +32,8 @@ from ray_elastic.detect import health
 from ray_elastic.errors import SaveTimedOut
 from ray_elastic.ray_backend.first_ready import FirstReady
 from ray_elastic.ray_backend.host_watch import HostWatch
+from ray_elastic.ray_backend.keeper_sync import KeeperSync
 from ray_elastic.ray_backend.world import World
-from ray_elastic.state.snapshot_keeper import ask_keepers
 from ray_elastic.state.snapshots import SnapshotRef, SnapshotStore
 
 logger = logging.getLogger(__name__)
@@ -48,11 +48,6 @@ GATHER_S = 0.005
 SUSPECT_FACTOR, SUSPECT_MIN_S = 1.5, 0.25
 NODE_CHECK_S, NODE_CHECK_MAX_S = 0.05, 1.0
 
-KEEPER_POLL_S = 0.05
-KEEPER_ANSWER_S = 0.3  # a live keeper answers in milliseconds; one on a lost node may never
-# Once a slice whose keepers answer holds the newest step, how long the other holders get to hand it
-# over too (a writer takes milliseconds; one stuck behind a step that waits for a dead peer never does).
-OTHER_HOLDERS_S = 1.0
 ACK_EVERY_S = 1.0  # a holder's keeper hears what the driver has at most this often (a call costs its CPU)
 NOT_KEPT_LISTED = 5  # snapshots not kept listed per world in the event (all are counted)
 
@@ -87,6 +82,7 @@ class StepStreams:
         self._reported = self._snapshot_reported = -1
         self._submitted = False  # a world's first chunk redoes an eval a failure lost
         self.hosts = HostWatch(world)
+        self.keepers = KeeperSync(world, store, [ch[0] for ch, on in zip(self.channels, self.streaming) if on])
 
     def take_snapshot_steps(self) -> list[int]:
         """Steps snapshotted since the last call (for the event log)."""
@@ -336,15 +332,10 @@ class StepStreams:
         """After a failure, collect what surviving processes already streamed, then what their
         keepers hold.
 
-        Reads streams until nothing more comes within ``timeout_s``. Then asks every holder's
-        keeper what it holds, again for up to ``newest_s``, until each live holder holds its part
-        of the newest reported step: a holder's writer thread hands a snapshot over even while its
-        step loop is stuck in a collective with the dead peer, and more than one holder matters
-        because the next world may lose one while it forms. Once some slice whose keepers answer
-        holds the newest step, the others get only ``OTHER_HOLDERS_S`` (a copy not handed over by
-        then waits behind a step that never ends). Steps beyond the newest reported one have no
-        metrics in the run and are run again. A keeper on a lost node does not answer and its
-        slice does not count.
+        Reads streams until nothing more comes within ``timeout_s``. Then settles with the
+        holders' keepers (:meth:`KeeperSync.settle`: up to ``newest_s`` for the newest reported
+        step, then their rings sealed). Steps beyond the newest reported one have no metrics in the
+        run and are run again. A keeper on a lost node does not answer and its slice does not count.
         """
         start = time.monotonic()
         while True:
@@ -367,62 +358,12 @@ class StepStreams:
         # Every holder's keeper, a failed process's too: its host may live, and its keeper with it;
         # not one on a host whose raylet refuses (its keeper died with it and would only be waited for).
         lost = self.hosts.lost(set(errors))
-        holders = [p for p in self._holder_processes() if p not in lost]
-        newest = self.cadence.newest_due(self._reported)
-        deadline = time.monotonic() + newest_s
-        while holders:
-            dead: set[int] = set()
-            answered = self.sync_with_keepers(holders, timeout_s=KEEPER_ANSWER_S, dead=dead)
-            live = [p for p in answered if p not in errors and p not in dead]  # a failed process, or one
-            # whose keeper died, keeps nothing more
-            if newest < 0 or time.monotonic() >= deadline:
-                return
-            if self._holds(holders, newest) and all(self._has_part(p, newest) for p in live):
-                return
-            if self._holds_confirmed(holders, [p for p in answered if p not in dead], newest):
-                deadline = min(deadline, time.monotonic() + OTHER_HOLDERS_S)
-            time.sleep(KEEPER_POLL_S)
+        holders = [p for p in self.keepers.holders if p not in lost]
+        self.keepers.settle(holders, set(errors), self.cadence.newest_due(self._reported), self._reported, newest_s)
 
-    def _holder_processes(self) -> list[int]:
-        return [ch[0] for ch, streams in zip(self.channels, self.streaming) if streams]
-
-    def _has_part(self, p: int, step: int) -> bool:
-        """Process ``p``'s keeper holds its host's part of the snapshot of ``step``."""
-        return self.store.has(self.world.slice_of(p), p % self.world.plan.hosts_per_slice, step)
-
-    def _holds_confirmed(self, holders: list[int], answered: list[int], step: int) -> bool:
-        """Some slice whose every holder's keeper answered just now has every host's part of
-        ``step`` (a keeper on a lost node does not answer, and the store still lists what it held)."""
-        silent = {self.world.slice_of(p) for p in holders if p not in answered}
-        return any(self.store.complete(s, step) for s in {self.world.slice_of(p) for p in answered} - silent)
-
-    def _holds(self, processes: list[int], step: int) -> bool:
-        """Some slice of ``processes`` has every host's part of the snapshot of ``step``."""
-        return any(self.store.complete(self.world.slice_of(p), step) for p in processes)
-
-    def sync_with_keepers(
-        self, processes: list[int] | None = None, timeout_s: float = 1.0, dead: set[Any] | None = None
-    ) -> list[int]:
-        """Make the store say what these processes' keepers really hold (all snapshot holders by
-        default), up to the newest reported step (later ones have no metrics in the run: they are
-        run again). A keeper that does not answer (its node is gone) is left as the store has it:
-        the slice's loss is decided elsewhere; one Ray reports dead holds nothing (its process goes
-        into ``dead``). Returns the processes whose keepers answered."""
-        plan = self.world.plan
-        processes = self._holder_processes() if processes is None else processes
-        dead_keepers: set[int] = set()
-        answers = ask_keepers([self.world.keepers[p] for p in processes], timeout_s, dead_keepers)
-        if dead is not None:
-            dead.update(processes[i] for i in dead_keepers)
-        for i, held in answers.items():
-            p = processes[i]
-            keeper = self.world.keepers[p]
-            self.store.hold_only(
-                self.world.slice_of(p),
-                p % plan.hosts_per_slice,
-                {step: SnapshotRef(keeper, generation, step) for generation, step in held if step <= self._reported},
-            )
-        return [processes[i] for i in answers]
+    def sync_with_keepers(self) -> None:
+        """The store says what every holder's keeper holds now (before a grow: the bigger world restores it)."""
+        self.keepers.sync(self._reported)
 
 
 @dataclasses.dataclass

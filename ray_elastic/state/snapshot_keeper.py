@@ -190,6 +190,17 @@ class SnapshotKeeper:
         self._evict()
         return True
 
+    def seal(self, generation: int, epoch: int = 0) -> list[tuple[int, int]]:
+        """``generation``'s world failed: what its process writes from now on does not count, so the
+        steps its ring holds now (the ones the driver read the metrics of among them) are not
+        overwritten while the driver decides and tears down, however long the survivors go on
+        stepping. Returns :meth:`held`, as it stands sealed (unsealed for a superseded ``epoch``)."""
+        if epoch >= self.epoch:
+            for gen, seg in self._segments:
+                if gen <= generation:
+                    seg.seal()
+        return self.held()
+
     def open_segment(self, generation: int, layout: SlotLayout, epoch: int | None = None) -> str | None:
         """A ring for ``generation``'s process to write its snapshots into (the file's path); None
         when refused (a late world, or a driver that was taken over)."""
@@ -259,7 +270,11 @@ class SnapshotKeeper:
 
 
 def ask_keepers(
-    keepers: list, timeout_s: float, dead: set | None = None, starting: frozenset = frozenset()
+    keepers: list,
+    timeout_s: float,
+    dead: set | None = None,
+    starting: frozenset = frozenset(),
+    sealing: tuple[int, int] | None = None,
 ) -> dict[int, list[tuple[int, int]]]:
     """Index -> (generation, step) held, for each of ``keepers`` (None skipped) that answers within
     ``timeout_s``. A keeper Ray reports dead holds nothing (``[]``; its snapshots died with it) and
@@ -267,8 +282,13 @@ def ask_keepers(
 
     ``starting``: indices of keepers that have never answered (their process may still be starting,
     and they hold nothing yet): asked, but not waited for. Every fit's first world waited the whole
-    ``timeout_s`` for its new keepers' processes to start."""
-    asks = {k.held.remote(): i for i, k in enumerate(keepers) if k is not None}
+    ``timeout_s`` for its new keepers' processes to start. ``sealing``: (generation, epoch) of a
+    failed world whose rings each keeper seals before it answers (:meth:`SnapshotKeeper.seal`)."""
+    asks = {
+        (k.seal.remote(*sealing) if sealing is not None else k.held.remote()): i
+        for i, k in enumerate(keepers)
+        if k is not None
+    }
     awaited = [ref for ref, i in asks.items() if i not in starting]
     if awaited:
         ray.wait(awaited, num_returns=len(awaited), timeout=timeout_s)
