@@ -217,7 +217,7 @@ def run_phase(
     run_dir: str | None = None,
     noise: bool = True,
 ) -> dict:
-    from ray_elastic import ElasticConfig, ElasticTrainer
+    from ray_elastic import ElasticConfig, ElasticTrainer, FailureConfig
     from ray_elastic.examples.digits_mlp import DigitsMLPTask
     from ray_elastic.observe import goodput
     from ray_elastic.observe.results import unexplained_rewinds
@@ -232,9 +232,8 @@ def run_phase(
             slice=cluster.slice_spec,
             steps_per_chunk=10,
             seed=SEED,
-            hang_timeout_min_s=3.0,
             replacement_timeout_s=120.0,
-            max_failures=max(30, 4 * faults, int(steps)),
+            failure=FailureConfig(hang_timeout_min_s=3.0, max_failures=max(30, 4 * faults, int(steps))),
             **kw,
         )  # snapshots as the default chooses them: 0 rewinds is a goal
 

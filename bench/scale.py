@@ -148,6 +148,7 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
     from ray_elastic.decide import plan_world
     from ray_elastic.observe.events import EventLog
     from ray_elastic.observe.step_ledger import StepLedger
+    from ray_elastic.policy.failure import FailureConfig
     from ray_elastic.ray_backend.relay import RelayPool
     from ray_elastic.ray_backend.stepping import StepStreams
     from ray_elastic.slice.worker import FLUSH_S
@@ -227,7 +228,7 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
         global_batch_size=1,
         slice=SliceSpec(devices_per_host=1),
         steps_per_chunk=steps_per_chunk,
-        hang_timeout_min_s=600,
+        failure=FailureConfig(hang_timeout_min_s=600),
     )
     ledger = StepLedger(EventLog(), steps_per_chunk)
     streams = StepStreams(ScriptedWorld(), cfg, SnapshotStore(1), ledger)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 _EXPORTS = {
     "ElasticConfig": "ray_elastic.config",
+    "FailureConfig": "ray_elastic.policy.failure",
     "SliceSpec": "ray_elastic.tpu",
     "AutoInterval": "ray_elastic.policy.snapshots",
     "EveryNSteps": "ray_elastic.policy.snapshots",
@@ -39,6 +40,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         TrainingCodeError,
     )
     from ray_elastic.observe.results import FitResult, RecoveryRecord
+    from ray_elastic.policy.failure import FailureConfig
     from ray_elastic.policy.snapshots import AutoInterval, EveryNSteps, SnapshotPolicy
     from ray_elastic.task import TrainTask
     from ray_elastic.tpu import SliceSpec

@@ -10,8 +10,9 @@ import dataclasses
 import math
 
 from ray_elastic.decide import WorldPlan, WorldShapes, batch_for_world, lr_scale
-from ray_elastic.decide.field_types import mistyped_fields
+from ray_elastic.decide.field_types import check_count, check_seconds, mistyped_fields
 from ray_elastic.decide.layout import DEFAULT_SLICE_MESH, FSDP_AXIS, normalize_rules, resolve_slice_mesh
+from ray_elastic.policy.failure import FailureConfig
 from ray_elastic.policy.scaling import MODES, ScalingPolicy, scaling_policy  # noqa: F401 - MODES: the CLI's choices
 from ray_elastic.policy.snapshots import AutoInterval, SnapshotPolicy, as_policy, check_snapshot_every, takes_snapshots
 from ray_elastic.tpu import SliceSpec
@@ -20,33 +21,7 @@ BATCH_POLICIES = ("constant", "scale")
 LR_RULES = (None, "linear", "sqrt")
 
 
-_INT_FIELDS = (
-    "min_slices",
-    "steps_per_chunk",
-    "seed",
-    "fsdp_min_size",
-    "snapshot_replicas",
-    "max_failures",
-    "max_failures_in_a_row",
-    "max_save_failures_in_a_row",
-    "checkpoint_every",
-    "max_to_keep",
-)  # the others say so in their own checks
 ORPHAN_TIMEOUT_BOUNDS = (5.0, 86400.0)  # lease renewals come every 1-5 s; a lost run is freed within a day
-
-
-_SECONDS_FIELDS = (
-    "slice_timeout_s",
-    "jax_init_timeout_s",
-    "replacement_timeout_s",
-    "hang_timeout_factor",
-    "hang_timeout_min_s",
-    "probe_timeout_s",
-    "node_death_grace_s",
-    "failure_window_s",
-    "save_timeout_s",
-    "orphan_timeout_s",
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,16 +66,9 @@ class ElasticConfig:
             instead of failing.
         lr_rule: with ``batch_policy="scale"``, scale the optimizer's updates by ``linear``
             (active/total) or ``sqrt`` of it; ``None`` leaves them alone.
-        hang_timeout_factor, hang_timeout_min_s: the watchdog declares a hang when no step finished
-            within max(min_s, factor x median step time).
-        probe_timeout_s: a process that does not answer a health probe within this is hung.
-        node_death_grace_s: after a process died, how long to wait for Ray to mark its node dead
-            before deciding the slice itself is healthy (match Ray's health-check period x threshold).
-        max_failures, failure_window_s: give up after more than ``max_failures`` failures within
-            ``failure_window_s`` seconds.
-        max_failures_in_a_row: give up after more than this many failures with no step finished in
-            between, however long each attempt takes (a deterministic failure is not retried forever).
-            A slice whose process fails first twice in a row that way is dropped as lost.
+        failure: how a fault that kills nothing is seen (the hang watchdog, health probes) and
+            when failures end the run (retry limits): a
+            :class:`~ray_elastic.policy.failure.FailureConfig`.
         standby_workers: warm processes kept on every slice host for the next generations, so
             recovery does not wait for Python + JAX start-up. Two by default: a second fault
             while a recovery forms (which uses up the first) still finds a warm one. 0: none.
@@ -116,9 +84,6 @@ class ElasticConfig:
         orphan_timeout_s: how long the snapshot keepers outlive a driver that stopped renewing
             their lease (it died): a rerun within it resumes from their snapshots; after it they
             free them and exit, so an abandoned run leaves nothing behind.
-        max_save_failures_in_a_row: stop with ``StorageFailingError`` once checkpoint saves failed
-            (or timed out) this many times in a row with none committed in between: a bucket that
-            refuses writes, a full disk. Other failures in between start the count again.
         async_checkpointing: write in the background; a step only waits for the device-to-host copy.
         worker_niceness: the slice processes' niceness. ``None`` keeps what Ray gives a
             ``num_cpus=0`` actor (``RAY_worker_niceness``, 15), which leaves Ray's own daemons
@@ -166,13 +131,7 @@ class ElasticConfig:
     replacement_timeout_s: float = 300.0
     fallback_to_resize: bool = False
     lr_rule: str | None = None
-    hang_timeout_factor: float = 20.0
-    hang_timeout_min_s: float = 5.0
-    probe_timeout_s: float = 2.0
-    node_death_grace_s: float = 1.5
-    max_failures: int = 30
-    failure_window_s: float = 3600.0
-    max_failures_in_a_row: int = 5
+    failure: FailureConfig = dataclasses.field(default_factory=FailureConfig)
     standby_workers: int = 2
     checkpoint_dir: str | None = None
     checkpoint_every: int = 100
@@ -180,7 +139,6 @@ class ElasticConfig:
     async_checkpointing: bool = True
     save_timeout_s: float | None = None
     orphan_timeout_s: float = 300.0
-    max_save_failures_in_a_row: int = 3
     worker_niceness: int | None = None
     slice_mesh: dict = dataclasses.field(default_factory=lambda: dict(DEFAULT_SLICE_MESH))
     logical_axis_rules: tuple = ()
@@ -249,13 +207,7 @@ class ElasticConfig:
 
     def _check_state(self) -> None:
         """Snapshots, checkpoints and the failure limits: something to recover from, kept where it can be."""
-        for name in (
-            "snapshot_replicas",
-            "max_failures",
-            "max_failures_in_a_row",
-            "max_save_failures_in_a_row",
-            "checkpoint_every",
-        ):
+        for name in ("snapshot_replicas", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_snapshot_every(self.snapshot_every)
@@ -278,19 +230,8 @@ class ElasticConfig:
 
     def _check_timeouts(self) -> None:
         """Every bound in seconds is a finite number above 0 (None would mean waiting forever)."""
-        for name in (
-            "replacement_timeout_s",
-            "hang_timeout_min_s",
-            "hang_timeout_factor",
-            "probe_timeout_s",
-            "failure_window_s",
-            "slice_timeout_s",
-            "jax_init_timeout_s",
-            "orphan_timeout_s",
-        ):
-            value = getattr(self, name)  # None would mean "wait forever": not allowed
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        for name in ("replacement_timeout_s", "slice_timeout_s", "jax_init_timeout_s", "orphan_timeout_s"):
+            check_seconds(name, getattr(self, name))
         if not ORPHAN_TIMEOUT_BOUNDS[0] <= self.orphan_timeout_s <= ORPHAN_TIMEOUT_BOUNDS[1]:
             raise ValueError(  # below, a healthy driver's keepers could expire between two lease renewals
                 f"orphan_timeout_s must be between 5 and 86400 seconds, got {self.orphan_timeout_s!r}: shorter "
@@ -300,18 +241,8 @@ class ElasticConfig:
             raise ValueError(
                 f"jax_init_timeout_s must be >= 1 (JAX counts it in whole seconds), got {self.jax_init_timeout_s!r}"
             )
-        if self.save_timeout_s is not None and (
-            isinstance(self.save_timeout_s, bool)
-            or not isinstance(self.save_timeout_s, (int, float))
-            or not self.save_timeout_s > 0
-        ):
-            raise ValueError(
-                f"save_timeout_s must be a number of seconds > 0, or None (10 x the slowest save, "
-                f"at least 300 s), got {self.save_timeout_s!r}"
-            )
-        grace = self.node_death_grace_s
-        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
-            raise ValueError(f"node_death_grace_s must be a number of seconds >= 0, got {grace!r}")
+        if self.save_timeout_s is not None:
+            check_seconds("save_timeout_s (or None: 10 x the slowest save, at least 300 s)", self.save_timeout_s)
 
     def _check_types(self) -> None:
         """Every field holds its declared type: ``seed=True`` is not a seed, ``steps_per_chunk=None``
@@ -320,16 +251,11 @@ class ElasticConfig:
             raise ValueError(f"{name} must be {want}, got {value!r} ({type(value).__name__}): see ElasticConfig's docs")
 
     def _check_number_types(self) -> None:
-        """Whole numbers where a count is meant, finite numbers where seconds or shares are: ``nan``
-        passes every comparison and ``inf`` every ``> 0`` check, and ``2.5`` steps fail far later."""
-        for name in _INT_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, float):
-                raise ValueError(f"{name} must be a whole number, got {value!r}")
-        for name in _SECONDS_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        """Whole numbers where a count is meant (the others say so in their own checks)."""
+        for name in ("min_slices", "steps_per_chunk", "seed", "fsdp_min_size", "snapshot_replicas", "checkpoint_every"):
+            check_count(name, getattr(self, name), minimum=-(2**63))
+        if self.max_to_keep is not None:
+            check_count("max_to_keep", self.max_to_keep, minimum=-(2**63))
 
     def _check_model_layout(self) -> None:
         """The slice mesh, the logical axis rules, microbatches and eval settings."""

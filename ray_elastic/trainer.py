@@ -24,7 +24,7 @@ class ElasticTrainer(Controller):
         on_step: called with each finished step's metrics dict (``step``, ``loss``, ``step_time_s``).
         retry_policy: ``(attempt, error) -> bool``, asked before every recovery (as in
             ``pathwaysutils.elastic.Manager.elastic_retry``); ``None`` retries within
-            ``config.max_failures`` per ``config.failure_window_s``.
+            ``config.failure.max_failures`` per ``config.failure.failure_window_s``.
         pre_callback: called before every world is formed, the first one included (as
             pathwaysutils calls it before every attempt).
         on_event: called with each elastic event and eval (:data:`~ray_elastic.observe.event_types.ELASTIC`).

@@ -12,7 +12,7 @@ import pytest
 import ray
 from faults import FaultPlan, ensure_slices, in_thread, max_rel_err, slice_name
 
-from ray_elastic import ElasticConfig, ElasticTrainer
+from ray_elastic import ElasticConfig, ElasticTrainer, FailureConfig
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
 from ray_elastic.ray_backend.placement import reserve_slices
 
@@ -35,7 +35,7 @@ def config(cluster, **kw) -> ElasticConfig:
         slice=cluster.slice_spec,
         steps_per_chunk=10,
         seed=0,
-        hang_timeout_min_s=3.0,
+        failure=FailureConfig(hang_timeout_min_s=3.0),
         slice_timeout_s=60.0,
         replacement_timeout_s=90.0,
         standby_workers=1,

@@ -10,7 +10,7 @@ import time
 from conftest import reference_losses
 from faults import FaultPlan, in_thread, max_rel_err, slice_name
 
-from ray_elastic import ElasticConfig, ElasticTrainer
+from ray_elastic import ElasticConfig, ElasticTrainer, FailureConfig
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
 
 SIM_CLUSTER = {"num_slices": 2, "hosts_per_slice": 2, "autoscaler": True, "pool_slices": 2}
@@ -32,7 +32,7 @@ def test_a_slice_that_lost_one_host_is_replaced_whole_under_its_name(sim_cluster
         steps_per_chunk=10,
         seed=1,
         standby_workers=1,
-        hang_timeout_min_s=3.0,
+        failure=FailureConfig(hang_timeout_min_s=3.0),
         replacement_timeout_s=90.0,
         snapshot_every=1,
         mode="pause-and-resume",

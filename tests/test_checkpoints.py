@@ -17,7 +17,7 @@ import ray
 from conftest import reference_run
 from faults import FaultPlan, ensure_slices, kill_process_of_slice, max_rel_err
 
-from ray_elastic import ElasticConfig, ElasticTrainer
+from ray_elastic import ElasticConfig, ElasticTrainer, FailureConfig
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
 from ray_elastic.state.checkpoints import Checkpointer, latest_checkpoint
 
@@ -282,8 +282,7 @@ def test_a_slow_synchronous_save_is_not_a_hang(sim_cluster, local_gcs, monkeypat
             checkpoint_dir=f"gs://{_bucket(local_gcs)}/run",
             checkpoint_every=5,
             async_checkpointing=False,
-            hang_timeout_min_s=SLOW_SAVE_WATCHDOG_S,
-            hang_timeout_factor=1.0,
+            failure=FailureConfig(hang_timeout_min_s=SLOW_SAVE_WATCHDOG_S, hang_timeout_factor=1.0),
         )
         result = ElasticTrainer(DigitsMLPTask(), cfg, progress=False).fit(10)
     finally:
@@ -318,10 +317,10 @@ def test_a_save_that_never_ends_is_a_failed_save_not_a_busy_world(sim_cluster, l
             checkpoint_dir=directory,
             checkpoint_every=5,
             async_checkpointing=False,
-            hang_timeout_min_s=SLOW_SAVE_WATCHDOG_S,
-            hang_timeout_factor=1.0,
             save_timeout_s=3.0,
-            max_save_failures_in_a_row=1,
+            failure=FailureConfig(
+                hang_timeout_min_s=SLOW_SAVE_WATCHDOG_S, hang_timeout_factor=1.0, max_save_failures_in_a_row=1
+            ),
         )
         trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=hang_the_writes)
         t0 = time.monotonic()

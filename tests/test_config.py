@@ -3,7 +3,7 @@
 import pytest
 import ray
 
-from ray_elastic import AutoInterval, ElasticConfig, ElasticTrainer, SliceSpec
+from ray_elastic import AutoInterval, ElasticConfig, ElasticTrainer, FailureConfig, SliceSpec
 from ray_elastic.cli import main as cli_main
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
 
@@ -36,8 +36,9 @@ SIM = SliceSpec("v4", "2x2x1", devices_per_host=2)
             dict(num_slices=2, global_batch_size=12, slice_timeout_s=0),
             "slice_timeout_s must be a number of seconds > 0",
         ),
-        (dict(num_slices=2, global_batch_size=12, hang_timeout_factor=-1), "hang_timeout_factor must be"),
-        (dict(num_slices=2, global_batch_size=12, node_death_grace_s=None), "node_death_grace_s must be"),
+        (dict(num_slices=2, global_batch_size=12, failure=dict(hang_timeout_factor=-1)), "hang_timeout_factor must be"),
+        (dict(num_slices=2, global_batch_size=12, failure=dict(node_death_grace_s=None)), "node_death_grace_s must be"),
+        (dict(num_slices=2, global_batch_size=12, failure=dict(max_failures=0)), "max_failures must be >= 1, got 0"),
         (dict(num_slices=2, global_batch_size=12, standby_workers=-1), "standby_workers must be an integer >= 0"),
         (dict(num_slices=2, global_batch_size=12, standby_workers=1.5), "standby_workers must be an integer >= 0"),
         (dict(num_slices=2, global_batch_size=12, max_to_keep=0), "max_to_keep must be >= 1"),
@@ -48,7 +49,8 @@ SIM = SliceSpec("v4", "2x2x1", devices_per_host=2)
 )
 def test_bad_config_raises_clear_value_error(kwargs, message):
     with pytest.raises(ValueError) as e:
-        ElasticConfig(slice=SIM, **kwargs)
+        failure = kwargs.get("failure")  # the failure settings check themselves as they are made
+        ElasticConfig(slice=SIM, **{**kwargs, **({"failure": FailureConfig(**failure)} if failure else {})})
     assert message in str(e.value)
     assert not ray.is_initialized(), "validation must not touch Ray"
 
@@ -113,17 +115,19 @@ def test_cli_bad_input_exits_2_without_starting_a_cluster(capsys):
 @pytest.mark.parametrize(
     "field,value,message",
     [
-        ("node_death_grace_s", float("inf"), "node_death_grace_s must be a finite number, got inf"),
+        ("failure.node_death_grace_s", float("inf"), "node_death_grace_s must be a finite number, got inf"),
         ("replacement_timeout_s", float("inf"), "replacement_timeout_s must be a finite number, got inf"),
-        ("max_failures_in_a_row", float("nan"), "max_failures_in_a_row must be a whole number, got nan"),
+        ("failure.max_failures_in_a_row", float("nan"), "max_failures_in_a_row must be a whole number, got nan"),
         ("steps_per_chunk", 2.5, "steps_per_chunk must be a whole number, got 2.5"),
         ("checkpoint_every", 10.0, "checkpoint_every must be a whole number, got 10.0"),
         ("min_slices", 1.5, "min_slices must be a whole number, got 1.5"),
-        ("hang_timeout_factor", float("nan"), "hang_timeout_factor must be a finite number, got nan"),
+        ("failure.hang_timeout_factor", float("nan"), "hang_timeout_factor must be a finite number, got nan"),
     ],
 )
 def test_nan_inf_and_fractional_counts_are_refused_before_anything_runs(field, value, message):
     with pytest.raises(ValueError, match=message):
+        if field.startswith("failure."):
+            FailureConfig(**{field.removeprefix("failure."): value})
         ElasticConfig(num_slices=3, global_batch_size=48, slice=SIM, **{field: value})
 
 

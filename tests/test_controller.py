@@ -22,7 +22,7 @@ from fake_backend import (
     task_bug,
 )
 
-from ray_elastic import ElasticConfig, ElasticTrainer, SliceSpec
+from ray_elastic import ElasticConfig, ElasticTrainer, FailureConfig, SliceSpec
 from ray_elastic.control.states import ControllerState as S
 from ray_elastic.control.states import InvalidTransition, OutcomeKind, RunOutcome, check_transition
 from ray_elastic.errors import (
@@ -195,7 +195,7 @@ def test_failures_in_a_row_without_progress_are_bounded():
         raise ProcessDied("a process died while joining")  # names no slice: nothing to drop
 
     backend = FakeBackend(faults={5: crash_process(1)}, form_script=[None] + [dies_while_joining] * 10)
-    trainer = make(backend, max_failures_in_a_row=3)
+    trainer = make(backend, failure=FailureConfig(max_failures_in_a_row=3))
     with pytest.raises(RetriesExhaustedError, match="4 failures in a row without a step finished"):
         trainer.fit(STEPS)
     assert backend.form_attempts == 4  # the first world, then three attempts after the crash
@@ -333,7 +333,7 @@ def test_growing_back_waits_for_the_newcomers_process_while_training_goes_on():
 def test_max_failures_within_the_window():
     backend = FakeBackend(faults={3: crash_process(0), 6: crash_process(1), 9: crash_process(2)})
     with pytest.raises(RetriesExhaustedError, match=r"gave up after 3 failures.*max_failures=2"):
-        make(backend, max_failures=2).fit(STEPS)
+        make(backend, failure=FailureConfig(max_failures=2)).fit(STEPS)
 
 
 def test_retry_policy_declining_stops_with_its_error():
@@ -587,7 +587,7 @@ def test_a_save_that_keeps_failing_stops_the_run_naming_the_storage(tmp_path, sn
         checkpoint_dir=str(tmp_path / "ckpt"),
         snapshot_every=snapshot_every,
         allow_restart_from_scratch=snapshot_every == 0,
-        max_save_failures_in_a_row=3,
+        failure=FailureConfig(max_save_failures_in_a_row=3),
     )
     with pytest.raises(StorageFailingError, match=r"saves to .*ckpt failed 3 times in a row.*403.*writable"):
         trainer.fit(STEPS)
@@ -603,7 +603,9 @@ def test_save_failures_between_other_failures_or_commits_start_the_count_again(t
     assert failed_save(FormingError(["s0"], StorageError("saving checkpoint 5 failed")))
     assert not failed_save(StorageError("restoring checkpoint 5 failed", 5))
     backend = FakeBackend(slices=4, faults={6: _once_failing_save(6), 8: lose_slice(1), 12: _once_failing_save(12)})
-    result = make(backend, checkpoint_dir=str(tmp_path / "ckpt"), max_save_failures_in_a_row=2).fit(STEPS)
+    result = make(
+        backend, checkpoint_dir=str(tmp_path / "ckpt"), failure=FailureConfig(max_save_failures_in_a_row=2)
+    ).fit(STEPS)
     assert result.steps == list(range(STEPS)) and result.summary["recoveries"] == 3
 
 

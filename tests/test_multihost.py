@@ -4,7 +4,7 @@ import numpy as np
 from conftest import reference_losses
 from faults import FaultPlan, ensure_slices, in_thread, kill_process_of_slice, max_rel_err, slice_name
 
-from ray_elastic import ElasticConfig, ElasticTrainer
+from ray_elastic import ElasticConfig, ElasticTrainer, FailureConfig
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
 
 SIM_CLUSTER = {"num_slices": 2, "hosts_per_slice": 2}
@@ -55,7 +55,7 @@ def _two_host_run(sim_cluster, faults: dict, max_rewound: int = 0, cfg_kw=None, 
         steps_per_chunk=10,
         seed=1,
         standby_workers=0,
-        hang_timeout_min_s=3.0,
+        failure=FailureConfig(hang_timeout_min_s=3.0),
         replacement_timeout_s=60.0,
         snapshot_every=1,
         **(cfg_kw or {}),

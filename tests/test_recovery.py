@@ -27,7 +27,7 @@ from faults import (
     stop_process_of_slice,
 )
 
-from ray_elastic import ElasticConfig, ElasticTrainer
+from ray_elastic import ElasticConfig, ElasticTrainer, FailureConfig
 from ray_elastic.errors import CapacityTimeoutError, RetriesExhaustedError, StateLostError, TrainingCodeError
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
 from ray_elastic.observe.results import unexplained_rewinds
@@ -52,7 +52,7 @@ def config(cluster, **kw) -> ElasticConfig:
         slice=cluster.slice_spec,
         steps_per_chunk=10,
         seed=0,
-        hang_timeout_min_s=3.0,
+        failure=FailureConfig(hang_timeout_min_s=3.0),
         slice_timeout_s=60.0,
         replacement_timeout_s=90.0,
         standby_workers=0,
@@ -315,7 +315,9 @@ def test_slice_hung_by_sigstop(cluster, baseline):
 def test_hung_process_found_by_watchdog_and_probe(cluster, baseline):
     # Only the JAX process is stopped; Ray sees a healthy node. The watchdog and the
     # health probe (its own concurrency group) must find it.
-    _trainer, result = run(cluster, {20: lambda t: stop_process_of_slice(t, 1)}, hang_timeout_min_s=2.0)
+    _trainer, result = run(
+        cluster, {20: lambda t: stop_process_of_slice(t, 1)}, failure=FailureConfig(hang_timeout_min_s=2.0)
+    )
     failure = next(e for e in result.events if e["kind"] == "failure")
     assert failure["cause"] == "hang"
     assert list(failure["kinds"].values()) == ["hang"]
@@ -994,7 +996,10 @@ def test_random_faults(cluster, baseline_long, num_faults):
     prov = cluster.provisioner(delay_s=0.5)
     try:
         _trainer, result = run(
-            cluster, {s: fault(k) for s, k in zip(steps, chosen)}, steps=LONG_STEPS, hang_timeout_min_s=2.0
+            cluster,
+            {s: fault(k) for s, k in zip(steps, chosen)},
+            steps=LONG_STEPS,
+            failure=FailureConfig(hang_timeout_min_s=2.0),
         )
     finally:
         prov.stop()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from faults import FaultPlan, ensure_slices, in_thread, kill_process_of_slice, max_rel_err
 
-from ray_elastic import ElasticConfig, ElasticTrainer, TrainingCodeError
+from ray_elastic import ElasticConfig, ElasticTrainer, FailureConfig, TrainingCodeError
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
 from ray_elastic.examples.llm import LOGICAL_AXIS_RULES, DecoderLMTask
 from ray_elastic.slice.data import StepBatches
@@ -50,7 +50,7 @@ def llm_config(cluster, num_slices=3, **kw) -> ElasticConfig:
         snapshot_every=1,
         microbatch_size=4,
         standby_workers=0,
-        hang_timeout_min_s=5.0,
+        failure=FailureConfig(hang_timeout_min_s=5.0),
         slice_timeout_s=120.0,
         progress_metrics=("accuracy", "eval/loss"),
     )

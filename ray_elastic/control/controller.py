@@ -241,7 +241,7 @@ class Controller:
         self.backend = self.backend_cls(self.task, cfg, self.address)
         self.checkpoints = run_checkpoints
         self.gens = Generations(cfg, self.backend, run_checkpoints)
-        self.failures = FailurePolicy(cfg, self.retry_policy)
+        self.failures = FailurePolicy(cfg.failure, self.retry_policy)
         self._first_step = resume.step if resume else 0
         self.events = EventLog(self.run_dir, [self.callbacks], fenced=lambda: self.backend.ownership.superseded)
         self.ledger = StepLedger(self.events, cfg.steps_per_chunk, cfg.save_timeout_s)

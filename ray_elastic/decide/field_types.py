@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import types
 import typing
@@ -42,3 +43,24 @@ def _describe(want: Any) -> str:
     return {int: "a whole number", float: "a number", bool: "True or False", str: "a string"}.get(
         want, "None" if want is type(None) else getattr(want, "__name__", str(want))
     )
+
+
+def check_count(name: str, value: object, minimum: int) -> None:
+    """A count: a whole number (``2.5`` steps fail far later; ``nan`` passes every comparison), at least ``minimum``."""
+    if isinstance(value, float):
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    if isinstance(value, int) and not isinstance(value, bool) and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def check_seconds(name: str, value: object, zero_allowed: bool = False) -> None:
+    """A finite number of seconds above 0 (or at least 0): None would mean waiting forever, and
+    ``inf`` passes every ``> 0`` check."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (value >= 0 if zero_allowed else value > 0)
+    ):
+        raise ValueError(f"{name} must be a number of seconds {'>=' if zero_allowed else '>'} 0, got {value!r}")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 from ray_elastic.decide.failures import (
     ErrorKind,
@@ -15,7 +14,47 @@ from ray_elastic.decide.failures import (
     drop_repeat_offender,
     failures_exceeded,
 )
+from ray_elastic.decide.field_types import check_count, check_seconds, mistyped_fields
 from ray_elastic.errors import ElasticRuntimeError, RetriesExhaustedError, StorageFailingError, TrainingCodeError
+
+
+@dataclasses.dataclass(frozen=True)
+class FailureConfig:
+    """How a fault that kills nothing is seen, and when failures end the run (``ElasticConfig.failure``).
+
+    Args:
+        max_failures, failure_window_s: give up after more than ``max_failures`` failures within
+            ``failure_window_s`` seconds.
+        max_failures_in_a_row: give up after more than this many failures with no step finished in
+            between, however long each attempt takes (a deterministic failure is not retried forever).
+            A slice whose process fails first twice in a row that way is dropped as lost.
+        max_save_failures_in_a_row: stop with ``StorageFailingError`` once checkpoint saves failed
+            (or timed out) this many times in a row with none committed in between: a bucket that
+            refuses writes, a full disk. Other failures in between start the count again.
+        hang_timeout_factor, hang_timeout_min_s: the watchdog declares a hang when no step finished
+            within max(min_s, factor x median step time).
+        probe_timeout_s: a process that does not answer a health probe within this is hung.
+        node_death_grace_s: after a process died, how long to wait for Ray to mark its node dead
+            before deciding the slice itself is healthy (match Ray's health-check period x threshold).
+    """
+
+    max_failures: int = 30
+    failure_window_s: float = 3600.0
+    max_failures_in_a_row: int = 5
+    max_save_failures_in_a_row: int = 3
+    hang_timeout_factor: float = 20.0
+    hang_timeout_min_s: float = 5.0
+    probe_timeout_s: float = 2.0
+    node_death_grace_s: float = 1.5
+
+    def __post_init__(self) -> None:
+        for name in ("max_failures", "max_failures_in_a_row", "max_save_failures_in_a_row"):
+            check_count(name, getattr(self, name), 1)
+        for name in ("failure_window_s", "hang_timeout_factor", "hang_timeout_min_s", "probe_timeout_s"):
+            check_seconds(name, getattr(self, name))
+        check_seconds("node_death_grace_s", self.node_death_grace_s, zero_allowed=True)
+        for name, want, value in mistyped_fields(self):
+            raise ValueError(f"{name} must be {want}, got {value!r} ({type(value).__name__}): see FailureConfig's docs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +88,7 @@ class FailurePolicy:
     ``max_failures`` per ``failure_window_s``, ``max_failures_in_a_row`` without progress,
     ``max_save_failures_in_a_row`` without a commit, and the user's ``retry_policy``."""
 
-    def __init__(self, config: Any, retry_policy: Callable[[int, Exception], bool] | None = None):
+    def __init__(self, config: FailureConfig, retry_policy: Callable[[int, Exception], bool] | None = None):
         self.config, self.retry_policy = config, retry_policy
         self.failure_times: list[float] = []
         self.failures_in_a_row = 0

@@ -32,7 +32,7 @@ class RayClusterHealth:
         return [r for i, r in enumerate(reservations) if str(i) in dead]
 
     def dead_slices(self, slice_nodes: dict[str, list[str]], suspects: set[str]) -> set[str]:
-        return health.dead_slices(slice_nodes, suspects, self.config.node_death_grace_s)
+        return health.dead_slices(slice_nodes, suspects, self.config.failure.node_death_grace_s)
 
     def unresponsive(self, world: WorldHandle) -> set[int]:
-        return health.unresponsive(world.workers, self.config.probe_timeout_s)
+        return health.unresponsive(world.workers, self.config.failure.probe_timeout_s)

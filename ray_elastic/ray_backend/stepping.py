@@ -211,10 +211,10 @@ class StepStreams:
     def _check_hang(self, run: _Progress) -> RunOutcome | None:
         """No progress past the watchdog's limit: probe every process. A save running past its bound
         is a failed save, silence with nothing busy a hang; a slow but busy world is watched again."""
-        c = self.config
-        if time.monotonic() - run.at <= watchdog_timeout(self.step_times, c.hang_timeout_factor, c.hang_timeout_min_s):
+        f = self.config.failure
+        if time.monotonic() - run.at <= watchdog_timeout(self.step_times, f.hang_timeout_factor, f.hang_timeout_min_s):
             return None
-        answers = health.probe(self.world.workers, c.probe_timeout_s)
+        answers = health.probe(self.world.workers, f.probe_timeout_s)
         save_limit = self.sink.save_limit_s()
         stuck = health.stuck_saves(answers, save_limit)
         if stuck:
@@ -223,7 +223,7 @@ class StepStreams:
                 {
                     p: SaveTimedOut(
                         f"a checkpoint save of process {p} has run {s:.0f}s, over save_timeout_s={save_limit:.0f}: "
-                        f"the storage ({c.checkpoint_dir}) does not answer"
+                        f"the storage ({self.config.checkpoint_dir}) does not answer"
                     )
                     for p, s in stuck.items()
                 },
