@@ -151,7 +151,7 @@ def driver_point(processes: int, steps: int, step_s: float, holders: int, actors
     from ray_elastic.policy.failure import FailureConfig
     from ray_elastic.ray_backend.relay import RelayPool
     from ray_elastic.ray_backend.stepping import StepStreams
-    from ray_elastic.slice.worker import FLUSH_S
+    from ray_elastic.slice.chunk_running import FLUSH_S
     from ray_elastic.state.snapshots import SnapshotStore
 
     @ray.remote(num_cpus=0, max_concurrency=100_000)

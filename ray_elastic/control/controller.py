@@ -39,18 +39,13 @@ from ray_elastic.errors import (
     failed_save,
 )
 from ray_elastic.observe import event_types as ev
-from ray_elastic.observe import goodput, results
+from ray_elastic.observe import results
 from ray_elastic.observe.events import EventLog
-from ray_elastic.observe.observers import (
-    ProgressBar,
-    RayMetricsObserver,
-    StandbyReplenisher,
-    UntilDone,
-    UserCallbacks,
-)
+from ray_elastic.observe.observers import UserCallbacks
 from ray_elastic.observe.results import FitResult, RecoveryRecord, WorldChange
+from ray_elastic.observe.run_observers import run_observers
 from ray_elastic.observe.step_ledger import StepLedger
-from ray_elastic.observe.tensorboard import TensorBoardWriter, tensorboard_location
+from ray_elastic.observe.tensorboard import tensorboard_location
 from ray_elastic.policy.failure import FailurePolicy
 from ray_elastic.policy.scaling import Action, NextWorld
 from ray_elastic.state import checkpoints
@@ -196,20 +191,8 @@ class Controller:
         finally:
             self.gens.release()
             self.events.close()
-        gp = goodput.account(self.events.events)
-        if self.progress:
-            print(gp.table())
-        return results.summarize(
-            ledger=self.ledger,
-            worlds=self.worlds,
-            recoveries=self.record.recoveries,
-            events=self.events.events,
-            num_steps=num_steps,
-            first_step=self._first_step,
-            wall_s=time.perf_counter() - t_start,
-            hosts_per_slice=cfg.slice.num_hosts,
-            gp=gp,
-        )
+        wall_s = time.perf_counter() - t_start
+        return self.record.result(self.worlds, num_steps, self._first_step, wall_s, cfg, show_goodput=self.progress)
 
     def _loop(
         self, num_steps: int, resume: checkpoints.CheckpointInfo | None, t_start: float, resume_from: str | None
@@ -249,17 +232,14 @@ class Controller:
         self.record.started(cfg, num_steps, resume, run_checkpoints.start_dir)
 
     def _add_observers(self, num_steps: int) -> None:
-        listeners = self.events.listeners
-        listeners += [StandbyReplenisher(self.gens.replenish), UntilDone(self.gens.donors_released)]
-        metrics = self.backend.run_metrics(self.name)
-        if metrics is not None:
-            listeners.append(RayMetricsObserver(metrics, self.events.events))
-        if self.progress:
-            listeners.append(
-                ProgressBar(num_steps, self._first_step, self.config.num_slices, self.config.progress_metrics)
-            )
-        if self.tensorboard_dir:
-            listeners.append(TensorBoardWriter(self.tensorboard_dir, self.events.events))
+        self.events.listeners += run_observers(
+            self.events.events,
+            replenish=self.gens.replenish,
+            donors_released=self.gens.donors_released,
+            metrics=self.backend.run_metrics(self.name),
+            progress=(num_steps, self._first_step, self.config) if self.progress else None,
+            tensorboard_dir=self.tensorboard_dir,
+        )
 
     # ----------------------------------------------------------------- running
     def _run(self, num_steps: int) -> RunOutcome:

@@ -14,7 +14,7 @@ from ray_elastic.config import ElasticConfig
 from ray_elastic.control.states import OutcomeKind, RunOutcome
 from ray_elastic.decide import RestorePlan, RestoreSource
 from ray_elastic.observe import event_types as ev
-from ray_elastic.observe import results
+from ray_elastic.observe import goodput, results
 from ray_elastic.observe.events import EventLog
 from ray_elastic.observe.results import RecoveryRecord, WorldChange, WorldRecord
 from ray_elastic.observe.step_ledger import StepLedger
@@ -28,6 +28,33 @@ class RunRecorder:
     def __init__(self, events: EventLog, ledger: StepLedger):
         self.events, self.ledger = events, ledger
         self.recoveries: list[RecoveryRecord] = []
+
+    def result(
+        self,
+        worlds: list[WorldRecord],
+        num_steps: int,
+        first_step: int,
+        wall_s: float,
+        config: ElasticConfig,
+        *,
+        show_goodput: bool,
+    ) -> results.FitResult:
+        """What ``fit`` returns: the steps, recoveries and summary, with the goodput table (printed
+        too with ``show_goodput``)."""
+        gp = goodput.account(self.events.events)
+        if show_goodput:
+            print(gp.table())
+        return results.summarize(
+            ledger=self.ledger,
+            worlds=worlds,
+            recoveries=self.recoveries,
+            events=self.events.events,
+            num_steps=num_steps,
+            first_step=first_step,
+            wall_s=wall_s,
+            hosts_per_slice=config.slice.num_hosts,
+            gp=gp,
+        )
 
     def started(self, config: ElasticConfig, num_steps: int, resume: Any, resume_dir: str | None) -> None:
         """The run starts (from ``resume``, a checkpoint, when given)."""
