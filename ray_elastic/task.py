@@ -118,7 +118,7 @@ class TrainTask(abc.ABC):
         or ``(loss, metrics)`` with ``metrics`` a dict of scalars (means over the batch)."""
 
     @abc.abstractmethod
-    def dataset(self):
+    def dataset(self) -> Any:
         """Random-access examples: a ``grain.MapDataset`` (or sequence) of dicts of numpy arrays."""
 
     def eval_dataset(self) -> Any | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -20,7 +20,13 @@ from ray_elastic.config import ElasticConfig
 from ray_elastic.control.backend import Reservation, StepSink, WorldHandle
 from ray_elastic.ray_backend.cluster_health import RayClusterHealth
 from ray_elastic.ray_backend.keepers import KeeperOwnership, Keepers, RunIdentity
-from ray_elastic.ray_backend.placement import ReplacementRequest, host_labels, pending_slice_demand, reserve_slices
+from ray_elastic.ray_backend.placement import (
+    ReplacementRequest,
+    SliceReservation,
+    host_labels,
+    pending_slice_demand,
+    reserve_slices,
+)
 from ray_elastic.ray_backend.pool import WorkerPool, kill
 from ray_elastic.ray_backend.preflight import run_settings, snapshot_layout
 from ray_elastic.ray_backend.stepping import StepStreams
@@ -30,6 +36,9 @@ from ray_elastic.state.run_secret import run_secret
 from ray_elastic.state.snapshot_keeper import ask_keepers
 from ray_elastic.state.snapshots import SnapshotStore
 from ray_elastic.task import TrainTask
+
+if TYPE_CHECKING:  # (Orbax is imported where a checkpoint is read, not with this module)
+    from ray_elastic.state.checkpoints import CheckpointInfo
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +75,7 @@ class RayBackend:
             for w in self._world.workers:
                 kill(w)
 
-    def run_metrics(self, name: str):
+    def run_metrics(self, name: str) -> Any:
         """Ray metrics for this run; a run goes on without them if they cannot be set up."""
         from ray_elastic.observe.metrics import RunMetrics
 
@@ -127,7 +136,9 @@ class RayBackend:
     def warm(self, reservations: list[Any], every: bool = False) -> bool:
         return self.pool.warm(reservations, every)
 
-    def discard(self, reservation) -> None:
+    def discard(self, reservation: Reservation) -> None:
+        if not isinstance(reservation, SliceReservation):  # the controller hands back what reserve() made
+            raise TypeError(f"not a reservation of the Ray backend: {reservation!r}")
         self.pool.discard(reservation)
 
     # --------------------------------------------------------------- worlds
@@ -155,7 +166,7 @@ class RayBackend:
         return self._world
 
     @staticmethod
-    def check_task(task, config, resume=None) -> None:
+    def check_task(task: TrainTask, config: ElasticConfig, resume: CheckpointInfo | None = None) -> None:
         """The task's model, layout, step and eval data against the config, and the checkpoint the
         run resumes from (``resume``) against the model, on the driver (:mod:`ray_elastic.ray_backend.preflight`):
         bad input fails before any slice is reserved."""

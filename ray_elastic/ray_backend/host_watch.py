@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray_elastic.detect import health
 from ray_elastic.errors import ProcessGone, RayletGone
+
+if TYPE_CHECKING:  # the world watched (its module imports this one's users)
+    from ray_elastic.ray_backend.world import World
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +23,7 @@ logger = logging.getLogger(__name__)
 class HostWatch:
     """The raylets of one world's hosts, and which processes a refusing one took with it."""
 
-    def __init__(self, world):
+    def __init__(self, world: World) -> None:
         self.world = world
         self._raylets: dict[Any, Any] | None = None  # node id -> where its raylet listens
         self._learning: threading.Thread | None = None

@@ -66,7 +66,7 @@ class RunIdentity:
 class TakenOver:
     """A keeper of the previous driver, now this driver's: where it is and the steps it holds."""
 
-    keeper: ray.actor.ActorHandle
+    keeper: ray.actor.ActorHandle[Any]
     node_id: str
     place: tuple[str, int] | None  # (slice name, host index) of the process it kept for
     steps: list[int]
@@ -96,7 +96,7 @@ class Keepers:
         self.taken_over: dict[str, TakenOver] = {}  # node id -> a keeper of the previous driver, unclaimed
         self.dropped = 0  # snapshots the taken-over keepers held of another identity (not restorable)
         self.superseded = threading.Event()
-        self._all: list[ray.actor.ActorHandle] = []  # every keeper this driver owns (alive or not)
+        self._all: list[ray.actor.ActorHandle[Any]] = []  # every keeper this driver owns (alive or not)
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self._handed_back = False
@@ -131,7 +131,7 @@ class Keepers:
         }
         if self._owner_name not in found:  # started now; its claim is read by the lease thread, not waited for
             owner = self._owner()
-            ref: ray.ObjectRef = owner.take_over.remote(self.epoch, self.identity.snapshot, self.identity.secret)
+            ref: ray.ObjectRef[Any] = owner.take_over.remote(self.epoch, self.identity.snapshot, self.identity.secret)
             self._owner_claim = (owner, ref)
         names, handles = list(found), list(found.values())
         status = _answers([k.status.remote(self.identity.secret) for k in handles])
@@ -153,7 +153,7 @@ class Keepers:
         self.check()
         return list(self.taken_over.values())
 
-    def _claimed(self, keeper: ray.actor.ActorHandle, claim: dict[Any, Any] | None) -> bool:
+    def _claimed(self, keeper: ray.actor.ActorHandle[Any], claim: dict[Any, Any] | None) -> bool:
         """Whether ``claim`` (a ``take_over`` answer; None: none) made ``keeper`` this driver's; a
         refusal because a newer driver owns it marks this driver superseded."""
         if claim is None or not claim["taken"]:
@@ -186,10 +186,10 @@ class Keepers:
     def _owner_name(self) -> str:
         return f"{self.identity.key}/owner"
 
-    def _owner(self) -> ray.actor.ActorHandle:
+    def _owner(self) -> ray.actor.ActorHandle[Any]:
         """The run's owner record (one for all its drivers: created by the first, found by the others)."""
         here = ray.get_runtime_context().get_node_id()
-        return SnapshotKeeper.options(  # type: ignore[attr-defined]
+        owner: ray.actor.ActorHandle[Any] = SnapshotKeeper.options(  # type: ignore[attr-defined]
             name=self._owner_name,
             namespace=NAMESPACE,
             get_if_exists=True,
@@ -197,15 +197,16 @@ class Keepers:
             num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
         ).remote(orphan_timeout_s=self.orphan_timeout_s, identity=self.identity.snapshot, secret=self.identity.secret)
+        return owner
 
     # ------------------------------------------------------------- keepers
-    def keeper(self, node_id: str) -> ray.actor.ActorHandle:
+    def keeper(self, node_id: str) -> ray.actor.ActorHandle[Any]:
         """A keeper on ``node_id``: the previous driver's one there, else a new one."""
         self.check()
         old = self.taken_over.pop(node_id, None)
         if old is not None:
             return old.keeper
-        keeper = SnapshotKeeper.options(  # type: ignore[attr-defined]
+        keeper: ray.actor.ActorHandle[Any] = SnapshotKeeper.options(  # type: ignore[attr-defined]
             name=f"{self.identity.key}/{node_id}/{uuid.uuid4().hex[:8]}",
             namespace=NAMESPACE,
             lifetime="detached" if self.identity.findable else None,
@@ -303,7 +304,7 @@ def _answers(refs: list[Any], timeout_s: float = ANSWER_S) -> list[Any]:
     return out
 
 
-def _kill(actor) -> None:
+def _kill(actor: ray.actor.ActorHandle[Any]) -> None:
     try:
         ray.kill(actor, no_restart=True)
     except Exception as e:  # noqa: BLE001 - already gone

@@ -63,7 +63,7 @@ class SliceReservation:
         assert placement_group is not None  # SlicePlacementGroup creates it in its constructor
         self.placement_group: PlacementGroup = placement_group
         self.slice_name: str | None = None  # learnt from the hosts when a world forms on it
-        self._ready_ref: ray.ObjectRef | None = None
+        self._ready_ref: ray.ObjectRef[Any] | None = None
         self._is_ready = False
 
     def node_ids(self) -> list[str]:
@@ -73,7 +73,7 @@ class SliceReservation:
         placed = ray.util.placement_group_table(self.placement_group).get("bundles_to_node_id", {})
         return [placed.get(i) or UNPLACED for i in range(self.spec.num_hosts)]
 
-    def ready(self) -> ray.ObjectRef:
+    def ready(self) -> ray.ObjectRef[Any]:
         """One ref that resolves when every bundle is placed (made once: each call of
         ``PlacementGroup.ready()`` schedules a new probe task)."""
         if self._ready_ref is None:
@@ -265,7 +265,7 @@ def pending_slice_demand() -> str:
     import collections
     import json
 
-    demand: collections.Counter = collections.Counter()
+    demand: collections.Counter[str] = collections.Counter()
     for info in ray.util.placement_group_table().values():
         if info.get("state") not in ("PENDING", "RESCHEDULING"):
             continue
@@ -285,7 +285,7 @@ class ReplacementRequest:
     A failed head reservation is retried, keeping the demand alive.
     """
 
-    _executor = None
+    _executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     def __init__(self, spec: SliceSpec, head_timeout_s: float):
         if ReplacementRequest._executor is None:
@@ -298,7 +298,8 @@ class ReplacementRequest:
         self._cancelled = threading.Event()
         self._future = self._submit()
 
-    def _submit(self):
+    def _submit(self) -> concurrent.futures.Future[SliceReservation]:
+        assert ReplacementRequest._executor is not None  # made in __init__
         return ReplacementRequest._executor.submit(
             SliceReservation, self.spec, self.head_timeout_s, cancelled=self._cancelled
         )
@@ -325,7 +326,12 @@ class ReplacementRequest:
         """No longer needed: stop claiming (a multi-host claim gives back what it holds at once) and
         give the reservation back (now, or when it is made)."""
         self._cancelled.set()
-        self._future.add_done_callback(lambda f: f.exception() is None and f.result().release())
+        self._future.add_done_callback(_release_when_made)
+
+
+def _release_when_made(made: concurrent.futures.Future[SliceReservation]) -> None:
+    if made.exception() is None:
+        made.result().release()
 
 
 def host_labels(reservations: list[SliceReservation]) -> list[list[dict[Any, Any]]] | None:

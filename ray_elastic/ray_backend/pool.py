@@ -25,9 +25,9 @@ CHIP_OWNER_ANSWER_S = 30.0  # for a killed process's prepare to answer (or fail)
 class Standby(NamedTuple):
     """A slice process started ahead of need, with the refs that say how far it got."""
 
-    actor: ray.actor.ActorHandle
-    prepared: ray.ObjectRef  # Python, JAX and the task's data loaded (its host info)
-    traced: ray.ObjectRef  # the steps of the likely worlds traced too
+    actor: ray.actor.ActorHandle[Any]
+    prepared: ray.ObjectRef[Any]  # Python, JAX and the task's data loaded (its host info)
+    traced: ray.ObjectRef[Any]  # the steps of the likely worlds traced too
 
 
 class WorkerPool:
@@ -40,7 +40,7 @@ class WorkerPool:
     """
 
     def __init__(
-        self, task_ref: ray.ObjectRef, config: ElasticConfig, keepers: Keepers, env: dict[Any, Any] | None = None
+        self, task_ref: ray.ObjectRef[Any], config: ElasticConfig, keepers: Keepers, env: dict[Any, Any] | None = None
     ):
         self.task_ref = task_ref
         self.run_keepers = keepers
@@ -49,12 +49,12 @@ class WorkerPool:
         self.env = env or {}  # forwarded to every slice process (GCS endpoint and credentials)
         # (id(reservation), host) -> standbys, oldest first
         self._standby: dict[tuple[int, int], list[Standby]] = {}
-        self._keepers: dict[tuple[int, int], ray.actor.ActorHandle] = {}  # (id(reservation), host) -> keeper
+        self._keepers: dict[tuple[int, int], ray.actor.ActorHandle[Any]] = {}  # (id(reservation), host) -> keeper
         self._answered: set[Any] = set()  # actor ids of keepers that have answered a call: their process is up
         self.relays = RelayPool()  # fan chunks out to many quiet processes (large worlds)
-        self._chip_owners: list[list[ray.ObjectRef]] = []  # prepare refs of the latest worlds' joiners
+        self._chip_owners: list[list[ray.ObjectRef[Any]]] = []  # prepare refs of the latest worlds' joiners
 
-    def keeper(self, res: SliceReservation, host: int) -> ray.actor.ActorHandle:
+    def keeper(self, res: SliceReservation, host: int) -> ray.actor.ActorHandle[Any]:
         """The host's snapshot keeper, started with the first process placed there (or the previous
         driver's, taken over): pinned to the host's node, it outlives every slice process, and the
         driver too (:mod:`ray_elastic.ray_backend.keepers`)."""
@@ -71,7 +71,7 @@ class WorkerPool:
 
     def keepers_of(
         self, reservations: list[SliceReservation]
-    ) -> list[tuple[tuple[SliceReservation, int], ray.actor.ActorHandle]]:
+    ) -> list[tuple[tuple[SliceReservation, int], ray.actor.ActorHandle[Any]]]:
         """((reservation, host), keeper) of every host of these slices that has a keeper already."""
         return [
             ((res, h), self._keepers[(id(res), h)])
@@ -80,21 +80,21 @@ class WorkerPool:
             if (id(res), h) in self._keepers
         ]
 
-    def answered(self, keeper: ray.actor.ActorHandle) -> bool:
+    def answered(self, keeper: ray.actor.ActorHandle[Any]) -> bool:
         """The keeper has answered a call (a new one may still be starting, and holds nothing yet)."""
         return keeper._actor_id in self._answered
 
     def confirm_keepers(self, keepers: list[Any]) -> None:
         self._answered.update(k._actor_id for k in keepers)
 
-    def renew_keeper(self, res: SliceReservation, host: int) -> ray.actor.ActorHandle:
+    def renew_keeper(self, res: SliceReservation, host: int) -> ray.actor.ActorHandle[Any]:
         """A new, empty keeper for a host whose keeper died (its snapshots died with it)."""
         old = self._keepers.pop((id(res), host), None)
         if old is not None:
             self.run_keepers.remove([old], wait=False)
         return self.keeper(res, host)
 
-    def claim_chips(self, prepared: list[ray.ObjectRef]) -> None:
+    def claim_chips(self, prepared: list[ray.ObjectRef[Any]]) -> None:
         """The processes whose prepares are ``prepared`` were asked to join a world: each may open its
         host's chips (the TPU runtime lets one process per host at a time)."""
         self._chip_owners = ([list(prepared)] + self._chip_owners)[:CHIP_OWNER_WORLDS]
@@ -209,7 +209,7 @@ class WorkerPool:
         self.relays.shutdown()
 
 
-def kill(actor) -> None:
+def kill(actor: ray.actor.ActorHandle[Any]) -> None:
     try:
         ray.kill(actor, no_restart=True)
     except Exception as e:  # noqa: BLE001 - already gone

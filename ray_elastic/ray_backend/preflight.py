@@ -9,16 +9,19 @@ minutes of waiting for TPU slices. The eval dataset must hold the eval batches a
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray_elastic.config import ElasticConfig
 from ray_elastic.errors import TrainingCodeError
 from ray_elastic.task import TrainTask
 
+if TYPE_CHECKING:  # (Orbax is imported where a checkpoint is read, not with this module)
+    from ray_elastic.state.checkpoints import CheckpointInfo
+
 logger = logging.getLogger(__name__)
 
 
-def check_task(task: TrainTask, config: ElasticConfig, resume=None) -> None:
+def check_task(task: TrainTask, config: ElasticConfig, resume: CheckpointInfo | None = None) -> None:
     """Raise ``ValueError`` (layout, data, a checkpoint of another model) or :class:`TrainingCodeError`
     (the step) with what to change. ``resume``: the checkpoint the run starts from
     (:class:`~ray_elastic.state.checkpoints.CheckpointInfo`), compared array by array with the model."""
@@ -39,7 +42,7 @@ def check_task(task: TrainTask, config: ElasticConfig, resume=None) -> None:
         ) from e
     sp.state_shardings(spec, mesh, config.logical_axis_rules, config.fsdp_min_size)  # ValueError names the parameter
     if resume is not None and resume.directory:
-        _check_checkpoint_matches(spec, resume)
+        _check_checkpoint_matches(spec, resume.directory, resume.step)
     _check_eval_data(task, config)
     try:
         batches = StepBatches(task.dataset(), config.global_batch_size, config.seed, shuffle=False)
@@ -56,7 +59,7 @@ def check_task(task: TrainTask, config: ElasticConfig, resume=None) -> None:
         raise TrainingCodeError(f"tracing the train step on the driver failed in the task's code: {e!r}") from e
 
 
-def _check_checkpoint_matches(spec, resume) -> None:
+def _check_checkpoint_matches(spec: Any, directory: str, step: int) -> None:
     """The checkpoint holds arrays of this model's shapes: a rerun with a changed model must not
     train from step 0 while it says it resumed (nor call a loading error a storage fault)."""
     import collections
@@ -67,28 +70,26 @@ def _check_checkpoint_matches(spec, resume) -> None:
 
     ours = collections.Counter((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(spec.abstract))
     try:
-        theirs = collections.Counter(state_shapes(resume.directory, resume.step))
+        theirs = collections.Counter(state_shapes(directory, step))
     except Exception as e:  # noqa: BLE001 - a damaged checkpoint: the worlds find it unreadable and fall back
         logger.warning(
             "the arrays of checkpoint %d in %s cannot be listed (%r): not compared with the model",
-            resume.step,
-            resume.directory,
+            step,
+            directory,
             e,
         )
         return
     if not theirs:  # its array metadata is gone (damaged data files): a storage fault, handled as one
-        logger.warning(
-            "checkpoint %d in %s lists no arrays: not compared with the model", resume.step, resume.directory
-        )
+        logger.warning("checkpoint %d in %s lists no arrays: not compared with the model", step, directory)
         return
     if ours == theirs:
         return
 
-    def listed(c):
+    def listed(c: collections.Counter[tuple[tuple[int, ...], str]]) -> str:
         return ", ".join(f"{n} x {dtype}{list(shape)}" for (shape, dtype), n in sorted(c.items())[:6]) or "none"
 
     raise ValueError(
-        f"checkpoint {resume.step} in {resume.directory!r} was written by a model of another shape: it has "
+        f"checkpoint {step} in {directory!r} was written by a model of another shape: it has "
         f"{listed(theirs - ours)} that this model lacks, and this model has {listed(ours - theirs)} that it lacks. "
         "Use another checkpoint_dir for the changed model (or the model that wrote it)"
     )
@@ -133,7 +134,7 @@ def run_settings(task: TrainTask, config: ElasticConfig) -> tuple[Any, ...]:
     trial reusing a crashed trial's run directory) is never restored."""
     plain = (int, float, str, bool, type(None))
 
-    def is_plain(v) -> bool:
+    def is_plain(v: object) -> bool:
         return isinstance(v, plain) or (isinstance(v, (tuple, list)) and all(isinstance(x, plain) for x in v))
 
     found: dict[Any, Any] = {}

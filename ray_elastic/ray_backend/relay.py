@@ -11,7 +11,7 @@ group and waits on one ref per group. A death still reaches the driver at once (
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -31,7 +31,7 @@ Target = tuple[Any, ...]  # (process id, actor handle, method name, leading args
 class ChunkRelay:
     """Runs each chunk on its group of processes of one world generation (given by :meth:`prepare`)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.targets: dict[int, list[Target]] = {}
         self._turn = threading.Condition()
         self._next = 0  # the index of the next chunk of the prepared generation to submit
@@ -42,7 +42,7 @@ class ChunkRelay:
             self._next = 0
             self._turn.notify_all()
 
-    def run(self, generation: int, index: int, *args) -> dict[int, BaseException]:
+    def run(self, generation: int, index: int, *args: Any) -> dict[int, BaseException]:
         """Submit chunk ``index`` of the generation to every process; ``{}`` when all finished it,
         else the errors of the ones that failed first (by process id): a failed world is torn
         down, the rest are news to nobody.
@@ -98,7 +98,7 @@ class RelayPool:
     """The run's relays, on the driver's node, started when a world first needs them and kept for
     the next worlds (a relay's process start would otherwise add to every formation)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.relays: list[Any] = []
 
     def assign(self, generation: int, groups: list[list[Target]], timeout_s: float = 60.0) -> list[Any]:
@@ -123,11 +123,13 @@ class RelayPool:
         return self.relays[: len(groups)]
 
     @staticmethod
-    def _start():
+    def _start() -> Any:
         strategy = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-        return ChunkRelay.options(scheduling_strategy=strategy).remote()
+        return ChunkRelay.options(scheduling_strategy=strategy).remote()  # type: ignore[attr-defined]
 
-    def reach(self, generation: int, processes: int, quiet: Sequence[int], target) -> tuple[list[list[int]], list[Any]]:
+    def reach(
+        self, generation: int, processes: int, quiet: Sequence[int], target: Callable[[int], tuple[Any, ...]]
+    ) -> tuple[list[list[int]], list[Any]]:
         """A world's channels (:func:`channels`) and the relay serving each (None: the driver's own);
         ``target(p)`` is what a relay calls for quiet process p: ``(actor, method name, leading args)``."""
         chans = channels(range(processes), quiet)
@@ -141,7 +143,7 @@ class RelayPool:
         self.relays = []
 
 
-def _kill(relay) -> None:
+def _kill(relay: Any) -> None:
     try:
         ray.kill(relay, no_restart=True)
     except Exception:  # noqa: BLE001 - already gone

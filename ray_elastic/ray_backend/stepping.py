@@ -71,7 +71,7 @@ class StepStreams:
         self.steps_per_chunk = config.steps_per_chunk  # the last chunk's length (chunk_steps)
         # Per channel (World.channels: a process, or a relay's group of quiet ones): its chunks in flight.
         self.channels = world.channels
-        self.queues: list[collections.deque] = [collections.deque() for _ in self.channels]
+        self.queues: list[collections.deque[Any]] = [collections.deque() for _ in self.channels]
         self.streaming = [len(ch) == 1 and world.plan.takes_snapshots(ch[0]) for ch in self.channels]
         self._snapshot_steps: list[int] = []  # steps newly kept by some holder, not yet reported
         self.not_kept: list[
@@ -128,11 +128,12 @@ class StepStreams:
             suspect = watchdog_timeout(self.step_times, SUSPECT_FACTOR, SUSPECT_MIN_S)
             wake.wait(min(POLL_S, max(0.0, max(run.at + suspect, run.next_node_check) - time.monotonic())))
             wake.clear()
-            for check in (
+            checks: tuple[Callable[[], RunOutcome | None], ...] = (
                 lambda: self._read(run, quiet, quiet_waiter, holders, stream_waiter),
                 lambda: self._check_nodes(run, suspect),  # noqa: B023 - called in this iteration
                 lambda: self._check_hang(run),
-            ):
+            )
+            for check in checks:
                 outcome = check()
                 if outcome is not None:
                     return outcome

@@ -360,13 +360,14 @@ class World:
         committed (step, total seconds). Raises :class:`ProcessFailed` naming the first process that failed."""
         refs = [w.finish_checkpoints.remote(save_step) for w in self.workers]
         # A dead process fails its ref at once; the others would wait in the commit for it.
-        return _gather(
+        committed: list[Any] = _gather(
             refs,
             list(range(len(refs))),
             timeout_s,
             lambda procs, e: ProcessFailed(procs[0], e),
             "while checkpoints committed",
         )[0]
+        return committed
 
     def teardown(self, confirm_s: float = 0.0) -> None:
         """Stop every process of this generation (SIGKILL: a hung JAX worker ignores SIGTERM).
