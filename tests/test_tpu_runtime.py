@@ -5,6 +5,7 @@ keeps them: ``MEGASCALE_*`` fresh and consistent for the world, one chip owner p
 from __future__ import annotations
 
 import os
+import time
 
 import psutil
 import pytest
@@ -152,7 +153,14 @@ def test_every_world_of_a_resize_and_grow_back_opens_its_chips_by_the_rules(clus
             35: lambda tr: cluster.add_slice(),  # in the driver's thread: capacity is back from here on
         }
     )
-    trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=plan.on_step)
+
+    def on_step(m: dict) -> None:
+        plan.on_step(m)
+        if m["step"] > 35 and not any(e["kind"] == "scale_up" for e in trainer.events.events):
+            time.sleep(0.2)  # the run's end waits for the grow-back (the newcomer warms up in seconds,
+            # more on loaded cores: once its world had not grown back within the remaining 265 steps)
+
+    trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=on_step)
     plan.trainer = trainer
     result = trainer.fit(STEPS)
     assert result.steps == list(range(STEPS)) and not plan.faults

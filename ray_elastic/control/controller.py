@@ -94,8 +94,13 @@ class Controller:
             if cb is not None and not callable(cb):
                 raise ValueError(f"{arg} must be callable, got {type(cb).__name__}")
         self.callbacks = UserCallbacks(on_step, on_event)
-        self.task, self.config, self.address, self.progress = task, config, address, progress
-        self.retry_policy, self.pre_callback, self.run_dir = retry_policy, pre_callback, run_dir
+        self.task = task
+        self.config = config
+        self.address = address
+        self.progress = progress
+        self.retry_policy = retry_policy
+        self.pre_callback = pre_callback
+        self.run_dir = run_dir
         self.name = name or (os.path.basename(os.path.normpath(run_dir)) if run_dir else "ray-elastic")
         self.tensorboard_dir = tensorboard_location(tensorboard_dir, run_dir)
         self.run_id = run_id or (os.path.abspath(run_dir) if run_dir else config.checkpoint_dir) or uuid.uuid4().hex
