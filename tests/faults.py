@@ -37,13 +37,19 @@ class FaultPlan:
 
     A fault run off the driver's thread (its function returns the thread, :func:`in_thread`) must
     land before the run ends: at ``settle_by`` (a step) the driver waits for it, so a kill slowed by
-    loaded cores cannot arrive after the last step (a run with no failure to see)."""
+    loaded cores cannot arrive after the last step (a run with no failure to see). Likewise a
+    grow-back expected after ``grow_by`` (a step): from there each step waits ``GROW_PACE_S`` until
+    the run grew back (a ``scale_up`` event), so the end of the run cannot come first however long
+    the newcomer takes to start (a run with no grow-back to see)."""
 
-    def __init__(self, faults: dict, settle_by: int | None = None):
+    GROW_PACE_S = 0.2
+
+    def __init__(self, faults: dict, settle_by: int | None = None, grow_by: int | None = None):
         self.faults = dict(faults)
         self.trainer = None
         self.fired: list[tuple[int, float]] = []
         self.settle_by = settle_by
+        self.grow_by = grow_by
         self._threads: list[threading.Thread] = []
 
     def on_step(self, m: dict) -> None:
@@ -56,6 +62,11 @@ class FaultPlan:
         if self.settle_by is not None and m["step"] >= self.settle_by:
             for t in self._threads:
                 t.join()
+        if self.grow_by is not None and m["step"] >= self.grow_by and not self._grown():
+            time.sleep(self.GROW_PACE_S)
+
+    def _grown(self) -> bool:
+        return any(e["kind"] == "scale_up" for e in self.trainer.events.events)
 
 
 def kill_process_of_slice(trainer, slice_index: int) -> None:

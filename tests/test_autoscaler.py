@@ -148,7 +148,7 @@ def test_stock_out_resizes_then_the_world_grows_back_when_capacity_returns(sim_c
             target=lambda: (_wait_for_stock_out(sim_cluster, seen), look_then_give_capacity(t)), daemon=True
         ).start()
 
-    plan = FaultPlan({15: kill, 30: at_30})
+    plan = FaultPlan({15: kill, 30: at_30}, grow_by=31)
     trainer = ElasticTrainer(
         DigitsMLPTask(),
         config(sim_cluster, min_slices=2, replacement_timeout_s=120.0),

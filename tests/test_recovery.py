@@ -137,8 +137,8 @@ def rewind_evidence(result) -> str:
     return f"{result.recoveries}\n{timeline(result.events)}\nworlds: {formed}"
 
 
-def run(cluster, faults: dict, steps: int = STEPS, check_rewound: bool = True, **cfg_kw):
-    plan = FaultPlan(faults, settle_by=steps - 5)
+def run(cluster, faults: dict, steps: int = STEPS, check_rewound: bool = True, grow_by: int | None = None, **cfg_kw):
+    plan = FaultPlan(faults, settle_by=steps - 5, grow_by=grow_by)
     trainer = ElasticTrainer(DigitsMLPTask(), config(cluster, **cfg_kw), progress=False, on_step=plan.on_step)
     plan.trainer = trainer
     t0 = time.monotonic()
@@ -676,6 +676,7 @@ def test_replica_resize_to_min_then_grow_back(cluster, baseline_long):
             min_slices=2,
             snapshot_every=4,
             check_rewound=False,
+            grow_by=6,
             **WARM,
         )
     finally:

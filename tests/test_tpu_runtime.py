@@ -151,16 +151,10 @@ def test_every_world_of_a_resize_and_grow_back_opens_its_chips_by_the_rules(clus
             10: lambda tr: kill_process_of_slice(tr, 1),
             25: lambda tr: in_thread(cluster.kill_slice, slice_name(tr, 2)),
             35: lambda tr: cluster.add_slice(),  # in the driver's thread: capacity is back from here on
-        }
+        },
+        grow_by=36,  # once, the world had not grown back within the remaining 265 steps on loaded cores
     )
-
-    def on_step(m: dict) -> None:
-        plan.on_step(m)
-        if m["step"] > 35 and not any(e["kind"] == "scale_up" for e in trainer.events.events):
-            time.sleep(0.2)  # the run's end waits for the grow-back (the newcomer warms up in seconds,
-            # more on loaded cores: once its world had not grown back within the remaining 265 steps)
-
-    trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=on_step)
+    trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=plan.on_step)
     plan.trainer = trainer
     result = trainer.fit(STEPS)
     assert result.steps == list(range(STEPS)) and not plan.faults
@@ -179,7 +173,6 @@ def test_a_new_owner_waits_for_the_old_one_then_clears_a_lock_file_it_left(tmp_p
     and only then (a host without known previous owners is left alone)."""
     import subprocess
     import sys
-    import time
 
     from ray_elastic.slice.tpu_env import clear_stale_lock, wait_until_gone
 
