@@ -10,7 +10,7 @@ import dataclasses
 import math
 
 from ray_elastic.decide import WorldPlan, WorldShapes, batch_for_world, lr_scale
-from ray_elastic.decide.field_types import check_count, check_seconds, mistyped_fields
+from ray_elastic.decide.field_types import check_count, check_seconds, check_whole, mistyped_fields
 from ray_elastic.decide.layout import DEFAULT_SLICE_MESH, FSDP_AXIS, normalize_rules, resolve_slice_mesh
 from ray_elastic.policy.failure import FailureConfig
 from ray_elastic.policy.scaling import MODES, ScalingPolicy, scaling_policy  # noqa: F401 - MODES: the CLI's choices
@@ -208,8 +208,7 @@ class ElasticConfig:
     def _check_state(self) -> None:
         """Snapshots, checkpoints and the failure limits: something to recover from, kept where it can be."""
         for name in ("snapshot_replicas", "checkpoint_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            check_count(name, getattr(self, name), 1)
         check_snapshot_every(self.snapshot_every)
         if not self.snapshots_on and self.checkpoint_dir is None and not self.allow_restart_from_scratch:
             raise ValueError(
@@ -252,10 +251,16 @@ class ElasticConfig:
 
     def _check_number_types(self) -> None:
         """Whole numbers where a count is meant (the others say so in their own checks)."""
-        for name in ("min_slices", "steps_per_chunk", "seed", "fsdp_min_size", "snapshot_replicas", "checkpoint_every"):
-            check_count(name, getattr(self, name), minimum=-(2**63))
-        if self.max_to_keep is not None:
-            check_count("max_to_keep", self.max_to_keep, minimum=-(2**63))
+        for name in (
+            "min_slices",
+            "steps_per_chunk",
+            "seed",
+            "fsdp_min_size",
+            "snapshot_replicas",
+            "checkpoint_every",
+            "max_to_keep",
+        ):
+            check_whole(name, getattr(self, name))
 
     def _check_model_layout(self) -> None:
         """The slice mesh, the logical axis rules, microbatches and eval settings."""

@@ -45,10 +45,15 @@ def _describe(want: Any) -> str:
     )
 
 
-def check_count(name: str, value: object, minimum: int) -> None:
-    """A count: a whole number (``2.5`` steps fail far later; ``nan`` passes every comparison), at least ``minimum``."""
+def check_whole(name: str, value: object) -> None:
+    """Not a float where a count is meant: ``2.5`` steps fail far later, and ``nan`` passes every comparison."""
     if isinstance(value, float):
         raise ValueError(f"{name} must be a whole number, got {value!r}")
+
+
+def check_count(name: str, value: object, minimum: int) -> None:
+    """A count: a whole number (:func:`check_whole`), at least ``minimum``."""
+    check_whole(name, value)
     if isinstance(value, int) and not isinstance(value, bool) and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
