@@ -9,7 +9,7 @@ train function initialises ``jax.distributed`` itself, which JaxTrainer does onl
 GPUs), on a local Ray instance; ray-elastic runs it on 3 simulated slices of 1 host x 2 devices, with snapshots after
 every step (``every_step``), with its default (``default``) and with snapshots off.
 ``ray_train_grain`` is JaxTrainer reading its rows as ray-elastic does (``slice.data.StepBatches``:
-grain's shuffled, repeated dataset, one example at a time, ~30 us each here) instead of
+grain's shuffled, repeated order, one example at a time, ~20 us each here) instead of
 indexing numpy arrays: the data path apart from the trainers. Each run is a
 fresh subprocess; runs are interleaved, each repetition in an order rotated by one. The figure is
 the mean time per step over the second half of each run (the interval between finished steps);
