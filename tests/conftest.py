@@ -124,7 +124,14 @@ AREAS = {  # module -> what it tests, as a marker: ``pytest -m recovery`` (CONTR
         ["test_cli", "test_job_submit", "test_notebook", "test_check", "test_examples", "test_sim"], "interfaces"
     ),
     **dict.fromkeys(
-        ["test_training", "test_jax_world", "test_model_layout", "test_observability", "test_snapshot_slots"],
+        [
+            "test_training",
+            "test_jax_world",
+            "test_model_layout",
+            "test_observability",
+            "test_snapshot_slots",
+            "test_data",
+        ],
         "training",
     ),
 }
