@@ -152,7 +152,7 @@ def test_every_world_of_a_resize_and_grow_back_opens_its_chips_by_the_rules(clus
             25: lambda tr: in_thread(cluster.kill_slice, slice_name(tr, 2)),
             35: lambda tr: cluster.add_slice(),  # in the driver's thread: capacity is back from here on
         },
-        grow_by=36,  # once, the world had not grown back within the remaining 265 steps on loaded cores
+        grow_by=36,  # the run's end waits for the grow-back however long the newcomer takes to start
     )
     trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=plan.on_step)
     plan.trainer = trainer
