@@ -45,6 +45,17 @@ SIM = SliceSpec("v4", "2x2x1", devices_per_host=2)
         (dict(num_slices=2, global_batch_size=12, checkpoint_dir=" "), "checkpoint_dir must be a local path"),
         (dict(num_slices=2, global_batch_size=12, megascale_port=0), "megascale_port must be a TCP port"),
         (dict(num_slices=2, global_batch_size=12, megascale_port="8081"), "megascale_port must be a TCP port"),
+        (dict(num_slices=2, global_batch_size=12, orphan_timeout_s=0.01), "orphan_timeout_s must be between 5"),
+        (dict(num_slices=2, global_batch_size=12, orphan_timeout_s=1e9), "orphan_timeout_s must be between 5"),
+        (dict(num_slices=2, global_batch_size=16, seed=True), "seed must be a whole number, got True (bool)"),
+        (
+            dict(num_slices=2, global_batch_size=16, steps_per_chunk=True),
+            "steps_per_chunk must be a whole number, got True (bool)",
+        ),
+        (
+            dict(num_slices=2, global_batch_size=16, steps_per_chunk=None),
+            "steps_per_chunk must be a whole number, got None",
+        ),
     ],
 )
 def test_bad_config_raises_clear_value_error(kwargs, message):
