@@ -17,9 +17,11 @@ medians over repetitions are compared. Beside it, the CPU time per steady step b
 (``bench/machine.py: cpu_seconds_by_role``): on these 2 cores everything a run adds besides its
 training processes (a driver, keepers, standby processes, Ray's own) competes with the steps,
 where a TPU host has cores to spare beside its chips; ``slices`` (the training processes) against
-Ray Train's workers says what the training processes themselves cost.
+Ray Train's workers says what the training processes themselves cost. ``--workers 1`` runs one
+training process of each, which leaves a core free beside the step: what each trainer's step
+costs when its other work is not competing with it for the only two cores.
 
-    .venv/bin/python bench/vs_ray_train.py [--steps 800] [--reps 2] [--only ray_train,every_step]
+    .venv/bin/python bench/vs_ray_train.py [--steps 800] [--reps 2] [--workers 3] [--only ray_train,every_step]
 
 Last line, one JSON object: ``{"every_step_vs_ray_train": ..., "default_vs_ray_train": ...,
 "every_step_cost": ..., "step_ms": {...}, "cpu_ms_per_step": {run: {role: ms}}, "cpu_probe_s": [...]}``.
@@ -36,7 +38,8 @@ import sys
 import tempfile
 import threading
 
-BATCH, WORKERS, DEVICES, HIDDEN = 192, 3, 2, 256
+BATCH, DEVICES, HIDDEN = 192, 2, 256
+WORKERS = int(os.environ.get("VS_RAY_TRAIN_WORKERS", "3"))  # --workers: the runs' subprocesses read it
 
 
 def ray_train_loop(config: dict) -> None:
@@ -214,6 +217,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=WORKERS,
+        help="training processes (3: the workload's; 1 leaves a core of this machine free beside the step)",
+    )
     ap.add_argument("--only", default=None, help=f"comma-separated runs (default: all): {', '.join(RUNS)}")
     args = ap.parse_args()
     names = list(RUNS) if args.only is None else args.only.split(",")
@@ -231,7 +240,11 @@ def main() -> None:
                 check=True,
                 capture_output=True,
                 text=True,
-                env={**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="rvt-", dir="/tmp")},
+                env={
+                    **os.environ,
+                    "RAY_TMPDIR": tempfile.mkdtemp(prefix="rvt-", dir="/tmp"),
+                    "VS_RAY_TRAIN_WORKERS": str(args.workers),
+                },
             )
             one = json.loads(out.stdout.strip().splitlines()[-1])
             got[name].append(one["step_s"])
@@ -259,6 +272,7 @@ def main() -> None:
         "step_ms": {k: round(v * 1e3, 2) for k, v in med.items()},
         "cpu_ms_per_step": cpu,
         "steps": args.steps,
+        "workers": args.workers,
         "reps": args.reps,
         "cpu_probe_s": probes,
     }
