@@ -115,7 +115,14 @@ def _shares_cluster(module) -> bool:
 
 AREAS = {  # module -> what it tests, as a marker: ``pytest -m recovery`` (CONTRIBUTING.md: which for which change)
     **dict.fromkeys(
-        ["test_recovery", "test_multihost", "test_tpu_runtime", "test_autoscaler", "test_autoscaler_multihost"],
+        [
+            "test_recovery",
+            "test_multihost",
+            "test_tpu_runtime",
+            "test_autoscaler",
+            "test_autoscaler_multihost",
+            "test_notices",
+        ],
         "recovery",
     ),
     **dict.fromkeys(["test_checkpoints", "test_tensorboard_gcs"], "checkpoints"),

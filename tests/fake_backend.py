@@ -109,12 +109,14 @@ class FakeStreams:
         self.not_kept: list = []
         self.not_kept_count = 0
 
-    def run(self, start_step: int, end_step: int, grow_requested: Callable[[], bool]) -> RunOutcome:
+    def run(self, start_step: int, end_step: int, stop_requested: Callable[[], OutcomeKind | None]) -> RunOutcome:
         for step in range(start_step, end_step):
             if self.backend.superseded:  # the real lease thread kills the world's processes
                 return RunOutcome(OutcomeKind.FAILURE, {0: ProcessDied("killed: a newer driver owns the run")})
-            if step > start_step and grow_requested():
-                return RunOutcome(OutcomeKind.GROW, {}, time.time())
+            kind = stop_requested() if step > start_step else None
+            if kind is not None:  # a planned stop: every holder snapshots the boundary step (as the real one)
+                self._snapshot(step - 1)
+                return RunOutcome(kind, {}, time.time())
             fault = self.backend.faults.pop(step, None)
             if fault is not None:
                 outcome = fault(self.backend, self.world)
@@ -123,12 +125,13 @@ class FakeStreams:
             self.backend.steps_run.append((self.world.plan.generation, step))
             self.on_metrics({"step": step, "loss": 1.0 / (step + 1), "step_time_s": 0.001})
             if is_snapshot_step(step, self.backend.config.snapshot_policy.interval(SnapshotCosts())):
-                for p in range(self.world.plan.num_processes):
-                    if self.world.plan.takes_snapshots(p):
-                        self.store.add(
-                            self.world.slice_of(p), 0, step, SnapshotRef(None, self.world.plan.generation, step)
-                        )
+                self._snapshot(step)
         return RunOutcome(OutcomeKind.DONE)
+
+    def _snapshot(self, step: int) -> None:
+        for p in range(self.world.plan.num_processes):
+            if self.world.plan.takes_snapshots(p):
+                self.store.add(self.world.slice_of(p), 0, step, SnapshotRef(None, self.world.plan.generation, step))
 
     def drain(self, timeout_s: float, errors: dict) -> None:
         pass
@@ -157,6 +160,7 @@ class FakeBackend:
         self.standby_checks: dict[str, int] = {}  # host -> checks since its standby started
         self.config = None
         self.finish_checkpoint_failures = 0  # finish_checkpoints calls that fail with a dead process
+        self.warned: dict[str, float | None] = {}  # host -> its drain deadline (``warn``)
 
     def check_task(self, task, config, resume=None) -> None:
         """No JAX runs here: the fake slices never build the task's model."""
@@ -176,7 +180,8 @@ class FakeBackend:
         self.alive.discard(name)
 
     def free_slices(self) -> list[str]:
-        return [h for h in self.hosts if h in self.alive and h not in self.reserved]
+        """Live, unreserved and not warned (Ray schedules nothing on a draining node)."""
+        return [h for h in self.hosts if h in self.alive and h not in self.reserved and h not in self.warned]
 
     def claim(self, host: str) -> FakeReservation:
         self.reserved.add(host)
@@ -298,6 +303,14 @@ class FakeBackend:
     def hosts_answer(self, reservation) -> bool:
         return reservation.host in self.alive
 
+    def draining(self) -> dict:
+        """Hosts warned they will be taken (``warn``): node id -> (deadline, reason)."""
+        return {f"node-{h}": (deadline, "preemption") for h, deadline in self.warned.items()}
+
+    def warn(self, host: str, notice_s: float | None = 30.0) -> None:
+        """A preemption notice for ``host`` (as a drained Ray node)."""
+        self.warned[host] = None if notice_s is None else time.time() + notice_s
+
     def unresponsive(self, world) -> set[int]:
         return {p for p in range(world.plan.num_processes) if world.slice_of(p) in self.hung}
 
@@ -347,6 +360,15 @@ def hang_slice(index: int):
 def task_bug(index: int = 0):
     def fire(backend, world):
         return RunOutcome(OutcomeKind.FAILURE, {index: TaskBug("bug in the loss")})
+
+    return fire
+
+
+def warn_slice(index: int, notice_s: float | None = 30.0):
+    """A preemption notice for the world's slice ``index`` (its host drained); the step runs."""
+
+    def fire(backend, world):
+        backend.warn(world.plan.slice_names[index], notice_s)
 
     return fire
 

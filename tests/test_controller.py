@@ -413,6 +413,7 @@ FLOWS = [
     [S.FORMING_WORLD, S.RECOVERING],  # a failure while forming
     [S.RUNNING, S.RESIZING, S.FORMING_WORLD],  # growing back
     [S.RUNNING, S.RESIZING, S.RECOVERING],  # a process lost while the world stops to grow back
+    [S.RUNNING, S.RESIZING, S.WAITING_FOR_CAPACITY, S.FORMING_WORLD],  # warned slices left: wait for replacements
 ]
 LEGAL = {(a, b) for flow in FLOWS for a, b in itertools.pairwise(flow)}
 

@@ -305,6 +305,44 @@ def test_ctrl_c_in_each_state_leaves_nothing_behind(cluster, where):
     assert left_behind(before) == {}
 
 
+def test_a_preempted_slice_leaves_at_a_step_boundary_and_its_kill_changes_nothing(cluster, baseline):
+    """``preempt_slice``: the slice's node drained through the GCS (reason preemption, a deadline 4 s
+    away; what a SIGTERMed ``ray start`` does), then killed at the deadline. The run sees the notice
+    and the slice leaves at the next step boundary through the planned path: no failure, nothing
+    rewound, the same losses as a resize; the kill at the deadline, during the run, changes nothing."""
+    notice = {}
+
+    def preempt(t):
+        notice["slice"] = slice_name(t, 1)
+        notice["deadline"] = cluster.preempt_slice(notice["slice"], notice_s=4.0)
+
+    def pace_past_the_kill(m):  # the run must outlast the deadline: the kill lands while it trains
+        if notice and time.time() < notice["deadline"] + 2.0:
+            time.sleep(0.15)
+
+    plan = FaultPlan({10: preempt})
+
+    def on_step(m):
+        plan.on_step(m)
+        pace_past_the_kill(m)
+
+    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster), progress=False, on_step=on_step)
+    plan.trainer = trainer
+    result = trainer.fit(STEPS)
+    assert result.steps == list(range(STEPS))
+    s = result.summary
+    assert (s["failures"], s["recoveries"], s["steps_rewound"], s["preemption_notices"]) == (0, 0, 0, 1), timeline(
+        result.events
+    )
+    (event,) = [e for e in result.events if e["kind"] == "preemption_notice"]
+    assert event["slice"] == notice["slice"] and event["state_kept_by"] == "snapshots"
+    assert 0 < event["seconds_left"] <= 4.0, event
+    assert not cluster.slice_by_name(notice["slice"]).alive  # killed at its deadline, while the run trained
+    assert result.events[-1]["ts"] > notice["deadline"] + 1.0
+    assert notice["slice"] not in trainer.worlds[-1].slices and len(trainer.worlds[-1].slices) == 2
+    assert max_rel_err(result.losses, baseline) <= RESIZED
+
+
 def test_slice_hung_by_sigstop(cluster, baseline):
     _trainer, result = run(cluster, {20: lambda t: cluster.hang_slice(slice_name(t, 2))})
     (rec,) = result.recoveries

@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ray_elastic.control.states import RunOutcome
+from ray_elastic.control.states import OutcomeKind, RunOutcome
 from ray_elastic.decide import ErrorKind, WorldPlan
 
 
@@ -100,12 +100,12 @@ class StepSink(Protocol):
 
 
 class Streams(Protocol):
-    """Driving one world: its steps until done, a failure, a hang or a grow-back."""
+    """Driving one world: its steps until done, a failure, a hang or a planned stop (a grow-back, warned slices leaving)."""
 
     not_kept: list[Any]
     not_kept_count: int
 
-    def run(self, start_step: int, end_step: int, grow_requested: Callable[[], bool]) -> RunOutcome: ...
+    def run(self, start_step: int, end_step: int, stop_requested: Callable[[], OutcomeKind | None]) -> RunOutcome: ...
 
     def drain(self, timeout_s: float, errors: dict[Any, Any]) -> None: ...
 
@@ -133,7 +133,8 @@ class RunOwnership(Protocol):
 
 class ClusterHealth(Protocol):
     """What the cluster says about a failure: the kind of an error, which hosts and slices are gone,
-    which processes do not answer."""
+    which processes do not answer; and which hosts are warned they will go (``draining``: node id ->
+    (deadline, reason))."""
 
     def error_kind(self, error: BaseException) -> ErrorKind: ...
 
@@ -146,6 +147,8 @@ class ClusterHealth(Protocol):
     def dead_slices(self, slice_nodes: dict[str, list[str]], suspects: set[str]) -> set[str]: ...
 
     def unresponsive(self, world: WorldHandle) -> set[int]: ...
+
+    def draining(self) -> dict[str, tuple[float | None, str]]: ...
 
 
 class Backend(Protocol):

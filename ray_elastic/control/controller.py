@@ -23,8 +23,9 @@ from typing import Any
 
 from ray_elastic.config import ElasticConfig
 from ray_elastic.control.backend import Backend, BackendFactory, WorldHandle
-from ray_elastic.control.final_checkpoint import final_checkpoint, finish_checkpoints
+from ray_elastic.control.final_checkpoint import final_checkpoint
 from ray_elastic.control.generations import Generations
+from ray_elastic.control.planned_exit import NoticeWatch, leave_warned, stop_to_grow
 from ray_elastic.control.recorder import RunRecorder
 from ray_elastic.control.run_checkpoints import RunCheckpoints
 from ray_elastic.control.states import ControllerState, OutcomeKind, RunOutcome, check_transition
@@ -33,7 +34,6 @@ from ray_elastic.decide import refuse_fresh_restart
 from ray_elastic.errors import (
     CapacityTimeoutError,
     ElasticRuntimeError,
-    ProcessFailed,
     StorageFailingError,
     SupersededError,
     failed_save,
@@ -235,6 +235,7 @@ class Controller:
         self.ledger = StepLedger(self.events, cfg.steps_per_chunk, cfg.save_timeout_s)
         self.record = RunRecorder(self.events, self.ledger)
         self.record.started(cfg, num_steps, resume, run_checkpoints.start_dir)
+        self.notices = NoticeWatch(self.backend.health, self.gens.member_nodes)
 
     def _add_observers(self, num_steps: int) -> None:
         self.events.listeners += run_observers(
@@ -253,7 +254,7 @@ class Controller:
         streams = self.backend.drive(world, self.gens.store, self.ledger)
         self.ledger.start_world(world.plan.generation, streams.take_snapshot_steps)
         t0 = time.perf_counter()
-        outcome = streams.run(start, num_steps, self.gens.capacity_returned)
+        outcome = streams.run(start, num_steps, self._stop_request)
         if outcome.kind in (OutcomeKind.FAILURE, OutcomeKind.HANG):  # what survivors streamed, and their keepers hold
             t_drain = time.perf_counter()
             streams.drain(DRAIN_S, outcome.errors)
@@ -264,16 +265,30 @@ class Controller:
             outcome = final_checkpoint(self.checkpoints, self.world, self.ledger, num_steps)
         return outcome
 
+    def _stop_request(self) -> OutcomeKind | None:
+        """Asked between a running world's reads: stop at the next step boundary for warned slices
+        to leave, or to grow once capacity returned."""
+        if self.notices.poll():
+            return OutcomeKind.PREEMPTED
+        return OutcomeKind.GROW if self.gens.capacity_returned() else None
+
     def _intake(self, outcome: RunOutcome, previous: WorldChange) -> WorldChange:
         """A world ended early: read the evidence, decide what is lost (the failure policy), then
         execute: tear down, set aside unreadable checkpoints, keep the survivors."""
         now = time.time()
         self._check_owner()
-        if outcome.kind is OutcomeKind.GROW:
-            grown = self._stop_to_grow(outcome, now)
-            if isinstance(grown, WorldChange):
-                return grown
-            outcome = grown  # a process died while the in-flight save committed: a failure, not a grow
+        if outcome.kind in (OutcomeKind.GROW, OutcomeKind.PREEMPTED):
+            self._enter(S.RESIZING)
+            self._check_owner()
+            world = self._formed()
+            if outcome.kind is OutcomeKind.GROW:
+                planned = stop_to_grow(self.checkpoints, world, self.ledger, self.gens.members, outcome)
+            else:
+                notices = self.notices.notices
+                planned = leave_warned(self.checkpoints, world, self.ledger, self.gens, notices, self.events, outcome)
+            if isinstance(planned, WorldChange):
+                return planned
+            outcome = planned  # a process died while the in-flight save committed: a failure, not a planned change
         self._enter(S.RECOVERING)
         chained = outcome.kind is OutcomeKind.FORMING_FAILED and previous.cause is not OutcomeKind.DONE
         detected_at = previous.detected_at if chained else now
@@ -310,26 +325,6 @@ class Controller:
             detected_at,
             last_progress_at,
             classify_s=classified_at - now,
-            teardown_s=time.perf_counter() - t0,
-        )
-
-    def _stop_to_grow(self, outcome: RunOutcome, now: float) -> WorldChange | RunOutcome:
-        """Capacity returned (state ``resizing``): let the in-flight save commit, then tear down. A
-        process dying meanwhile turns the grow into a failure (returned as that outcome)."""
-        self._enter(S.RESIZING)
-        t0 = time.perf_counter()
-        self._check_owner()
-        try:
-            finish_checkpoints(self.checkpoints, self.world, self.ledger)
-        except ProcessFailed as e:
-            return RunOutcome(OutcomeKind.FAILURE, {e.process: e.cause}, outcome.last_progress_at)
-        self._formed().teardown()
-        return WorldChange(
-            OutcomeKind.GROW,
-            list(self.gens.members),
-            "capacity returned",
-            now,
-            outcome.last_progress_at or now,
             teardown_s=time.perf_counter() - t0,
         )
 

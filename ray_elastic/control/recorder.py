@@ -175,6 +175,27 @@ class RunRecorder:
             )
         )
 
+    def _planned_change(
+        self, change: WorldChange, record: WorldRecord, restore: RestorePlan, rewound: int, before: WorldRecord | None
+    ) -> None:
+        """A world formed at a planned step boundary: a grow-back (``scale_up``), or warned slices
+        gone (``slice_left``); neither is a recovery."""
+        ready_at = time.time()
+        common: dict[str, Any] = dict(
+            generation=record.generation,
+            to_slices=len(record.slices),
+            restored_from_step=restore.step,
+            steps_rewound=rewound,
+            pause_s=ready_at - change.last_progress_at,
+            ready_at=ready_at,
+        )
+        if change.cause is OutcomeKind.GROW:
+            self.events.emit(
+                ev.ScaleUp(from_slices=len(change.survivors), resize_s=ready_at - change.detected_at, **common)
+            )
+        else:
+            self.events.emit(ev.SliceLeft(from_slices=len(before.slices) if before else len(record.slices), **common))
+
     def world_formed(
         self,
         change: WorldChange,
@@ -202,20 +223,8 @@ class RunRecorder:
             )
         rewound = self.ledger.rewind_to(restore.step)
         size = len(record.slices)
-        if change.cause is OutcomeKind.GROW:
-            ready_at = time.time()
-            self.events.emit(
-                ev.ScaleUp(
-                    generation=record.generation,
-                    from_slices=len(change.survivors),
-                    to_slices=size,
-                    restored_from_step=restore.step,
-                    steps_rewound=rewound,
-                    resize_s=ready_at - change.detected_at,
-                    pause_s=ready_at - change.last_progress_at,
-                    ready_at=ready_at,
-                )
-            )
+        if change.cause in (OutcomeKind.GROW, OutcomeKind.PREEMPTED):
+            self._planned_change(change, record, restore, rewound, before)
         elif change.cause is not OutcomeKind.DONE:  # not the first world: a recovery
             rec = results.recovery_record(
                 change,

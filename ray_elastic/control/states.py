@@ -19,7 +19,7 @@ class ControllerState(enum.Enum):
     RUNNING = "running"  # driving steps
     RECOVERING = "recovering"  # a slice or process failed: classify, tear down, choose the next world
     WAITING_FOR_CAPACITY = "waiting_for_capacity"  # too few slices: waiting for replacements
-    RESIZING = "resizing"  # capacity returned: growing the world at a step boundary
+    RESIZING = "resizing"  # capacity returned, or warned slices leave: a new world at a step boundary
     FINISHED = "finished"  # all requested steps done
     ERRORED = "errored"  # gave up; the error says why
 
@@ -35,6 +35,9 @@ class OutcomeKind(enum.StrEnum):
     FAILURE = "failure"  # a process of the world raised or died
     HANG = "hang"  # the watchdog saw no finished step for too long
     GROW = "grow"  # capacity returned: stopped at a step boundary to form a bigger world
+    PREEMPTED = (
+        "preempted"  # a slice's hosts were warned they will be taken: stopped at a step boundary for it to leave
+    )
     FORMING_FAILED = "forming_failed"  # the next world failed before its first step
 
 
@@ -58,7 +61,8 @@ _ALLOWED: dict[ControllerState, set[ControllerState]] = {
     S.RECOVERING: {S.FORMING_WORLD, S.WAITING_FOR_CAPACITY},
     S.WAITING_FOR_CAPACITY: {S.FORMING_WORLD},
     # Growing back can fail too: a process dying while the in-flight save commits is a failure.
-    S.RESIZING: {S.FORMING_WORLD, S.RECOVERING},
+    # Warned slices leaving may leave too few for the mode: wait for their replacements.
+    S.RESIZING: {S.FORMING_WORLD, S.RECOVERING, S.WAITING_FOR_CAPACITY},
     S.FINISHED: set(),
     S.ERRORED: set(),
 }

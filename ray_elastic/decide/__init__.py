@@ -4,7 +4,8 @@
 - :mod:`~ray_elastic.decide.world`: one world's process ids, mesh, batch and learning-rate scale;
 - :mod:`~ray_elastic.decide.schedule`: snapshot, eval and checkpoint steps, chunk lengths, time bounds;
 - :mod:`~ray_elastic.decide.failures`: what a failure means, and the limits on retrying;
-- :mod:`~ray_elastic.decide.restore`: where the next world's state comes from.
+- :mod:`~ray_elastic.decide.restore`: where the next world's state comes from;
+- :mod:`~ray_elastic.decide.notices`: which slices a drain notice concerns, and how they leave.
 """
 
 from ray_elastic.decide.failures import (
@@ -26,6 +27,7 @@ from ray_elastic.decide.layout import (
     resolve_slice_mesh,
     spec_sizes,
 )
+from ray_elastic.decide.notices import ExitPlan, Notice, plan_exit, warned_slices
 from ray_elastic.decide.restore import RestorePlan, RestoreSource, choose_restore, refuse_fresh_restart
 from ray_elastic.decide.schedule import (
     MAX_CHUNK_S,
@@ -62,7 +64,9 @@ __all__ = [
     "SNAPSHOT_SPREAD",
     "TENSOR_AXIS",
     "ErrorKind",
+    "ExitPlan",
     "FailureVerdict",
+    "Notice",
     "RestorePlan",
     "RestoreSource",
     "WorldPlan",
@@ -82,6 +86,7 @@ __all__ = [
     "newest_snapshot_step",
     "normalize_rules",
     "partition",
+    "plan_exit",
     "plan_world",
     "refuse_fresh_restart",
     "resolve_slice_mesh",
@@ -89,5 +94,6 @@ __all__ = [
     "snapshot_cost_in_steps",
     "snapshot_interval",
     "spec_sizes",
+    "warned_slices",
     "watchdog_timeout",
 ]

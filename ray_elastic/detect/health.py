@@ -164,6 +164,17 @@ def dead_slices(
         time.sleep(poll_s)
 
 
+def draining_nodes(timeout_s: float = 2.0) -> dict[str, tuple[float | None, str]]:
+    """Nodes Ray marks draining (a preemption warning from a SIGTERMed ``ray start``, the
+    autoscaler, ``ray drain-node``): node id -> (deadline as wall-clock seconds, None when it has
+    none; why). One GCS call (what Ray Serve polls to move replicas off a node before it goes)."""
+    gcs = ray._private.worker.global_worker.gcs_client
+    return {
+        node: (deadline_ms / 1000.0 if deadline_ms else None, "drained by Ray (a preemption or termination notice)")
+        for node, deadline_ms in gcs.get_draining_nodes(timeout=timeout_s).items()
+    }
+
+
 def probe(workers: list, timeout_s: float) -> list:
     """Each worker's answer to a health probe (its own concurrency group), or None when it did not
     answer within ``timeout_s`` (hung, stopped or dead)."""

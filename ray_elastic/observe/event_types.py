@@ -330,18 +330,46 @@ class Resize(Event):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ScaleUp(Event):
-    """Capacity returned and the world grew at a step boundary."""
+class PlannedChange(Event):
+    """A world formed after a planned stop at a step boundary (not a failure): its fields."""
 
-    kind = "scale_up"
     generation: int
     from_slices: int
     to_slices: int
     restored_from_step: int
     steps_rewound: int
-    resize_s: float  # the smaller world stopped -> the bigger one is ready
-    pause_s: float  # the smaller world's last step -> the bigger one is ready: training paused this long
+    pause_s: float  # the last step before the stop -> the next world ready: training paused this long
     ready_at: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScaleUp(PlannedChange):
+    """Capacity returned and the world grew at a step boundary."""
+
+    kind = "scale_up"
+    resize_s: float  # the smaller world stopped -> the bigger one is ready
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PreemptionNotice(Event):
+    """A slice's hosts were drained (a preemption notice): it left the world at a step boundary.
+    ``seconds_left``: of its notice when it was out; ``state_kept_by``: snapshots, checkpoint or nothing."""
+
+    kind = "preemption_notice"
+    slice: str
+    hosts: list[str]
+    reason: str
+    deadline: float | None
+    seconds_left: float | None
+    step: int  # the last step it trained
+    state_kept_by: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SliceLeft(PlannedChange):
+    """Warned slices left; the next world formed without them."""
+
+    kind = "slice_left"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -368,4 +396,4 @@ class Waiting(Event):
 
 
 # What the user's ``on_event`` gets: the elastic events, waits for slices and evaluations.
-ELASTIC = (FailureEvent, Recovered, Resize, ScaleUp, WaitingForCapacity, Waiting, Eval)
+ELASTIC = (FailureEvent, Recovered, Resize, ScaleUp, PreemptionNotice, SliceLeft, WaitingForCapacity, Waiting, Eval)

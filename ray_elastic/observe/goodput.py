@@ -19,6 +19,7 @@ BADPUT = (
     "checkpoint_blocking",  # steps waiting for a checkpoint save to start
     "failure_detection",  # last progress -> failure classified
     "waiting_for_capacity",  # pause-and-resume: waiting for a replacement slice
+    "preemption",  # warned slices leaving at a step boundary: the last step -> the next world ready
     "world_reformation",  # teardown + forming the next world + loading its state
     "rewound_work",  # steps computed and then lost (recomputed later)
     "other",  # the rest: driver/stream overhead, data, snapshots
@@ -131,6 +132,9 @@ def account(events: list) -> Goodput:
         times, bad["rewound_work"] = kept_and_rewound(events)
         productive = sum(t for _, t in times.values())
     formed = [e for e in events if isinstance(e, ev.WorldFormed)]
+    for e in events:
+        if isinstance(e, ev.SliceLeft):  # the whole pause, compiling and re-forming included
+            bad["preemption"] += timeline.claim([(e.ready_at - e.pause_s, e.ready_at)])
     for i, w in enumerate(formed):
         compile_s = w.times.get("compile_s", 0.0)
         bad["compilation"] += timeline.claim([(w.ts - compile_s, w.ts)])

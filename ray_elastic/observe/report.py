@@ -25,7 +25,9 @@ class Timeline:
     failures: list[tuple[float, list[str]]]  # (t detected, slices lost)
     recoveries: list[tuple[float, float]]  # (t detected, t training again)
     waiting: list[tuple[float, float]]  # (t start, t end) of waiting for capacity
-    grow_pauses: list[tuple[float, float]]  # (t last step of the smaller world, t bigger world ready)
+    grow_pauses: list[
+        tuple[float, float]
+    ]  # planned pauses (a grow-back, warned slices leaving): last step -> next world ready
     checkpoints: list[tuple[float, int]]  # (t, step) of committed checkpoints
     goodput: Goodput
     num_slices: int
@@ -67,7 +69,7 @@ def timeline(events: list) -> Timeline:
             recs.append((e.detected_at - t0, e.ready_at - t0))
             if (e.wait_for_capacity_s or 0) > 0:
                 waits.append((e.capacity_ready_at - t0 - e.wait_for_capacity_s, e.capacity_ready_at - t0))
-        elif isinstance(e, ev.ScaleUp) and e.pause_s is not None:
+        elif isinstance(e, ev.PlannedChange) and e.pause_s is not None:
             grows.append((e.ready_at - e.pause_s - t0, e.ready_at - t0))
         elif isinstance(e, ev.Steps):
             if prev_ts is not None and e.ts > prev_ts:
@@ -155,7 +157,7 @@ def _draw_slices_and_rate(ax_sl, ax_rate, tl: Timeline) -> None:
         )
     ax_rate.set_xlabel(
         "seconds since start  (red: failure, orange: recovery, purple: waiting for capacity, "
-        "cyan: growing back, gray: checkpoint)",
+        "cyan: growing back or a warned slice leaving, gray: checkpoint)",
         fontsize=8,
     )
 

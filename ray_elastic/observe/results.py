@@ -96,6 +96,7 @@ class RunSummary:
     failures: int = 0
     recoveries: int = 0
     scale_ups: int = 0
+    preemption_notices: int = 0  # slices that left on a drain notice (planned, not failures)
     checkpoints_saved: int = 0
     checkpoints_committed: int = 0
     checkpoint_restores: int = 0
@@ -168,7 +169,7 @@ def summarize(
     intervals = [e.every for e in events if isinstance(e, ev.SnapshotInterval)]
     # Steps run twice, by recoveries and by grow-backs alike (a grow-back should rewind none).
     rewound = sum(r.steps_rewound for r in recoveries) + sum(
-        e.steps_rewound for e in events if isinstance(e, ev.ScaleUp)
+        e.steps_rewound for e in events if isinstance(e, ev.PlannedChange)
     )
 
     summary = RunSummary(
@@ -187,6 +188,7 @@ def summarize(
         failures=count(ev.FailureEvent),
         recoveries=len(recoveries),
         scale_ups=count(ev.ScaleUp),
+        preemption_notices=count(ev.PreemptionNotice),
         checkpoints_saved=count(ev.CheckpointSave),
         checkpoints_committed=count(ev.CheckpointCommitted),
         checkpoint_restores=count(ev.CheckpointRestore),
@@ -233,7 +235,7 @@ def unexplained_rewinds(events: list, replicas: int) -> int:
             if not in_chain:
                 chain_holders, gone, in_chain = holders, set(), True
             gone |= e.gone_slices
-        elif isinstance(e, (ev.Recovered, ev.ScaleUp)):
+        elif isinstance(e, (ev.Recovered, ev.PlannedChange)):
             rewound = range(e.restored_from_step + 1, e.restored_from_step + 1 + e.steps_rewound)
             if (not in_chain or not set(chain_holders) <= gone) and not set(rewound) <= unfinished:
                 unexplained += e.steps_rewound

@@ -1,6 +1,6 @@
 """What the Ray cluster says about a failure (the controller's
 :class:`~ray_elastic.control.backend.ClusterHealth`): an error's kind, hosts and slices gone, processes
-that do not answer. The checks themselves are :mod:`ray_elastic.detect.health`'s."""
+that do not answer, hosts warned they will go. The checks themselves are :mod:`ray_elastic.detect.health`'s."""
 
 from __future__ import annotations
 
@@ -36,3 +36,7 @@ class RayClusterHealth:
 
     def unresponsive(self, world: WorldHandle) -> set[int]:
         return health.unresponsive(world.workers, self.config.failure.probe_timeout_s)
+
+    def draining(self) -> dict[str, tuple[float | None, str]]:
+        """Hosts warned they will be taken (drained nodes with their deadlines)."""
+        return health.draining_nodes()

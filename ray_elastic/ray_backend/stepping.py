@@ -8,7 +8,8 @@ thousand processes the driver's work per round and per chunk is what limits a wo
 The driver reads every item of every stream and every result (an error is an item: reading them
 all is how a death is seen at once), but no snapshot passes through it. Two chunks are kept
 queued, so workers never wait on the driver. The loop ends when the steps are done, a process
-fails, the watchdog sees no progress, or (on request) at a step boundary to grow.
+fails, the watchdog sees no progress, or (on request) at a step boundary: to grow, or for warned
+slices to leave.
 """
 
 from __future__ import annotations
@@ -89,13 +90,15 @@ class StepStreams:
         out, self._snapshot_steps = self._snapshot_steps, []
         return out
 
-    def run(self, start_step: int, end_step: int, grow_requested: Callable[[], bool]) -> RunOutcome:
+    def run(self, start_step: int, end_step: int, stop_requested: Callable[[], OutcomeKind | None]) -> RunOutcome:
+        """Steps ``start_step .. end_step - 1``. ``stop_requested`` is asked between reads: a kind
+        (``GROW``, ``PREEMPTED``) stops the world at the next step boundary with that outcome."""
         self.hosts.start()
         wake = threading.Event()
         waiters = FirstReady(wake), FirstReady(wake)  # snapshot holders' streams, the others' results
         self.world.deaths.notify(wake.set)
         try:
-            return self._run(start_step, end_step, grow_requested, wake, *waiters)
+            return self._run(start_step, end_step, stop_requested, wake, *waiters)
         finally:
             self.world.deaths.notify(None)
             for w in waiters:
@@ -105,25 +108,25 @@ class StepStreams:
         self,
         start_step: int,
         end_step: int,
-        grow_requested: Callable[[], bool],
+        stop_requested: Callable[[], OutcomeKind | None],
         wake: threading.Event,
         stream_waiter: FirstReady,
         quiet_waiter: FirstReady,
     ) -> RunOutcome:
         """Keep chunks queued and read what comes back until the steps are done, a check finds a
-        failure, or a requested grow has drained the queues."""
+        failure, or a requested stop has drained the queues."""
         self._reported = self._snapshot_reported = start_step - 1
         run = _Progress(submitted=start_step)
         holders = [c for c in range(len(self.queues)) if self.streaming[c]]
         quiet = [c for c in range(len(self.queues)) if not self.streaming[c]]
         while True:
-            if self._fill(run, end_step, grow_requested):
+            if self._fill(run, end_step, stop_requested):
                 stream_waiter.watch(self._heads(holders))
                 quiet_waiter.watch(self._heads(quiet))
             if not any(self.queues):
-                kind = OutcomeKind.GROW if run.draining and run.submitted < end_step else OutcomeKind.DONE
-                if kind is OutcomeKind.GROW:
-                    self.sync_with_keepers()  # the bigger world restores from what they hold
+                kind = run.draining if run.draining and run.submitted < end_step else OutcomeKind.DONE
+                if kind is not OutcomeKind.DONE:
+                    self.sync_with_keepers()  # the next world restores from what they hold
                 return RunOutcome(kind, {}, run.wall)
             suspect = watchdog_timeout(self.step_times, SUSPECT_FACTOR, SUSPECT_MIN_S)
             wake.wait(min(POLL_S, max(0.0, max(run.at + suspect, run.next_node_check) - time.monotonic())))
@@ -138,11 +141,11 @@ class StepStreams:
                 if outcome is not None:
                     return outcome
 
-    def _fill(self, run: _Progress, end_step: int, grow_requested: Callable[[], bool]) -> bool:
-        """Queue chunks up to ``CHUNKS_IN_FLIGHT`` (or, once a grow is requested, the empty chunk
+    def _fill(self, run: _Progress, end_step: int, stop_requested: Callable[[], OutcomeKind | None]) -> bool:
+        """Queue chunks up to ``CHUNKS_IN_FLIGHT`` (or, once a stop is requested, the empty chunk
         that stops the processes at the next boundary); True when a queue's head changed."""
-        if not run.draining and grow_requested():
-            run.draining = True  # finish what is queued, then stop at that step boundary
+        if not run.draining:
+            run.draining = stop_requested()  # finish what is queued, then stop at that step boundary
         # A world that starts at the end (its state is the last step's) runs only the eval a failure lost.
         heads_changed = (
             not self._submitted and run.submitted == end_step and self._eval_lost(end_step - 1, end_step - 1)
@@ -363,7 +366,7 @@ class StepStreams:
         self.keepers.settle(holders, set(errors), self.cadence.newest_due(self._reported), self._reported, newest_s)
 
     def sync_with_keepers(self) -> None:
-        """The store says what every holder's keeper holds now (before a grow: the bigger world restores it)."""
+        """The store says what every holder's keeper holds now (before a planned stop: the next world restores it)."""
         self.keepers.sync(self._reported)
 
 
@@ -372,7 +375,7 @@ class _Progress:
     """The step loop's state for one run of a world."""
 
     submitted: int  # the first step not yet queued
-    draining: bool = False  # a grow was requested: no more chunks
+    draining: OutcomeKind | None = None  # a stop was requested (why): no more chunks
     stopped: bool = False  # the empty chunk that stops the processes is queued
     at: float = dataclasses.field(default_factory=time.monotonic)  # the last progress
     wall: float = dataclasses.field(default_factory=time.time)  # the same, wall clock (for the outcome)

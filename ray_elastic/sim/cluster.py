@@ -109,6 +109,7 @@ class SimulatedTPUCluster(SliceFaults, AutoscaledSlices):
         self._next_slice = 0
         self.slices: list[SimulatedSlice] = []
         self._provisioners: list[Provisioner] = []
+        self._timers: list = []  # preempt_slice: the kills at the deadlines
         self._starter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sim-node-starter")
         self._events_seen = 0
         self.state_dir: str | None = None  # the autoscaler provider's records
@@ -275,6 +276,8 @@ class SimulatedTPUCluster(SliceFaults, AutoscaledSlices):
         for p in self._provisioners:
             p.stop()
         self._provisioners.clear()
+        for t in self._timers:  # preemptions whose deadline has not come: nothing to kill any more
+            t.cancel()
         import ray
 
         if self._connect and ray.is_initialized():

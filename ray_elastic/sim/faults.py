@@ -1,11 +1,13 @@
 """The faults a simulated cluster offers: a slice or one host lost (SIGKILL), a slice hung (SIGSTOP),
-and finding what of the cluster still runs."""
+a slice preempted with notice (drained, then killed at the deadline), and finding what of the
+cluster still runs."""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import threading
 import time
 
 import psutil
@@ -69,6 +71,39 @@ class SliceFaults:
         for name in dead:
             self.kill_slice(name)
         return dead
+
+    def preempt_slice(self, name: str, notice_s: float) -> float:
+        """A preemption with notice: every host of the slice drained through the GCS with reason
+        ``DRAIN_NODE_REASON_PREEMPTION`` and a deadline ``notice_s`` from now (what a SIGTERMed
+        ``ray start`` and autoscaler v2 do), then the slice killed at the deadline (a timer
+        thread). Returns the deadline (wall clock)."""
+        import ray
+        from ray.core.generated import autoscaler_pb2
+
+        sl = self.slice_by_name(name)
+        deadline = time.time() + notice_s
+        gcs = ray._raylet.GcsClient(address=self.address)
+        reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+        for node in sl.node_ids:
+            accepted, why = gcs.drain_node(node, reason, "simulated preemption", int(deadline * 1000))
+            if not accepted:
+                raise RuntimeError(f"the drain of {name}'s node {node} was refused: {why}")
+        timer = threading.Timer(max(0.0, deadline - time.time()), self._kill_if_alive, args=(sl,))
+        timer.daemon = True
+        timer.start()
+        self._timers.append(timer)
+        logger.info("simulated slice %s drained; killed in %.1fs", name, notice_s)
+        return deadline
+
+    def _kill_if_alive(self, sl: SimulatedSlice) -> None:
+        """The preempted slice itself (not a replacement that reuses its name) killed at its deadline."""
+        try:
+            if sl.alive:
+                self._kill_hosts(sl.hosts, sl.name)
+                sl.alive = False
+                logger.info("simulated slice %s killed at its preemption deadline", sl.name)
+        except Exception as e:  # noqa: BLE001 - the cluster may be shutting down
+            logger.debug("preempted slice %s not killed: %r", sl.name, e)
 
     def hang_slice(self, name: str) -> None:
         """A hung slice: SIGSTOP its hosts' processes (raylet and workers)."""
