@@ -305,6 +305,27 @@ def test_ctrl_c_in_each_state_leaves_nothing_behind(cluster, where):
     assert left_behind(before) == {}
 
 
+def run_preempted(cluster, preempt, until, **cfg_kw):
+    """``preempt(trainer)`` after step 10; from there each step is paced (0.15 s) while ``until(trainer)``
+    is false: a run of steps this short would otherwise end before the notice is read."""
+    fired = []
+
+    def on_step(m):
+        if m["step"] == 10:
+            preempt(trainer)
+            fired.append(m["step"])
+        if fired and not until(trainer):
+            time.sleep(0.15)
+
+    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster, **cfg_kw), progress=False, on_step=on_step)
+    result = trainer.fit(STEPS)
+    cluster.await_preemptions()  # drained nodes take nothing new: gone before the next test looks for slices
+    assert fired and result.steps == list(range(STEPS))
+    s = result.summary
+    assert (s["failures"], s["recoveries"], s["steps_rewound"]) == (0, 0, 0), timeline(result.events)
+    return trainer, result
+
+
 def test_a_preempted_slice_leaves_at_a_step_boundary_and_its_kill_changes_nothing(cluster, baseline):
     """``preempt_slice``: the slice's node drained through the GCS (reason preemption, a deadline 4 s
     away; what a SIGTERMed ``ray start`` does), then killed at the deadline. The run sees the notice
@@ -316,24 +337,7 @@ def test_a_preempted_slice_leaves_at_a_step_boundary_and_its_kill_changes_nothin
         notice["slice"] = slice_name(t, 1)
         notice["deadline"] = cluster.preempt_slice(notice["slice"], notice_s=4.0)
 
-    def pace_past_the_kill(m):  # the run must outlast the deadline: the kill lands while it trains
-        if notice and time.time() < notice["deadline"] + 2.0:
-            time.sleep(0.15)
-
-    plan = FaultPlan({10: preempt})
-
-    def on_step(m):
-        plan.on_step(m)
-        pace_past_the_kill(m)
-
-    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster), progress=False, on_step=on_step)
-    plan.trainer = trainer
-    result = trainer.fit(STEPS)
-    assert result.steps == list(range(STEPS))
-    s = result.summary
-    assert (s["failures"], s["recoveries"], s["steps_rewound"], s["preemption_notices"]) == (0, 0, 0, 1), timeline(
-        result.events
-    )
+    trainer, result = run_preempted(cluster, preempt, lambda t: time.time() > notice["deadline"] + 2.0)
     (event,) = [e for e in result.events if e["kind"] == "preemption_notice"]
     assert event["slice"] == notice["slice"] and event["state_kept_by"] == "snapshots"
     assert 0 < event["seconds_left"] <= 4.0, event
@@ -341,6 +345,27 @@ def test_a_preempted_slice_leaves_at_a_step_boundary_and_its_kill_changes_nothin
     assert result.events[-1]["ts"] > notice["deadline"] + 1.0
     assert notice["slice"] not in trainer.worlds[-1].slices and len(trainer.worlds[-1].slices) == 2
     assert max_rel_err(result.losses, baseline) <= RESIZED
+
+
+def test_every_slice_preempted_commits_the_boundary_step_and_the_run_goes_on_elsewhere(cluster, tmp_path):
+    """Both slices of a 2-slice world warned at once (no staying holder): the boundary step is
+    committed to a checkpoint before they go, and the world formed on the cluster's third slice
+    restores it: no failure, nothing rewound."""
+
+    def preempt_both(t):
+        for position in (0, 1):
+            cluster.preempt_slice(slice_name(t, position), notice_s=8.0)
+
+    def left(t):
+        return any(e["kind"] == "slice_left" for e in t.events.events)
+
+    _trainer, result = run_preempted(
+        cluster, preempt_both, left, num_slices=2, global_batch_size=24, checkpoint_dir=str(tmp_path / "ckpt")
+    )
+    notices = [e for e in result.events if e["kind"] == "preemption_notice"]
+    assert len(notices) == 2 and {e["state_kept_by"] for e in notices} == {"checkpoint"}
+    (formed,) = [e for e in result.events if e["kind"] == "world_formed"][1:]
+    assert formed["restore_source"] == "checkpoint" and formed["restored_from_step"] == notices[0]["step"]
 
 
 def test_slice_hung_by_sigstop(cluster, baseline):

@@ -95,6 +95,11 @@ class SliceFaults:
         logger.info("simulated slice %s drained; killed in %.1fs", name, notice_s)
         return deadline
 
+    def await_preemptions(self) -> None:
+        """Until every slice ``preempt_slice`` warned has been killed at its deadline."""
+        for timer in self._timers:
+            timer.join()
+
     def _kill_if_alive(self, sl: SimulatedSlice) -> None:
         """The preempted slice itself (not a replacement that reuses its name) killed at its deadline."""
         try:
