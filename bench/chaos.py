@@ -13,7 +13,11 @@ slice, checkpoints every ``--checkpoint-every`` steps. ``--faults N`` faults fir
 - ``dies_on_arrival``: a slice lost, and its replacement lost as soon as it arrives;
 - ``during_save``: a process killed right after a checkpoint save started;
 - ``during_grow``: a slice lost, and at the next grow-back a process of the world killed as the
-  controller enters ``resizing``, before the in-flight save commits (resizing -> recovering).
+  controller enters ``resizing``, before the in-flight save commits (resizing -> recovering);
+- faults that kill nothing: ``preempt`` (a slice's hosts drained with a 5 s notice, killed at the
+  deadline: it should leave with no failure), ``slow_data`` (a slice's rows read 10 ms each) and
+  ``stuck_data`` (a slice's data source blocked until the failure that names it). Each straggler
+  and stuck process must be attributed to the right slice (``misattributed``: 0).
 
 Phase 2 (``--multihost-faults M``): 3 slices of 2 hosts (``min_slices`` 2), each fault one host of a
 slice lost.
@@ -58,8 +62,41 @@ KINDS = (
     "dies_on_arrival",
     "during_save",
     "during_grow",
+    "preempt",
+    "slow_data",
+    "stuck_data",
 )
 GBS, SEED = 48, 0  # 48 splits evenly over 2, 3 and 4 slices of 2 devices (and 2 or 3 slices of 4)
+
+
+def chaos_task(marker_dir: str):
+    """The digits MLP whose rows a fault can slow or block on one slice: a file ``slow_data-<slice>``
+    in ``marker_dir`` makes each of that slice's rows take its seconds; ``stuck_data-<slice>``
+    blocks them while it exists (the slice is the host's ``TPU_NAME``)."""
+    import dataclasses
+
+    from ray_elastic.examples.digits_mlp import DigitsMLPTask
+
+    @dataclasses.dataclass
+    class ChaosTask(DigitsMLPTask):
+        marker_dir: str = ""
+
+        def dataset(self):
+            where = self.marker_dir
+
+            class Rows(list):
+                def __getitem__(self, i):
+                    me = os.environ.get("TPU_NAME", "")
+                    slow = os.path.join(where, f"slow_data-{me}")
+                    if os.path.exists(slow):
+                        time.sleep(0.01)
+                    while os.path.exists(os.path.join(where, f"stuck_data-{me}")):
+                        time.sleep(0.05)
+                    return list.__getitem__(self, i)
+
+            return Rows(super().dataset())
+
+    return ChaosTask(marker_dir=marker_dir)
 
 
 class Chaos:
@@ -71,6 +108,9 @@ class Chaos:
         self.fired: list[dict] = []
         self._after_failure = None  # a second fault waiting for the controller to see the first
         self._kills_on_resize = 0  # during_grow faults waiting for the next grow-back
+        self.marker_dir = tempfile.mkdtemp(prefix="chaos-data-")  # ChaosTask's slow and stuck rows
+        self.culprits: dict[str, dict] = {}  # slice -> the fault that should be named for it
+        self.attributed = self.misattributed = 0
 
     # ----------------------------------------------------------------- victims
     def _names(self) -> list[str]:
@@ -129,12 +169,43 @@ class Chaos:
             # as the controller enters ``resizing``, before the in-flight save commits (resizing -> recovering)
             self._kills_on_resize += 1
             self._lose(self._pick()[0])
+        elif kind == "preempt":
+            self.cluster.preempt_slice(self._pick()[0], notice_s=5.0)
+        elif kind in ("slow_data", "stuck_data"):
+            self._slow(kind, self._pick()[0])
         elif kind == "dies_on_arrival":
             known = {s.name for s in self.cluster.slices}
             threading.Thread(target=self._lose_on_arrival, args=(known,), daemon=True).start()
             self._lose(self._pick()[0])
         else:
             raise ValueError(f"unknown fault kind {kind!r}")
+
+    def _slow(self, kind: str, name: str) -> None:
+        """A slice that should be named (a straggler, a stuck process) until it is."""
+        fault = self.fired[-1]
+        fault["victim"] = name
+        marker = os.path.join(self.marker_dir, f"{kind}-{name}")
+        with open(marker, "w") as f:
+            f.write("0.01" if kind == "slow_data" else "")
+        fault["marker"] = marker
+        self.culprits[name] = fault
+
+    def _named(self, name: str, how: str) -> None:
+        """The controller named ``name`` (a straggler, a stuck process): right if a fault made it so."""
+        fault = self.culprits.pop(name, None)
+        if fault is None:
+            self.misattributed += 1
+            print(f"    MISATTRIBUTED: {name} named {how}, no fault made it so", flush=True)
+            return
+        self.attributed += 1
+        if "marker" in fault and os.path.exists(fault["marker"]):
+            os.unlink(fault["marker"])
+
+    def end(self) -> None:
+        """The run is over: every slowed slice runs at full speed again."""
+        for fault in self.culprits.values():
+            if "marker" in fault and os.path.exists(fault["marker"]):
+                os.unlink(fault["marker"])
 
     def _lose_while_forming(self, t, spare: str, timeout_s: float = 60.0) -> None:
         deadline = time.time() + timeout_s
@@ -163,6 +234,12 @@ class Chaos:
             time.sleep(0.05)
 
     def on_event(self, e: dict) -> None:
+        if e["kind"] == "straggler":
+            print(f"    straggler: {e['slice']} {e['slowdown']}x, {e['action']}", flush=True)
+            self._named(e["slice"], "a straggler")
+        elif e["kind"] == "failure" and e["cause"] == "hang" and "never reached step" in (e.get("error") or ""):
+            for name in e["kinds"]:
+                self._named(name, "stuck")
         if e["kind"] in ("recovered", "scale_up", "failure", "waiting_for_capacity"):
             keys = {
                 "failure": ("cause", "lost_slices", "crashed_slices", "world_slices", "detection_latency_s"),
@@ -277,7 +354,7 @@ def run_phase(
                 chaos.fire(rng.choice(kinds), -1)
 
     trainer = ElasticTrainer(
-        DigitsMLPTask(),
+        chaos_task(chaos.marker_dir),
         cfg(
             num_slices,
             mode="replica-resize",
@@ -306,6 +383,7 @@ def run_phase(
     finally:
         stop.set()
         prov.stop()
+        chaos.end()
     wall = time.time() - t0
     events = trainer.events.events
     committed, uncommitted_restored = set(), 0
@@ -325,12 +403,18 @@ def run_phase(
         "final_checkpoint_committed": latest is not None and latest.step == steps,
         "by_kind": {k: sum(1 for f in chaos.fired if f["kind"] == k) for k in sorted({f["kind"] for f in chaos.fired})},
         "world_size_noise": _max_rel(small, full) if noise else None,
+        # stragglers and stuck processes named for the slice a fault slowed or stuck, and otherwise
+        "attributed": chaos.attributed,
+        "misattributed": chaos.misattributed,
+        "not_named": len(chaos.culprits),
         # processes that broke a rule of the TPU runtime (sim/tpu_runtime.py): must be 0
         "tpu_breaches": len(tpu_runtime.breaches()) - breaches_before,
     }
     if result is not None:
         # Steps before the world first changed shape trained exactly as the failure-free run did.
-        resized = [r.restored_from_step for r in result.recoveries if r.slices != num_slices]
+        resized = [r.restored_from_step for r in result.recoveries if r.slices != num_slices] + [
+            e["restored_from_step"] for e in events if e["kind"] == "slice_left"
+        ]
         prefix = min(resized) + 1 if resized else steps
         out.update(
             steps_rewound=result.summary["steps_rewound"],

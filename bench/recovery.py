@@ -12,7 +12,12 @@ Faults fire one at a time, each once the world is at full size again:
 - ``--repeats`` times each *warm* (fired once every host has a warm standby process), and
   ``--cold`` times each *cold* (fired at the first step of a new full-size world, while the
   standbys that replace the ones it used are still starting),
-- plus ``cascade``: a second slice lost while the first recovery runs.
+- plus ``cascade``: a second slice lost while the first recovery runs,
+- and ``preempt``: the slice's hosts drained with a deadline ``--notice-s`` away (a preemption
+  notice, ``SimulatedTPUCluster.preempt_slice``), killed at the deadline: the slice should leave at
+  a step boundary (no failure, nothing rewound) and the kill change nothing. Per notice the bench
+  prints the stall (the last step before the planned stop -> the first step after it), the
+  notice's seconds left when the slice was out, and the failures counted at the kill.
 
 A 2-host-slice variant (``--multihost``) loses one host of a slice per position. Per fault the
 bench prints, for node losses, when Ray's node table marks the node dead (``node_dead_s``, its
@@ -28,7 +33,9 @@ worst, and the grow-back pauses. The last line is one JSON object:
      every grow-back, "grow_pause_worst_s": ..., "grow_pause_multihost_s": median of the 2-host slices' grows,
      "pause_resume_recovery_after_arrival_s": ..., "replica_resize_tpu_model_median_s": ... (with the
      modelled TPU start-up), "replica_resize_tpu_model_worst_s": ..., "chips_wait_worst_s": ... (a new
-     process waiting for its host's previous chip owner to exit), "steps_rewound_max": ...}
+     process waiting for its host's previous chip owner to exit), "steps_rewound_max": ...,
+     "preempt_stall_s": ... (median over notices), "preempt_stall_worst_s": ..., "preempt_failures": ... (failures
+     counted from the notice to 10 s after the kill: 0), "preempt_seconds_left_min": ...}
 
     .venv/bin/python bench/recovery.py [--repeats 2] [--multihost 1] [--model mlp|llm]
 """
@@ -111,6 +118,7 @@ def run_mode(
     settle_timeout_s: float = 180.0,
     snapshot_every="auto",
     model_name: str = "mlp",
+    notice_s: float = 10.0,
 ) -> dict:
     """One run that fires ``faults`` in order; returns per-fault rows, grow pauses and rewinds."""
     from ray_elastic import AutoInterval, ElasticConfig, ElasticTrainer
@@ -123,6 +131,9 @@ def run_mode(
 
     def kill(t, kind: str, pos: int, row: dict) -> None:
         name = t.world.plan.slice_names[pos]
+        if kind == "preempt":
+            row["deadline"] = cluster.preempt_slice(name, notice_s)
+            return
         if kind == "process":
             os.kill(t.world.host_infos[pos * hosts]["pid"], signal.SIGKILL)
             return
@@ -189,7 +200,7 @@ def run_mode(
             threading.Thread(target=second_loss, daemon=True).start()
         elif row is not None:
             box["cascade"] = row
-        if e["kind"] in ("recovered", "scale_up"):
+        if e["kind"] in ("recovered", "scale_up", "slice_left"):
             box["cold_from"] = box.get("last_step", 0) + 1
             box["quiet_from"] = max(box["quiet_from"], box.get("last_step", 0) + gap)
             box["quiet_until"] = max(box["quiet_until"], time.time() + gap_s)
@@ -216,6 +227,8 @@ def run_mode(
     recs = trainer.recoveries
     rows = []
     for row in fired:
+        if row["kind"] == "preempt":
+            continue  # a planned exit, not a recovery: preempt_rows
         t_kill = row.get("second_at", row["at"])
         after = [r for r in recs if r.ready_at > t_kill]
         if not after:
@@ -276,7 +289,35 @@ def run_mode(
                 if t_kill - 0.1 < e["ts"] < t_kill + 12 and e["kind"] not in ("steps",):
                     detail = {k: e[k] for k in ("lost_slices", "restore_source", "steps_rewound", "reason") if k in e}
                     print(f"   {e['ts'] - t_kill:7.3f} {e['kind']} {detail}")
-    return {"rows": rows, "grow_pauses": pauses, "skipped": box.get("skipped", [])}
+    preempts = preempt_rows([r for r in fired if r["kind"] == "preempt"], events, arrivals)
+    return {"rows": rows, "grow_pauses": pauses, "preempts": preempts, "skipped": box.get("skipped", [])}
+
+
+def preempt_rows(fired: list[dict], events: list, arrivals: list[float]) -> list[dict]:
+    """Per preemption notice: the stall (the last step before the planned stop -> the first step of
+    the next world), the notice's seconds left when the slice was out, the steps rewound, and the
+    failures counted from the notice to 10 s after the kill at its deadline (0: the kill changed nothing)."""
+    out = []
+    for row in fired:
+        left = next((e for e in events if e["kind"] == "slice_left" and e["ts"] > row["at"]), None)
+        notice = next((e for e in events if e["kind"] == "preemption_notice" and e["ts"] > row["at"]), None)
+        if left is None or notice is None:
+            out.append({**row, "stall_s": float("nan"), "seconds_left": None, "rewound": None, "failures": None})
+            continue
+        last_step = left["ready_at"] - left["pause_s"]
+        before = [a for a in arrivals if a <= last_step + 1e-3]
+        after = [a for a in arrivals if a > left["ready_at"]]
+        failures = [e for e in events if e["kind"] == "failure" and row["at"] < e["ts"] < row["deadline"] + 10]
+        out.append(
+            {
+                **row,
+                "stall_s": after[0] - before[-1] if before and after else float("nan"),
+                "seconds_left": notice["seconds_left"],
+                "rewound": left["steps_rewound"],
+                "failures": len(failures),
+            }
+        )
+    return out
 
 
 def watch_node_death(node_id: str, row: dict, timeout_s: float = 30.0) -> None:
@@ -315,6 +356,11 @@ def report(title: str, out: dict) -> None:
     if out["grow_pauses"]:
         p = out["grow_pauses"]
         print(f"  grow-back pause: median {statistics.median(p):.3f}s  worst {max(p):.3f}s  ({len(p)} grows)")
+    for r in out.get("preempts", []):
+        print(
+            f"  preempt position {r['position']} {'cold' if r['cold'] else 'warm'}: stall {r['stall_s']:.3f}s, "
+            f"{r['seconds_left']}s of the notice left, {r['rewound']} rewound, {r['failures']} failures counted"
+        )
 
 
 def main() -> None:
@@ -328,7 +374,8 @@ def main() -> None:
         "2 tensor), annotated, with gradient accumulation",
     )
     ap.add_argument("--positions", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--kinds", nargs="+", default=["node", "process"])
+    ap.add_argument("--kinds", nargs="+", default=["node", "process", "preempt"])
+    ap.add_argument("--notice-s", type=float, default=10.0, help="preempt: seconds from the notice to the kill")
     ap.add_argument(
         "--cold",
         type=int,
@@ -396,6 +443,7 @@ def main() -> None:
             settle_timeout_s=args.settle_timeout,
             snapshot_every=args.snapshot_every,
             model_name=args.model,
+            notice_s=args.notice_s,
         )
 
     probes = [cpu_probe_s()]
@@ -444,6 +492,8 @@ def main() -> None:
     tpu = [r["kill_to_step_s"] for r in rows("tpu_model")]
     everything = [r for out in results.values() for r in out["rows"]]
     dead = [r["node_dead_s"] for r in everything if r["node_dead_s"] == r["node_dead_s"]]  # not NaN
+    preempts = [r for out in results.values() for r in out.get("preempts", [])]
+    stalls = [r["stall_s"] for r in preempts if r["stall_s"] == r["stall_s"]]
     summary = {
         "replica_resize_recovery_s": round(statistics.median(rr), 3) if rr else None,
         "replica_resize_worst_s": round(max(rr), 3) if rr else None,
@@ -478,7 +528,15 @@ def main() -> None:
         "replica_resize_tpu_model_worst_s": round(max(tpu), 3) if tpu else None,
         "chips_wait_worst_s": round(max((r["chips_wait_s"] for r in everything), default=0.0), 3),
         "steps_rewound_max": max((r["steps_rewound"] for r in everything), default=0),
-        "faults": len(everything),
+        "preempt_stall_s": round(statistics.median(stalls), 3) if stalls else None,
+        "preempt_stall_worst_s": round(max(stalls), 3) if stalls else None,
+        "preempt_failures": sum(r["failures"] or 0 for r in preempts),
+        "preempt_rewound_max": max((r["rewound"] or 0 for r in preempts), default=0),
+        "preempt_seconds_left_min": min(
+            (r["seconds_left"] for r in preempts if r["seconds_left"] is not None), default=None
+        ),
+        "preempts_unseen": sum(1 for r in preempts if r["seconds_left"] is None),
+        "faults": len(everything) + len(preempts),
         "tpu_breaches": breaches,
         "faults_not_fired": sum(len(out["skipped"]) for out in results.values()),
         "snapshot_every": args.snapshot_every,

@@ -54,6 +54,11 @@ class ProcessGone(RuntimeError):
     the node check decides). See :mod:`ray_elastic.detect.liveness`."""
 
 
+class StuckProcess(TimeoutError):
+    """A process alive and answering that never reached the step the rest of its world waits in (its
+    data source blocked, say): the watchdog names it, and only its slice is blamed."""
+
+
 class ProcessFailed(RuntimeError):
     """A call on every process of a world failed on process ``process`` (``cause``: what it raised)."""
 

@@ -139,6 +139,11 @@ class FakeStreams:
     def take_snapshot_steps(self) -> list[int]:
         return []
 
+    def take_straggler(self):
+        """A straggler the backend measured (``FakeBackend.straggle``), once."""
+        found, self.backend.straggler = self.backend.straggler, None
+        return found
+
 
 class FakeBackend:
     """A cluster of named one-host slices; ``spare`` of them start unreserved."""
@@ -161,6 +166,7 @@ class FakeBackend:
         self.config = None
         self.finish_checkpoint_failures = 0  # finish_checkpoints calls that fail with a dead process
         self.warned: dict[str, float | None] = {}  # host -> its drain deadline (``warn``)
+        self.straggler = None  # a decide.Straggler the streams report once (``straggle``)
 
     def check_task(self, task, config, resume=None) -> None:
         """No JAX runs here: the fake slices never build the task's model."""
@@ -369,6 +375,20 @@ def warn_slice(index: int, notice_s: float | None = 30.0):
 
     def fire(backend, world):
         backend.warn(world.plan.slice_names[index], notice_s)
+
+    return fire
+
+
+def straggle(index: int, slowdown: float = 5.0):
+    """The world's slice ``index`` measured as a straggler: every step waits for it (the step runs)."""
+
+    def fire(backend, world):
+        from ray_elastic.decide.stragglers import Straggler
+
+        period = 0.1 * slowdown
+        backend.straggler = Straggler(
+            world.plan.slice_names[index], index, period, period - 0.1, (period - 0.1) / 0.1, False, 20
+        )
 
     return fire
 

@@ -73,6 +73,9 @@ def test_recovery_bench_prints_recovery_times():
             "0",
             "--kinds",
             "process",
+            "preempt",
+            "--notice-s",
+            "6",
             "--cascades",
             "0",
             "--cold",
@@ -85,7 +88,10 @@ def test_recovery_bench_prints_recovery_times():
             "3",
         ]
     )
-    assert out["steps_rewound_max"] == 0 and out["faults"] == 3  # both modes, and the modelled TPU start-up
+    assert out["steps_rewound_max"] == 0 and out["faults"] == 6  # both modes, and the modelled TPU start-up
+    # A preemption notice: the slice leaves at a step boundary, and its kill at the deadline changes nothing.
+    assert (out["preempt_failures"], out["preempt_rewound_max"], out["preempts_unseen"]) == (0, 0, 0)
+    assert 0 < out["preempt_stall_s"] <= out["preempt_stall_worst_s"] < 60 and out["preempt_seconds_left_min"] > 0
     assert out["tpu_breaches"] == 0
     assert 0 < out["replica_resize_recovery_s"] <= out["replica_resize_worst_s"] < 60
     # Every new process waits the modelled start-up once, in parallel: a recovery pays it about once.

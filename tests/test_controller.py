@@ -666,3 +666,14 @@ def test_a_beacon_holds_only_the_drivers_connections_and_a_bounded_number_of_str
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_process_behind_the_step_the_others_wait_in_is_stuck_and_one_step_for_all_is_not():
+    """What the watchdog names from its probe's answers (``health.stuck_processes``): the processes
+    whose newest dispatched step is behind the newest any process dispatched."""
+    from ray_elastic.detect import health
+
+    at = [{"dispatched": 23, "reading": None}, {"dispatched": 22, "reading": 23}, {"dispatched": 23, "reading": None}]
+    assert health.stuck_processes(at) == {1: at[1]}
+    assert health.stuck_processes([{"dispatched": 23}, {"dispatched": 23}]) == {}  # the world's hang, not one's
+    assert health.stuck_processes([None, {"dispatched": 4}]) == {}  # silence is judged apart

@@ -1,17 +1,19 @@
-"""Slices warned they will be taken (drained hosts: a preemption notice) leave at a step boundary.
+"""Slices alive that should go leave at a step boundary: warned ones (drained hosts: a preemption
+notice) and stragglers (every step waits for them).
 
 The decisions are pure; the controller's planned exit is driven by the scripted fake backend
-(``fake_backend.warn``: a host drained, as Ray marks it). The simulated cluster's
-``preempt_slice`` (a real drain through the GCS, the kill at the deadline) is in
-``test_recovery.py``.
+(``fake_backend.warn``: a host drained, as Ray marks it; ``straggle``: a straggler measured). The
+simulated cluster's ``preempt_slice`` (a real drain through the GCS, the kill at the deadline) and
+slow hosts are in ``test_recovery.py``.
 """
 
 import pytest
-from fake_backend import FakeBackend, add_capacity, warn_slice
+from fake_backend import FakeBackend, add_capacity, straggle, warn_slice
 
-from ray_elastic import ElasticConfig, ElasticTrainer, SliceSpec
+from ray_elastic import ElasticConfig, ElasticTrainer, FailureConfig, SliceSpec
 from ray_elastic.control import planned_exit
 from ray_elastic.decide import plan_exit, warned_slices
+from ray_elastic.decide.stragglers import Straggler, find_straggler, straggler_action
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
 
 STEPS = 20
@@ -84,3 +86,54 @@ def test_pause_and_resume_goes_on_at_full_size_on_the_warned_slice_s_replacement
     result = make(backend, mode="pause-and-resume").fit(STEPS)
     assert result.summary["failures"] == 0 and result.summary["steps_rewound"] == 0
     assert backend.formed[-1].plan.slice_names == ("s1", "s2", "s3")
+
+
+def test_the_process_whose_calls_return_latest_is_the_one_the_world_waits_for():
+    # 20 steps of a 0.5 s period: the world releases each step at once, slice b's call returns 0.4 s later.
+    steps = range(100, 120)
+    released = {
+        0: {s: 0.5 * s for s in steps},
+        1: {s: 0.5 * s + 0.4 for s in steps},
+        2: {s: 0.5 * s + 0.001 for s in steps},
+    }
+    slice_of = {0: "a", 1: "b", 2: "c"}
+    found = find_straggler(released, {0: 0.0, 1: 0.35, 2: 0.0}, slice_of, min_steps=20)
+    assert (found.slice_name, found.process, found.data_bound, found.steps) == ("b", 1, True, 20)
+    assert found.period_s == pytest.approx(0.5) and found.excess_s == pytest.approx(0.3995)
+    assert found.slowdown == pytest.approx(0.5 / 0.1005)
+    assert find_straggler(released, {}, slice_of, min_steps=21) is None  # the window is too short
+    even = {p: {s: 0.5 * s for s in steps} for p in range(3)}
+    assert find_straggler(even, {}, slice_of, min_steps=20).ratio == 0.0
+
+
+def test_a_straggler_is_replaced_by_a_spare_evicted_when_the_world_is_faster_without_it_else_reported():
+    slow = Straggler("b", 1, 0.5, 0.4, 4.0, False, 20)  # the others would step 5x faster
+    mild = Straggler("b", 1, 0.5, 0.1, 0.25, False, 20)  # 1.25x: 3 slices at its pace beat 2 at theirs
+    assert straggler_action(slow, 3, 1, spare_ready=True, on_straggler="auto") == "replace"
+    assert straggler_action(slow, 3, 1, spare_ready=False, on_straggler="auto") == "evict"
+    assert straggler_action(mild, 3, 1, spare_ready=False, on_straggler="auto") == "report"
+    assert straggler_action(slow, 3, 3, spare_ready=False, on_straggler="auto") == "report"  # min_slices
+    assert straggler_action(slow, 3, 1, spare_ready=True, on_straggler="report") == "report"
+
+
+def test_a_straggler_is_evicted_through_the_planned_path_and_its_hosts_held():
+    backend = FakeBackend(faults={5: straggle(1)})
+    result = make(backend).fit(STEPS)
+    assert result.steps == list(range(STEPS))
+    assert sorted(s for _, s in backend.steps_run) == list(range(STEPS))
+    s = result.summary
+    assert (s["failures"], s["recoveries"], s["steps_rewound"]) == (0, 0, 0)
+    (event,) = kinds(result, "straggler")
+    assert (event["slice"], event["action"]) == ("s1", "evict") and event["slowdown"] == pytest.approx(5.0)
+    # Its hosts are held (quarantined): the replacement asked for is never placed there again.
+    assert [w.plan.slice_names for w in backend.formed[1:]] == [("s0", "s2")]
+
+
+def test_an_evicted_straggler_s_replacement_joins_at_once_where_capacity_is_free_and_report_only_trains_on():
+    backend = FakeBackend(slices=4, faults={5: straggle(0)})
+    result = make(backend).fit(STEPS)
+    (event,) = kinds(result, "straggler")
+    assert event["action"] == "evict" and backend.formed[-1].plan.slice_names == ("s1", "s2", "s3")
+    backend = FakeBackend(faults={5: straggle(0)})
+    result = make(backend, failure=FailureConfig(on_straggler="report")).fit(STEPS)
+    assert [e["action"] for e in kinds(result, "straggler")] == ["report"] and len(backend.formed) == 1

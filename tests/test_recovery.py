@@ -389,6 +389,100 @@ def test_hung_process_found_by_watchdog_and_probe(cluster, baseline):
     assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
 
 
+def test_a_process_stuck_in_its_data_is_named_and_only_its_slice_blamed(cluster, baseline, tmp_path):
+    """One process's data source blocks (alive, answering Ray): the others wait in the next step's
+    collectives. The watchdog's probe names it from the steps each process reached: the failure
+    blames its slice alone, the same slices re-form, nothing is rewound."""
+
+    @dataclasses.dataclass
+    class StuckData(DigitsMLPTask):
+        """Once ``marker`` names a slice, that slice's rows block until the marker is gone."""
+
+        marker: str = ""
+
+        def dataset(self):
+            marker = self.marker
+
+            class Blocking(list):
+                def __getitem__(self, i):
+                    while os.path.exists(marker) and os.environ.get("TPU_NAME") == open(marker).read():
+                        time.sleep(0.05)
+                    return list.__getitem__(self, i)
+
+            return Blocking(super().dataset())
+
+    marker, victim = tmp_path / "stuck", {}
+
+    def block(t):
+        victim["name"] = slice_name(t, 1)
+        marker.write_text(victim["name"])
+
+    def on_event(e):
+        if e["kind"] == "failure":
+            marker.unlink(missing_ok=True)  # the next world's reads go through
+
+    plan = FaultPlan({20: block})
+    cfg = config(cluster, failure=FailureConfig(hang_timeout_min_s=2.0))
+    trainer = ElasticTrainer(
+        StuckData(marker=str(marker)), cfg, progress=False, on_step=plan.on_step, on_event=on_event
+    )
+    plan.trainer = trainer
+    result = trainer.fit(STEPS)
+    assert result.steps == list(range(STEPS)) and result.summary["steps_rewound"] == 0
+    (failure,) = [e for e in result.events if e["kind"] == "failure"]
+    assert failure["cause"] == "hang" and failure["kinds"] == {victim["name"]: "hang"}, failure
+    assert (
+        f"slice {victim['name']}) never reached step" in failure["error"] and "waiting for its rows" in failure["error"]
+    )
+    (rec,) = result.recoveries
+    assert rec.slices == 3
+    assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
+
+
+def test_a_slice_with_a_slow_data_source_is_named_a_straggler_and_evicted(cluster, tmp_path):
+    """A slice every step waits for: its rows read 10 ms each (16 a step: a slow data source). The
+    driver's step timings name it over two windows, the world is faster without it, so it leaves
+    at a step boundary: no failure, nothing rewound, its hosts held (its replacement is not placed
+    there)."""
+
+    @dataclasses.dataclass
+    class SlowRows(DigitsMLPTask):
+        """Once ``marker`` names a slice, each of that slice's rows takes ``seconds`` (a slow data source)."""
+
+        marker: str = ""
+        seconds: float = 0.01
+
+        def dataset(self):
+            marker, seconds = self.marker, self.seconds
+
+            class Rows(list):
+                def __getitem__(self, i):
+                    if os.path.exists(marker) and os.environ.get("TPU_NAME") == open(marker).read():
+                        time.sleep(seconds)
+                    return list.__getitem__(self, i)
+
+            return Rows(super().dataset())
+
+    slowed, marker = {}, tmp_path / "slow"
+
+    def slow(t):
+        slowed["name"] = slice_name(t, 1)
+        marker.write_text(slowed["name"])
+
+    plan = FaultPlan({20: slow})
+    task = SlowRows(marker=str(marker))
+    trainer = ElasticTrainer(task, config(cluster), progress=False, on_step=plan.on_step)
+    plan.trainer = trainer
+    result = trainer.fit(200)
+    assert result.steps == list(range(200))
+    s = result.summary
+    assert (s["failures"], s["recoveries"], s["steps_rewound"]) == (0, 0, 0), timeline(result.events)
+    (event,) = [e for e in result.events if e["kind"] == "straggler"]
+    assert event["slice"] == slowed["name"] and event["action"] == "evict", event
+    assert event["slowdown"] > 2.0 and event["data_bound"], event
+    assert slowed["name"] not in trainer.worlds[-1].slices and len(trainer.worlds[-1].slices) == 2
+
+
 def test_two_slices_lost_at_once(cluster, baseline):
     def kill_two(t):
         names = [slice_name(t, 0), slice_name(t, 1)]  # two snapshot holders: the third keeps one

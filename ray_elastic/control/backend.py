@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from ray_elastic.control.states import OutcomeKind, RunOutcome
 from ray_elastic.decide import ErrorKind, WorldPlan
+from ray_elastic.decide.stragglers import Straggler
 
 
 class Reservation(Protocol):
@@ -108,6 +109,8 @@ class Streams(Protocol):
     def run(self, start_step: int, end_step: int, stop_requested: Callable[[], OutcomeKind | None]) -> RunOutcome: ...
 
     def drain(self, timeout_s: float, errors: dict[Any, Any]) -> None: ...
+
+    def take_straggler(self) -> Straggler | None: ...
 
     def take_snapshot_steps(self) -> list[int]: ...
 

@@ -25,7 +25,7 @@ from ray_elastic.config import ElasticConfig
 from ray_elastic.control.backend import Backend, BackendFactory, WorldHandle
 from ray_elastic.control.final_checkpoint import final_checkpoint
 from ray_elastic.control.generations import Generations
-from ray_elastic.control.planned_exit import NoticeWatch, leave_warned, stop_to_grow
+from ray_elastic.control.planned_exit import NoticeWatch, leave, stop_to_grow, straggler_leaves
 from ray_elastic.control.recorder import RunRecorder
 from ray_elastic.control.run_checkpoints import RunCheckpoints
 from ray_elastic.control.states import ControllerState, OutcomeKind, RunOutcome, check_transition
@@ -251,7 +251,7 @@ class Controller:
     def _run(self, num_steps: int) -> RunOutcome:
         self._enter(S.RUNNING)
         world, start = self._formed(), self.worlds[-1].start_step
-        streams = self.backend.drive(world, self.gens.store, self.ledger)
+        streams = self._streams = self.backend.drive(world, self.gens.store, self.ledger)
         self.ledger.start_world(world.plan.generation, streams.take_snapshot_steps)
         t0 = time.perf_counter()
         outcome = streams.run(start, num_steps, self._stop_request)
@@ -266,10 +266,14 @@ class Controller:
         return outcome
 
     def _stop_request(self) -> OutcomeKind | None:
-        """Asked between a running world's reads: stop at the next step boundary for warned slices
-        to leave, or to grow once capacity returned."""
-        if self.notices.poll():
-            return OutcomeKind.PREEMPTED
+        """Asked between a running world's reads: stop at the next step boundary for slices that
+        should go to leave (warned ones, a straggler), or to grow once capacity returned."""
+        self._leaving: dict[str, Any] = dict(self.notices.poll())
+        found = self._streams.take_straggler()
+        if found is not None and straggler_leaves(found, self.gens, self.config, self.events):
+            self._leaving[found.slice_name] = found
+        if self._leaving:
+            return OutcomeKind.LEAVE
         return OutcomeKind.GROW if self.gens.capacity_returned() else None
 
     def _intake(self, outcome: RunOutcome, previous: WorldChange) -> WorldChange:
@@ -277,15 +281,14 @@ class Controller:
         execute: tear down, set aside unreadable checkpoints, keep the survivors."""
         now = time.time()
         self._check_owner()
-        if outcome.kind in (OutcomeKind.GROW, OutcomeKind.PREEMPTED):
+        if outcome.kind in (OutcomeKind.GROW, OutcomeKind.LEAVE):
             self._enter(S.RESIZING)
             self._check_owner()
             world = self._formed()
             if outcome.kind is OutcomeKind.GROW:
                 planned = stop_to_grow(self.checkpoints, world, self.ledger, self.gens.members, outcome)
             else:
-                notices = self.notices.notices
-                planned = leave_warned(self.checkpoints, world, self.ledger, self.gens, notices, self.events, outcome)
+                planned = leave(self.checkpoints, world, self.ledger, self.gens, self._leaving, self.events, outcome)
             if isinstance(planned, WorldChange):
                 return planned
             outcome = planned  # a process died while the in-flight save committed: a failure, not a planned change

@@ -21,7 +21,7 @@ from ray_elastic.control.backend import slice_name as _name
 from ray_elastic.control.run_checkpoints import RunCheckpoints
 from ray_elastic.control.states import OutcomeKind, RunOutcome
 from ray_elastic.decide import REPORT_EVERY_S, ErrorKind, RestorePlan, RestoreSource, choose_restore
-from ray_elastic.errors import unreadable_checkpoint
+from ray_elastic.errors import StuckProcess, unreadable_checkpoint
 from ray_elastic.observe.results import WorldRecord
 from ray_elastic.policy.failure import FailureEvidence
 from ray_elastic.policy.scaling import Action, NextWorld
@@ -208,7 +208,8 @@ class Generations:
             origin = world.slice_of(min(hung)) if hung else None
             # Nobody silent: the whole world is stuck (for example a collective that never completes).
             for p in hung or range(len(world.workers)):
-                outcome.errors[p] = TimeoutError(f"no step finished for {now - outcome.last_progress_at:.1f}s")
+                if not isinstance(outcome.errors.get(p), StuckProcess):  # a named stuck process keeps its account
+                    outcome.errors[p] = TimeoutError(f"no step finished for {now - outcome.last_progress_at:.1f}s")
         kinds: dict[str, ErrorKind] = {}
         for p, e in outcome.errors.items():
             kinds.setdefault(world.slice_of(p), self.backend.health.error_kind(e))  # a TimeoutError is a hang

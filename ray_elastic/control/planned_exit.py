@@ -1,11 +1,12 @@
-"""Planned changes of the world at a step boundary: growing back, and warned slices leaving.
+"""Planned changes of the world at a step boundary: growing back, and slices alive that should go leaving.
 
 Neither is a failure: the world stopped itself at a step boundary (every holder snapshotted
 that step), the in-flight checkpoint commits, the world is torn down, and the next world forms
 through the one path every world takes. A warned slice (its hosts drained: a preemption notice)
 leaves before it is taken, so its loss costs a grow-back's pause instead of a failure's detection
-and rewind; when no staying slice holds snapshots, the boundary step is committed to a checkpoint
-first (with a checkpoint directory).
+and rewind; a straggler (every step waits for it) leaves when the world is faster without it or a
+spare can replace it. When no staying slice holds snapshots, the boundary step is committed to a
+checkpoint first (with a checkpoint directory).
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import logging
 import time
 from typing import Any
 
+from ray_elastic.config import ElasticConfig
 from ray_elastic.control.backend import ClusterHealth, WorldHandle
 from ray_elastic.control.final_checkpoint import finish_checkpoints
 from ray_elastic.control.run_checkpoints import RunCheckpoints
 from ray_elastic.control.states import OutcomeKind, RunOutcome
 from ray_elastic.decide import Notice, plan_exit, warned_slices
+from ray_elastic.decide.stragglers import Straggler, straggler_action
 from ray_elastic.errors import ProcessFailed
 from ray_elastic.observe import event_types as ev
 from ray_elastic.observe.events import EventLog
@@ -72,22 +75,47 @@ def stop_to_grow(
     )
 
 
-def leave_warned(
+def straggler_leaves(found: Straggler, gens: Any, config: ElasticConfig, events: EventLog) -> bool:
+    """A straggler measured by the backend: a ``straggler`` event with what is decided
+    (:func:`~ray_elastic.decide.stragglers.straggler_action`); True when it is to leave the world
+    (replaced by a ready spare, or evicted because the world is faster without it)."""
+    names = list(gens.world.plan.slice_names) if gens.world is not None else []
+    if found.slice_name not in names:
+        return False
+    # Pause-and-resume trains at full size only: a straggler there is replaced, never evicted.
+    floor = len(names) if config.mode == "pause-and-resume" else (config.min_slices or 1)
+    action = straggler_action(found, len(names), floor, bool(gens.ready_replacements()), config.failure.on_straggler)
+    events.emit(
+        ev.Straggler(
+            slice=found.slice_name,
+            process=found.process,
+            slowdown=round(found.slowdown, 3),
+            ratio=round(found.ratio, 3),
+            data_bound=found.data_bound,
+            action=action,
+            evidence=found.evidence(),
+        )
+    )
+    return action != "report"
+
+
+def leave(
     checkpoints: RunCheckpoints,
     world: WorldHandle,
     ledger: StepLedger,
     gens: Any,
-    notices: dict[str, Notice],
+    leaving: dict[str, Notice | Straggler],
     events: EventLog,
     outcome: RunOutcome,
 ) -> WorldChange | RunOutcome:
-    """Warned slices leave at this step boundary: the state is made safe (the in-flight save
-    commits; the boundary step is saved too when no staying slice holds snapshots), the world is
-    torn down, each warned slice is dropped and a replacement asked for (the autoscaler's demand),
-    and a ``preemption_notice`` event per slice says how much of its notice was left."""
+    """Slices alive that should go leave at this step boundary (warned ones, stragglers): the state
+    is made safe (the in-flight save commits; the boundary step is saved too when no staying slice
+    holds snapshots), the world is torn down, each leaving slice is dropped and a replacement asked
+    for (the autoscaler's demand; a straggler's hosts stay held, so it is not placed there again),
+    and a ``preemption_notice`` event per warned slice says how much of its notice was left."""
     now, t0 = time.time(), time.perf_counter()
     names = list(world.plan.slice_names)
-    plan = plan_exit(names, set(notices), names[: world.plan.snapshot_slices], bool(checkpoints.own))
+    plan = plan_exit(names, set(leaving), names[: world.plan.snapshot_slices], bool(checkpoints.own))
     try:
         finish_checkpoints(
             checkpoints, world, ledger, save_step=ledger.last_step + 1 if plan.checkpoint_first else None
@@ -97,29 +125,32 @@ def leave_warned(
     world.teardown()
     out_at = time.time()
     for name in plan.leaving:
-        notice = notices[name]
-        events.emit(
-            ev.PreemptionNotice(
-                slice=name,
-                hosts=list(notice.hosts),
-                reason=notice.reason,
-                deadline=notice.deadline,
-                seconds_left=notice.seconds_left(out_at),
-                step=ledger.last_step,
-                state_kept_by=plan.state_kept_by,
+        why = leaving[name]
+        if isinstance(why, Notice):
+            events.emit(
+                ev.PreemptionNotice(
+                    slice=name,
+                    hosts=list(why.hosts),
+                    reason=why.reason,
+                    deadline=why.deadline,
+                    seconds_left=why.seconds_left(out_at),
+                    step=ledger.last_step,
+                    state_kept_by=plan.state_kept_by,
+                )
             )
-        )
     if plan.state_kept_by == "nothing":
         logger.warning(
-            "slices %s were warned and no staying slice holds snapshots (and the run has no checkpoint_dir): "
+            "slices %s leave and no staying slice holds snapshots (and the run has no checkpoint_dir): "
             "the next world restores what it can",
             list(plan.leaving),
         )
-    survivors = gens.split(set(plan.leaving))
+    stragglers = {n for n in plan.leaving if isinstance(leaving[n], Straggler)}
+    survivors = gens.split(set(plan.leaving), stragglers)
+    what = ", ".join(f"{n} ({'straggler' if n in stragglers else 'preemption notice'})" for n in plan.leaving)
     return WorldChange(
-        OutcomeKind.PREEMPTED,
+        OutcomeKind.LEAVE,
         survivors,
-        f"preemption notice for {', '.join(plan.leaving)}",
+        f"leaving: {what}",
         now,
         outcome.last_progress_at or now,
         teardown_s=time.perf_counter() - t0,

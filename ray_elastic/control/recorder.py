@@ -223,7 +223,7 @@ class RunRecorder:
             )
         rewound = self.ledger.rewind_to(restore.step)
         size = len(record.slices)
-        if change.cause in (OutcomeKind.GROW, OutcomeKind.PREEMPTED):
+        if change.cause in (OutcomeKind.GROW, OutcomeKind.LEAVE):
             self._planned_change(change, record, restore, rewound, before)
         elif change.cause is not OutcomeKind.DONE:  # not the first world: a recovery
             rec = results.recovery_record(

@@ -35,9 +35,8 @@ class OutcomeKind(enum.StrEnum):
     FAILURE = "failure"  # a process of the world raised or died
     HANG = "hang"  # the watchdog saw no finished step for too long
     GROW = "grow"  # capacity returned: stopped at a step boundary to form a bigger world
-    PREEMPTED = (
-        "preempted"  # a slice's hosts were warned they will be taken: stopped at a step boundary for it to leave
-    )
+    # Slices alive that should go (a preemption notice, a straggler): stopped at a step boundary for them to leave.
+    LEAVE = "leave"
     FORMING_FAILED = "forming_failed"  # the next world failed before its first step
 
 

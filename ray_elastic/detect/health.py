@@ -220,6 +220,16 @@ def stuck_saves(answers: list, limit_s: float) -> dict[int, float]:
     }
 
 
+def stuck_processes(answers: list) -> dict[int, dict]:
+    """After the watchdog fired with the world not busy: the processes (by index) that never reached
+    the step the others wait in (their newest dispatched step is behind the newest any dispatched),
+    with their answer. Empty when every answering process is at the same step (a hang inside a
+    step is the world's, not one process's)."""
+    answered = {p: a for p, a in enumerate(answers) if a is not None and "dispatched" in a}
+    front = max((a["dispatched"] for a in answered.values()), default=-1)
+    return {p: a for p, a in answered.items() if a["dispatched"] < front}
+
+
 def newest_step(answers: list) -> int:
     """The newest step any probed process finished (-1: none answered)."""
     return max((a.get("last_step", -1) for a in answers if a is not None), default=-1)

@@ -14,6 +14,11 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ray_elastic.observe.event_base import KINDS, Event, UnknownEvent
+from ray_elastic.observe.planned_events import PlannedChange as PlannedChange
+from ray_elastic.observe.planned_events import PreemptionNotice as PreemptionNotice
+from ray_elastic.observe.planned_events import ScaleUp as ScaleUp
+from ray_elastic.observe.planned_events import SliceLeft as SliceLeft
+from ray_elastic.observe.planned_events import Straggler as Straggler
 
 
 def parse(raw: Mapping[Any, Any]) -> Event:
@@ -330,49 +335,6 @@ class Resize(Event):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PlannedChange(Event):
-    """A world formed after a planned stop at a step boundary (not a failure): its fields."""
-
-    generation: int
-    from_slices: int
-    to_slices: int
-    restored_from_step: int
-    steps_rewound: int
-    pause_s: float  # the last step before the stop -> the next world ready: training paused this long
-    ready_at: float
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ScaleUp(PlannedChange):
-    """Capacity returned and the world grew at a step boundary."""
-
-    kind = "scale_up"
-    resize_s: float  # the smaller world stopped -> the bigger one is ready
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PreemptionNotice(Event):
-    """A slice's hosts were drained (a preemption notice): it left the world at a step boundary.
-    ``seconds_left``: of its notice when it was out; ``state_kept_by``: snapshots, checkpoint or nothing."""
-
-    kind = "preemption_notice"
-    slice: str
-    hosts: list[str]
-    reason: str
-    deadline: float | None
-    seconds_left: float | None
-    step: int  # the last step it trained
-    state_kept_by: str
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SliceLeft(PlannedChange):
-    """Warned slices left; the next world formed without them."""
-
-    kind = "slice_left"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class WaitingForCapacity(Event):
     """Pause-and-resume (or too few slices): the controller waits for replacements."""
 
@@ -396,4 +358,15 @@ class Waiting(Event):
 
 
 # What the user's ``on_event`` gets: the elastic events, waits for slices and evaluations.
-ELASTIC = (FailureEvent, Recovered, Resize, ScaleUp, PreemptionNotice, SliceLeft, WaitingForCapacity, Waiting, Eval)
+ELASTIC = (
+    FailureEvent,
+    Recovered,
+    Resize,
+    ScaleUp,
+    PreemptionNotice,
+    Straggler,
+    SliceLeft,
+    WaitingForCapacity,
+    Waiting,
+    Eval,
+)

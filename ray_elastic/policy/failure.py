@@ -5,6 +5,7 @@ executes the answer."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 from ray_elastic.decide.failures import (
@@ -36,6 +37,11 @@ class FailureConfig:
         probe_timeout_s: a process that does not answer a health probe within this is hung.
         node_death_grace_s: after a process died, how long to wait for Ray to mark its node dead
             before deciding the slice itself is healthy (match Ray's health-check period x threshold).
+        straggler_factor, straggler_window_steps: a slice that makes every step wait for it longer
+            than ``straggler_factor`` x the others' own step time, over two windows in a row of at
+            least ``straggler_window_steps`` steps, is a straggler (always a ``straggler`` event).
+        on_straggler: ``"auto"``: replace a straggler when a spare slice is ready, evict it when the
+            world is faster without it, else report it; ``"report"``: only report.
     """
 
     max_failures: int = 30
@@ -46,6 +52,9 @@ class FailureConfig:
     hang_timeout_min_s: float = 5.0
     probe_timeout_s: float = 2.0
     node_death_grace_s: float = 1.5
+    straggler_factor: float = 1.0
+    straggler_window_steps: int = 10
+    on_straggler: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_failures", "max_failures_in_a_row", "max_save_failures_in_a_row"):
@@ -53,6 +62,13 @@ class FailureConfig:
         for name in ("failure_window_s", "hang_timeout_factor", "hang_timeout_min_s", "probe_timeout_s"):
             check_seconds(name, getattr(self, name))
         check_seconds("node_death_grace_s", self.node_death_grace_s, zero_allowed=True)
+        check_count("straggler_window_steps", self.straggler_window_steps, 2)
+        if isinstance(self.straggler_factor, bool) or not (
+            isinstance(self.straggler_factor, (int, float)) and 0 < self.straggler_factor < math.inf
+        ):
+            raise ValueError(f"straggler_factor must be a finite number > 0, got {self.straggler_factor!r}")
+        if self.on_straggler not in ("auto", "report"):
+            raise ValueError(f"on_straggler must be 'auto' or 'report', got {self.on_straggler!r}")
         for name, want, value in mistyped_fields(self):
             raise ValueError(f"{name} must be {want}, got {value!r} ({type(value).__name__}): see FailureConfig's docs")
 

@@ -29,11 +29,12 @@ from ray_elastic.control.backend import StepSink
 from ray_elastic.control.snapshot_cadence import SnapshotCadence
 from ray_elastic.control.states import OutcomeKind, RunOutcome
 from ray_elastic.decide import chunk_steps, is_eval_step, watchdog_timeout
-from ray_elastic.detect import health
-from ray_elastic.errors import SaveTimedOut
+from ray_elastic.decide.stragglers import Straggler
 from ray_elastic.ray_backend.first_ready import FirstReady
 from ray_elastic.ray_backend.host_watch import HostWatch
 from ray_elastic.ray_backend.keeper_sync import KeeperSync
+from ray_elastic.ray_backend.straggler_watch import StragglerWatch
+from ray_elastic.ray_backend.watchdog import Stall, Watchdog
 from ray_elastic.ray_backend.world import World
 from ray_elastic.state.snapshots import SnapshotRef, SnapshotStore
 
@@ -83,7 +84,13 @@ class StepStreams:
         self._reported = self._snapshot_reported = -1
         self._submitted = False  # a world's first chunk redoes an eval a failure lost
         self.hosts = HostWatch(world)
+        self.watchdog = Watchdog(world, config, sink)
+        self.stragglers = StragglerWatch(world, config)
         self.keepers = KeeperSync(world, store, [ch[0] for ch, on in zip(self.channels, self.streaming) if on])
+
+    def take_straggler(self) -> Straggler | None:
+        """A slice the world has been waiting for (confirmed over two windows), once."""
+        return self.stragglers.take()
 
     def take_snapshot_steps(self) -> list[int]:
         """Steps snapshotted since the last call (for the event log)."""
@@ -92,7 +99,7 @@ class StepStreams:
 
     def run(self, start_step: int, end_step: int, stop_requested: Callable[[], OutcomeKind | None]) -> RunOutcome:
         """Steps ``start_step .. end_step - 1``. ``stop_requested`` is asked between reads: a kind
-        (``GROW``, ``PREEMPTED``) stops the world at the next step boundary with that outcome."""
+        (``GROW``, ``LEAVE``) stops the world at the next step boundary with that outcome."""
         self.hosts.start()
         wake = threading.Event()
         waiters = FirstReady(wake), FirstReady(wake)  # snapshot holders' streams, the others' results
@@ -134,12 +141,13 @@ class StepStreams:
             checks: tuple[Callable[[], RunOutcome | None], ...] = (
                 lambda: self._read(run, quiet, quiet_waiter, holders, stream_waiter),
                 lambda: self._check_nodes(run, suspect),  # noqa: B023 - called in this iteration
-                lambda: self._check_hang(run),
+                lambda: self.watchdog.check(run, self._reported),
             )
             for check in checks:
                 outcome = check()
                 if outcome is not None:
                     return outcome
+            self.stragglers.check()
 
     def _fill(self, run: _Progress, end_step: int, stop_requested: Callable[[], OutcomeKind | None]) -> bool:
         """Queue chunks up to ``CHUNKS_IN_FLIGHT`` (or, once a stop is requested, the empty chunk
@@ -210,36 +218,6 @@ class StepStreams:
             return RunOutcome(OutcomeKind.FAILURE, lost, run.wall)
         run.next_node_check = now + run.node_check_every
         run.node_check_every = min(2 * run.node_check_every, NODE_CHECK_MAX_S)
-        return None
-
-    def _check_hang(self, run: _Progress) -> RunOutcome | None:
-        """No progress past the watchdog's limit: probe every process. A save running past its bound
-        is a failed save, silence with nothing busy a hang; a slow but busy world is watched again."""
-        f = self.config.failure
-        if time.monotonic() - run.at <= watchdog_timeout(self.step_times, f.hang_timeout_factor, f.hang_timeout_min_s):
-            return None
-        answers = health.probe(self.world.workers, f.probe_timeout_s)
-        save_limit = self.sink.save_limit_s()
-        stuck = health.stuck_saves(answers, save_limit)
-        if stuck:
-            return RunOutcome(
-                OutcomeKind.FAILURE,
-                {
-                    p: SaveTimedOut(
-                        f"a checkpoint save of process {p} has run {s:.0f}s, over save_timeout_s={save_limit:.0f}: "
-                        f"the storage ({self.config.checkpoint_dir}) does not answer"
-                    )
-                    for p, s in stuck.items()
-                },
-                run.wall,
-            )
-        if not health.busy(answers, max(self._reported, run.probed)):
-            silent: dict[int, BaseException] = {
-                p: TimeoutError("no answer to the health probe") for p, a in enumerate(answers) if a is None
-            }
-            return RunOutcome(OutcomeKind.HANG, silent, run.wall)
-        run.probed = max(run.probed, health.newest_step(answers))
-        run.at = time.monotonic()  # slow, not hung: watch again from now
         return None
 
     def _heads(self, channels: list[int]) -> list[Any]:
@@ -371,15 +349,12 @@ class StepStreams:
 
 
 @dataclasses.dataclass
-class _Progress:
+class _Progress(Stall):
     """The step loop's state for one run of a world."""
 
-    submitted: int  # the first step not yet queued
+    submitted: int = 0  # the first step not yet queued
     draining: OutcomeKind | None = None  # a stop was requested (why): no more chunks
     stopped: bool = False  # the empty chunk that stops the processes is queued
-    at: float = dataclasses.field(default_factory=time.monotonic)  # the last progress
-    wall: float = dataclasses.field(default_factory=time.time)  # the same, wall clock (for the outcome)
-    probed: int = -1  # the newest step a health probe found finished
     node_check_every: float = NODE_CHECK_S
     next_node_check: float = 0.0
 

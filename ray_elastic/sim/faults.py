@@ -1,6 +1,6 @@
 """The faults a simulated cluster offers: a slice or one host lost (SIGKILL), a slice hung (SIGSTOP),
-a slice preempted with notice (drained, then killed at the deadline), and finding what of the
-cluster still runs."""
+a slice preempted with notice (drained, then killed at the deadline), a slow slice (its processes
+duty-cycled), and finding what of the cluster still runs."""
 
 from __future__ import annotations
 
@@ -15,6 +15,13 @@ import psutil
 from ray_elastic.sim.hosts import SimulatedHost, SimulatedSlice, process_children, send_signal
 
 logger = logging.getLogger(__name__)
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
 
 
 class SliceFaults:
@@ -109,6 +116,30 @@ class SliceFaults:
                 logger.info("simulated slice %s killed at its preemption deadline", sl.name)
         except Exception as e:  # noqa: BLE001 - the cluster may be shutting down
             logger.debug("preempted slice %s not killed: %r", sl.name, e)
+
+    def slow_slice(self, name: str, factor: float, period_s: float = 0.1) -> threading.Event:
+        """A slow host: the slice's JAX processes (and any that start there later) run ``1/factor``
+        of the time, stopped and continued (SIGSTOP/SIGCONT) every ``period_s``, as a degraded chip
+        or a noisy neighbour slows every step. Set the returned event to end it."""
+        sl, stop = self.slice_by_name(name), threading.Event()
+        run_s = period_s / factor
+
+        def duty_cycle() -> None:
+            procs: list = []
+            while not stop.is_set() and sl.alive:
+                table = process_children()
+                procs = [p for h in sl.hosts for p in h.processes(table) if "SliceWorker" in " ".join(_cmdline(p))]
+                for _ in range(max(1, int(1.0 / period_s))):  # the processes looked up again each second
+                    send_signal(procs, signal.SIGCONT)
+                    if stop.wait(run_s):
+                        break
+                    send_signal(procs, signal.SIGSTOP)
+                    time.sleep(period_s - run_s)
+            send_signal(procs, signal.SIGCONT)
+
+        threading.Thread(target=duty_cycle, name=f"slow-{name}", daemon=True).start()
+        logger.info("simulated slice %s slowed %.1fx", name, factor)
+        return stop
 
     def hang_slice(self, name: str) -> None:
         """A hung slice: SIGSTOP its hosts' processes (raylet and workers)."""

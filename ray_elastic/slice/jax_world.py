@@ -171,6 +171,14 @@ class TrainLoop:
         self._rows = BatchPrefetcher(batches, *self.row_range, depth=prefetch)
         self._in_flight: collections.deque = collections.deque()  # (step, metrics, dispatched at)
         self._last_finish: float | None = None
+        self.dispatched = -1  # the newest step dispatched (the health probe reports it)
+        self.reading: int | None = None  # the step whose rows this process waits for (None: none)
+        # Counters the health probe reports: steps finished, seconds waiting for this process's rows.
+        self.timing = {"steps": 0, "data_s": 0.0}
+        # (step, wall clock when its call returned): the call blocks until the step before released
+        # the state, which happens at one moment for the whole world; a process whose call returns
+        # later than its peers' kept the world waiting (its rows late, its host slow).
+        self.released: collections.deque = collections.deque(maxlen=64)
         self._eval = None  # the jitted eval step, compiled at the first evaluation
 
         self.spec, self.state_shardings, self.batch_sharding, self._step = _programs(
@@ -226,7 +234,10 @@ class TrainLoop:
     def global_batch_array(self, step: int) -> dict:
         """This process's rows of step ``step`` (prepared ahead by the reader thread), assembled into
         global jax.Arrays."""
+        self.reading, t0 = step, time.perf_counter()
         local = self._rows.get(step)
+        self.reading = None
+        self.timing["data_s"] += time.perf_counter() - t0
         B = self.plan.global_batch_size
         return {
             k: jax.make_array_from_process_local_data(self.batch_sharding, v, (B,) + v.shape[1:])
@@ -267,9 +278,12 @@ class TrainLoop:
         """Start step ``step`` and return before it has run (JAX dispatches asynchronously);
         :meth:`finish` reads it. The device queue then never drains between steps."""
         t0 = time.perf_counter()
-        self.state, metrics, *packed = self._step(self.state, self.global_batch_array(step))
+        batch = self.global_batch_array(step)
+        self.state, metrics, *packed = self._step(self.state, batch)  # blocks while the step before holds the state
+        self.released.append((step, time.time()))
         self.packed = packed[0] if packed else None
         self._in_flight.append((step, metrics, t0))
+        self.dispatched = step
 
     def in_flight(self) -> int:
         return len(self._in_flight)
@@ -281,6 +295,7 @@ class TrainLoop:
         between chunks included. A loss that is not finite ends the run (:class:`NonFiniteLossError`)."""
         step, metrics, t_dispatch = self._in_flight.popleft()
         values = _host_metrics(metrics)
+        self.timing["steps"] += 1
         if not np.isfinite(values["loss"]):
             raise NonFiniteLossError(
                 f"the loss of step {step} is {values['loss']}: training stopped before that state was "

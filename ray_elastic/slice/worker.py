@@ -127,9 +127,15 @@ class SliceWorker(ChunkRunning):
     def probe(self) -> dict:
         """Answered on its own thread even while a step is blocked in a collective."""
         since = self.saving_since
+        loop = self.loop
         return {
             "pid": os.getpid(),
             "last_step": self.last_step,
+            "dispatched": loop.dispatched if loop is not None else -1,  # a stuck process is behind the others
+            "reading": loop.reading if loop is not None else None,  # ... and says whether it waits for its data
+            # steps, waits and this clock: the driver's straggler watch compares processes over a window
+            "timing": {**loop.timing, "at": time.monotonic()} if loop is not None else None,
+            "released": list(loop.released) if loop is not None else [],
             "saving": since is not None,
             "saving_s": time.monotonic() - since if since is not None else 0.0,
             "evaluating": self.evaluating,

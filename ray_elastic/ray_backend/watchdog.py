@@ -1,0 +1,105 @@
+"""The step loop's watchdog: a world whose steps stopped is probed; a stuck process is named early.
+
+Two bounds, both from the run's step times (:func:`~ray_elastic.decide.watchdog_timeout`):
+
+- the hang bound (``failure.hang_timeout_factor`` x the median step, at least
+  ``hang_timeout_min_s``): every process is probed; a save past its bound is a failed save,
+  silence with nothing busy a hang, a slow but busy world is watched again;
+- the stuck bound (``STUCK_FACTOR`` x the median step, at least ``STUCK_MIN_S``: a few steps on a
+  fast step, not the hang bound's floor): every process is probed, and one that is behind the step
+  the others wait in, at the same step two probes in a row, is stuck (its data source blocked,
+  say): named, and its slice alone blamed. A long first step, a save or an eval is never this:
+  every process is at the same step, or the probe says it is busy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from ray_elastic.config import ElasticConfig
+from ray_elastic.control.backend import StepSink
+from ray_elastic.control.states import OutcomeKind, RunOutcome
+from ray_elastic.decide import watchdog_timeout
+from ray_elastic.detect import health
+from ray_elastic.errors import SaveTimedOut, StuckProcess
+
+STUCK_FACTOR, STUCK_MIN_S = 5.0, 1.0
+STUCK_PROBE_EVERY_S = 0.5  # probes for a stuck process, while the steps stay stopped
+
+
+@dataclasses.dataclass
+class Stall:
+    """What the watchdog reads of the step loop: when steps last progressed, and the newest step seen."""
+
+    at: float = dataclasses.field(default_factory=time.monotonic)  # the last progress
+    wall: float = dataclasses.field(default_factory=time.time)  # the same, wall clock (for the outcome)
+    probed: int = -1  # the newest step a health probe found finished
+
+
+class Watchdog:
+    """Probes ``world``'s processes once its steps stopped for longer than a bound."""
+
+    def __init__(self, world: Any, config: ElasticConfig, sink: StepSink):
+        self.world, self.config, self.sink = world, config, sink
+        self._behind: dict[int, int] = {}  # process -> the step it was at, behind the others, at the last probe
+        self._next_stuck_probe = 0.0
+
+    def check(self, stall: Stall, reported: int) -> RunOutcome | None:
+        idle, f = time.monotonic() - stall.at, self.config.failure
+        if idle > watchdog_timeout(self.sink.step_times, f.hang_timeout_factor, f.hang_timeout_min_s):
+            return self._hang(stall, reported)
+        if idle <= watchdog_timeout(self.sink.step_times, STUCK_FACTOR, STUCK_MIN_S):
+            self._behind = {}  # steps progress: nobody is stuck
+            return None
+        if time.monotonic() < self._next_stuck_probe:
+            return None
+        self._next_stuck_probe = time.monotonic() + STUCK_PROBE_EVERY_S
+        answers = health.probe(self.world.workers, f.probe_timeout_s)
+        if any(a is None for a in answers) or health.busy(answers, max(reported, stall.probed)):
+            return None  # silence is the hang bound's to judge; a busy world is not stuck
+        behind = health.stuck_processes(answers)
+        still = {p: a for p, a in behind.items() if self._behind.get(p) == a["dispatched"]}
+        self._behind = {p: a["dispatched"] for p, a in behind.items()}
+        return RunOutcome(OutcomeKind.HANG, self._named(answers, still), stall.wall) if still else None
+
+    def _hang(self, stall: Stall, reported: int) -> RunOutcome | None:
+        """Past the hang bound: a save past its bound is a failed save, silence with nothing busy a
+        hang (the processes behind the others named); a slow but busy world is watched again."""
+        answers = health.probe(self.world.workers, self.config.failure.probe_timeout_s)
+        save_limit = self.sink.save_limit_s()
+        saves = health.stuck_saves(answers, save_limit)
+        if saves:
+            return RunOutcome(
+                OutcomeKind.FAILURE,
+                {
+                    p: SaveTimedOut(
+                        f"a checkpoint save of process {p} has run {s:.0f}s, over save_timeout_s={save_limit:.0f}: "
+                        f"the storage ({self.config.checkpoint_dir}) does not answer"
+                    )
+                    for p, s in saves.items()
+                },
+                stall.wall,
+            )
+        if not health.busy(answers, max(reported, stall.probed)):
+            silent: dict[int, BaseException] = {
+                p: TimeoutError("no answer to the health probe") for p, a in enumerate(answers) if a is None
+            }
+            named = self._named(answers, health.stuck_processes(answers)) if not silent else {}
+            return RunOutcome(OutcomeKind.HANG, silent or named, stall.wall)
+        stall.probed = max(stall.probed, health.newest_step(answers))
+        stall.at = time.monotonic()  # slow, not hung: watch again from now
+        return None
+
+    def _named(self, answers: list[dict[str, Any]], stuck: dict[int, dict[str, Any]]) -> dict[int, BaseException]:
+        """The stuck processes, each named with its slice and where it is."""
+        front = max(a.get("dispatched", -1) for a in answers)
+        return {
+            p: StuckProcess(
+                f"process {p} (slice {self.world.slice_of(p)}) never reached step {front}, which the others wait "
+                f"in: it is at step {a['dispatched']}"
+                + (f", waiting for its rows of step {a['reading']}" if a.get("reading") is not None else "")
+            )
+            for p, a in stuck.items()
+        }
