@@ -34,7 +34,7 @@ changed shape must match exactly (``same_shape_max_diff``). ``--no-noise`` skips
      "max_rel_loss_diff": ...,
      "world_size_noise": ..., "loss_diff_over_noise": ..., "same_shape_max_diff": ..., "uncommitted_restored": ...,
      "final_checkpoint_committed": ..., "goodput": ..., "goodput_breakdown": {seconds per category},
-     "by_kind": {...}}
+     "by_kind": {...}, "attributed": ..., "misattributed": ..., "not_named": ...}
 
     .venv/bin/python bench/chaos.py [--faults 100] [--every-s 30 --steps 3000] [--multihost-faults 10] [--run-dir DIR]
 """
@@ -578,6 +578,10 @@ def main() -> int:
         "goodput_breakdown": phases["one_host_slices"].get("goodput_breakdown"),
         "every_s": args.every_s or None,
         "by_kind": {k: v for p in ps for k, v in p["by_kind"].items()},
+        # stragglers and stuck processes named for the slice a fault slowed or stuck (misattributed: 0)
+        "attributed": sum(p["attributed"] for p in ps),
+        "misattributed": sum(p["misattributed"] for p in ps),
+        "not_named": sum(p["not_named"] for p in ps),
     }
     print(json.dumps(total))
     return 0 if total["unrecovered"] == 0 else 1

@@ -153,6 +153,20 @@ def test_chaos_bench_recovers_every_fault():
     ), gp
 
 
+@pytest.mark.bench
+def test_chaos_bench_handles_faults_that_kill_nothing():
+    """A preemption notice, a slow data source and a stuck data source: each named for the right
+    slice, none unrecovered."""
+    out = _chaos(
+        [
+            "--faults", "3", "--multihost-faults", "0", "--steps", "400", "--gap", "100", "--no-noise",
+            "--kinds", "preempt,slow_data,stuck_data",
+        ],
+        timeout=900,
+    )  # fmt: skip
+    assert (out["attributed"], out["misattributed"], out["not_named"]) == (2, 0, 0), out
+
+
 @pytest.mark.soak
 def test_chaos_bench_soak():
     """Every kind, one-host and two-host slices: what the README reports, at a tenth of the length."""
