@@ -159,6 +159,7 @@ def run_mode(
             settled = full and quiet and t.backend.warm(t.gens.members)
         if not todo:
             if settled:
+                box["done_at"] = time.time()  # what the run does from here is the bench stopping it
                 raise _Done()
             return
         if not settled:
@@ -169,6 +170,7 @@ def run_mode(
                     flush=True,
                 )
                 box["skipped"] = list(todo)
+                box["done_at"] = time.time()
                 raise _Done()
             return
         kind, pos, cold = todo.pop(0)
@@ -289,11 +291,13 @@ def run_mode(
                 if t_kill - 0.1 < e["ts"] < t_kill + 12 and e["kind"] not in ("steps",):
                     detail = {k: e[k] for k in ("lost_slices", "restore_source", "steps_rewound", "reason") if k in e}
                     print(f"   {e['ts'] - t_kill:7.3f} {e['kind']} {detail}")
-    preempts = preempt_rows([r for r in fired if r["kind"] == "preempt"], events, arrivals)
+    preempts = preempt_rows(
+        [r for r in fired if r["kind"] == "preempt"], events, arrivals, box.get("done_at", float("inf"))
+    )
     return {"rows": rows, "grow_pauses": pauses, "preempts": preempts, "skipped": box.get("skipped", [])}
 
 
-def preempt_rows(fired: list[dict], events: list, arrivals: list[float]) -> list[dict]:
+def preempt_rows(fired: list[dict], events: list, arrivals: list[float], done_at: float) -> list[dict]:
     """Per preemption notice: the stall (the last step before the planned stop -> the first step of
     the next world), the notice's seconds left when the slice was out, the steps rewound, and the
     failures counted from the notice to 3 s after the kill at its deadline (0: the kill changed nothing)."""
@@ -309,7 +313,9 @@ def preempt_rows(fired: list[dict], events: list, arrivals: list[float]) -> list
         after = [a for a in arrivals if a > left["ready_at"]]
         # A kill that counted would be seen within a second of it (detection_worst_s); later ones are
         # the next fault's, or the bench ending the run.
-        failures = [e for e in events if e["kind"] == "failure" and row["at"] < e["ts"] < row["deadline"] + 3]
+        failures = [
+            e for e in events if e["kind"] == "failure" and row["at"] < e["ts"] < min(row["deadline"] + 3, done_at)
+        ]
         out.append(
             {
                 **row,
