@@ -9,7 +9,7 @@ Two bounds, both from the run's step times (:func:`~ray_elastic.decide.watchdog_
   fast step, not the hang bound's floor): every process is probed, and one that is behind the step
   the others wait in, at the same step two probes in a row, is stuck (its data source blocked,
   say): named, and its slice alone blamed. A long first step, a save or an eval is never this:
-  every process is at the same step, or the probe says it is busy.
+  every process is at the same step, or the probe says it saves or evaluates.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ class Watchdog:
 
     def __init__(self, world: Any, config: ElasticConfig, sink: StepSink):
         self.world, self.config, self.sink = world, config, sink
-        self._behind: dict[int, int] = {}  # process -> the step it was at, behind the others, at the last probe
+        # process -> (the step it was at, behind the others; the world's newest finished step) at the last probe
+        self._behind: dict[int, tuple[int, int]] = {}
         self._next_stuck_probe = 0.0
 
     def check(self, stall: Stall, reported: int) -> RunOutcome | None:
@@ -57,11 +58,14 @@ class Watchdog:
             return None
         self._next_stuck_probe = time.monotonic() + STUCK_PROBE_EVERY_S
         answers = health.probe(self.world.workers, f.probe_timeout_s)
-        if any(a is None for a in answers) or health.busy(answers, max(reported, stall.probed)):
-            return None  # silence is the hang bound's to judge; a busy world is not stuck
-        behind = health.stuck_processes(answers)
-        still = {p: a for p, a in behind.items() if self._behind.get(p) == a["dispatched"]}
-        self._behind = {p: a["dispatched"] for p, a in behind.items()}
+        if any(a is None or a.get("saving") or a.get("evaluating") for a in answers):
+            self._behind = {}
+            return None  # silence is the hang bound's to judge; a save or an eval is not stuck
+        # Stuck: behind the others at the same step as at the last probe, while no process of the
+        # world finished a step in between (steps still reaching the driver do not count).
+        newest, behind = health.newest_step(answers), health.stuck_processes(answers)
+        still = {p: a for p, a in behind.items() if self._behind.get(p) == (a["dispatched"], newest)}
+        self._behind = {p: (a["dispatched"], newest) for p, a in behind.items()}
         return RunOutcome(OutcomeKind.HANG, self._named(answers, still), stall.wall) if still else None
 
     def _hang(self, stall: Stall, reported: int) -> RunOutcome | None:
