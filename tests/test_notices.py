@@ -137,3 +137,28 @@ def test_an_evicted_straggler_s_replacement_joins_at_once_where_capacity_is_free
     backend = FakeBackend(faults={5: straggle(0)})
     result = make(backend, failure=FailureConfig(on_straggler="report")).fit(STEPS)
     assert [e["action"] for e in kinds(result, "straggler")] == ["report"] and len(backend.formed) == 1
+
+
+def test_a_notice_read_before_its_slice_left_does_not_stop_the_next_world(monkeypatch):
+    """Notices are read at most every NOTICE_POLL_S: the one that made a slice leave is not taken,
+    from that cache, for the next world's (which would tear a healthy world down again)."""
+    import time as real_time
+
+    clock = [0.0]
+
+    class Clock:  # the watch's clock stands still unless a fault moves it; the rest is real time
+        monotonic = staticmethod(lambda: clock[0])
+        time = staticmethod(real_time.time)
+        perf_counter = staticmethod(real_time.perf_counter)
+
+    monkeypatch.setattr(planned_exit, "NOTICE_POLL_S", 0.5)
+    monkeypatch.setattr(planned_exit, "time", Clock)
+
+    def warn_and_poll_again(backend, world):
+        warn_slice(1)(backend, world)
+        clock[0] += 1.0  # the next poll reads the cluster; the one after is 0.5 s away
+
+    backend = FakeBackend(faults={5: warn_and_poll_again})
+    result = make(backend).fit(STEPS)
+    assert len(kinds(result, "slice_left")) == 1 and len(backend.formed) == 2
+    assert backend.formed[-1].plan.slice_names == ("s0", "s2")

@@ -289,6 +289,7 @@ class Controller:
                 planned = stop_to_grow(self.checkpoints, world, self.ledger, self.gens.members, outcome)
             else:
                 planned = leave(self.checkpoints, world, self.ledger, self.gens, self._leaving, self.events, outcome)
+                self.notices.forget()  # a cached notice of a slice gone must not stop the next world
             if isinstance(planned, WorldChange):
                 return planned
             outcome = planned  # a process died while the in-flight save committed: a failure, not a planned change

@@ -53,6 +53,23 @@ class NoticeWatch:
         self.notices = warned_slices(self.member_nodes(), draining)
         return self.notices
 
+    def forget(self) -> None:
+        """The warned slices left: nothing of them may stop the next world; the next poll asks afresh."""
+        self.notices, self._next = {}, 0.0
+
+
+def _commit_and_tear_down(
+    checkpoints: RunCheckpoints, world: WorldHandle, ledger: StepLedger, outcome: RunOutcome, save_step: int | None
+) -> RunOutcome | None:
+    """The in-flight save commits (``save_step`` saved first), then the world is torn down; a process
+    dying meanwhile turns the planned change into a failure (returned as that outcome)."""
+    try:
+        finish_checkpoints(checkpoints, world, ledger, save_step=save_step)
+    except ProcessFailed as e:
+        return RunOutcome(OutcomeKind.FAILURE, {e.process: e.cause}, outcome.last_progress_at)
+    world.teardown()
+    return None
+
 
 def stop_to_grow(
     checkpoints: RunCheckpoints, world: WorldHandle, ledger: StepLedger, members: list[Any], outcome: RunOutcome
@@ -60,11 +77,9 @@ def stop_to_grow(
     """Capacity returned: the in-flight save commits, then the world is torn down. A process dying
     meanwhile turns the grow into a failure (returned as that outcome)."""
     now, t0 = time.time(), time.perf_counter()
-    try:
-        finish_checkpoints(checkpoints, world, ledger)
-    except ProcessFailed as e:
-        return RunOutcome(OutcomeKind.FAILURE, {e.process: e.cause}, outcome.last_progress_at)
-    world.teardown()
+    failed = _commit_and_tear_down(checkpoints, world, ledger, outcome, None)
+    if failed is not None:
+        return failed
     return WorldChange(
         OutcomeKind.GROW,
         list(members),
@@ -116,13 +131,11 @@ def leave(
     now, t0 = time.time(), time.perf_counter()
     names = list(world.plan.slice_names)
     plan = plan_exit(names, set(leaving), names[: world.plan.snapshot_slices], bool(checkpoints.own))
-    try:
-        finish_checkpoints(
-            checkpoints, world, ledger, save_step=ledger.last_step + 1 if plan.checkpoint_first else None
-        )
-    except ProcessFailed as e:
-        return RunOutcome(OutcomeKind.FAILURE, {e.process: e.cause}, outcome.last_progress_at)
-    world.teardown()
+    failed = _commit_and_tear_down(
+        checkpoints, world, ledger, outcome, ledger.last_step + 1 if plan.checkpoint_first else None
+    )
+    if failed is not None:
+        return failed
     out_at = time.time()
     for name in plan.leaving:
         why = leaving[name]
