@@ -15,9 +15,12 @@ slice, checkpoints every ``--checkpoint-every`` steps. ``--faults N`` faults fir
 - ``during_grow``: a slice lost, and at the next grow-back a process of the world killed as the
   controller enters ``resizing``, before the in-flight save commits (resizing -> recovering);
 - faults that kill nothing: ``preempt`` (a slice's hosts drained with a 5 s notice, killed at the
-  deadline: it should leave with no failure), ``slow_data`` (a slice's rows read 10 ms each) and
-  ``stuck_data`` (a slice's data source blocked until the failure that names it). Each straggler
-  and stuck process must be attributed to the right slice (``misattributed``: 0).
+  deadline: it should leave with no failure), ``slow_data`` (a slice's rows read 10 ms each),
+  ``slow_host`` (a slice's processes running a fifth of the time, SIGSTOP/SIGCONT: a slow chip or
+  a noisy neighbour) and ``stuck_data`` (a slice's data source blocked until the failure that names
+  it). Each straggler and stuck process must be attributed to the right slice (``misattributed``:
+  0); ``steps_to_named`` is how many steps the run made between the fault and the naming (a slowed
+  slice lost to another fault first is ``moot``, not counted).
 
 Phase 2 (``--multihost-faults M``): 3 slices of 2 hosts (``min_slices`` 2), each fault one host of a
 slice lost.
@@ -64,6 +67,7 @@ KINDS = (
     "during_grow",
     "preempt",
     "slow_data",
+    "slow_host",
     "stuck_data",
 )
 GBS, SEED = 48, 0  # 48 splits evenly over 2, 3 and 4 slices of 2 devices (and 2 or 3 slices of 4)
@@ -110,7 +114,10 @@ class Chaos:
         self._kills_on_resize = 0  # during_grow faults waiting for the next grow-back
         self.marker_dir = tempfile.mkdtemp(prefix="chaos-data-")  # ChaosTask's slow and stuck rows
         self.culprits: dict[str, dict] = {}  # slice -> the fault that should be named for it
-        self.attributed = self.misattributed = 0
+        self.attributed = self.misattributed = self.moot = 0
+        self.last_step = -1  # the newest step the run reported
+        self.steps_to_named: dict[str, list[int]] = {}  # fault kind -> steps between the fault and its naming
+        self.finished_at: dict[int, float] = {}  # step -> when it finished (the newest run of it)
 
     # ----------------------------------------------------------------- victims
     def _names(self) -> list[str]:
@@ -171,7 +178,7 @@ class Chaos:
             self._lose(self._pick()[0])
         elif kind == "preempt":
             self.cluster.preempt_slice(self._pick()[0], notice_s=5.0)
-        elif kind in ("slow_data", "stuck_data"):
+        elif kind in ("slow_data", "stuck_data", "slow_host"):
             self._slow(kind, self._pick()[0])
         elif kind == "dies_on_arrival":
             known = {s.name for s in self.cluster.slices}
@@ -184,11 +191,14 @@ class Chaos:
         """A slice that should be named (a straggler, a stuck process) until it is."""
         fault = self.fired[-1]
         fault["victim"] = name
+        self.culprits[name] = fault
+        if kind == "slow_host":
+            fault["stop"] = self.cluster.slow_slice(name, 5.0)
+            return
         marker = os.path.join(self.marker_dir, f"{kind}-{name}")
         with open(marker, "w") as f:
             f.write("0.01" if kind == "slow_data" else "")
         fault["marker"] = marker
-        self.culprits[name] = fault
 
     def _named(self, name: str, how: str) -> None:
         """The controller named ``name`` (a straggler, a stuck process): right if a fault made it so."""
@@ -198,14 +208,20 @@ class Chaos:
             print(f"    MISATTRIBUTED: {name} named {how}, no fault made it so", flush=True)
             return
         self.attributed += 1
+        self.steps_to_named.setdefault(fault["kind"], []).append(self.last_step - fault["step"])
+        self._undo(fault)
+
+    @staticmethod
+    def _undo(fault: dict) -> None:
         if "marker" in fault and os.path.exists(fault["marker"]):
             os.unlink(fault["marker"])
+        if "stop" in fault:
+            fault["stop"].set()
 
     def end(self) -> None:
         """The run is over: every slowed slice runs at full speed again."""
         for fault in self.culprits.values():
-            if "marker" in fault and os.path.exists(fault["marker"]):
-                os.unlink(fault["marker"])
+            self._undo(fault)
 
     def _lose_while_forming(self, t, spare: str, timeout_s: float = 60.0) -> None:
         deadline = time.time() + timeout_s
@@ -240,6 +256,12 @@ class Chaos:
         elif e["kind"] == "failure" and e["cause"] == "hang" and "never reached step" in (e.get("error") or ""):
             for name in e["kinds"]:
                 self._named(name, "stuck")
+        elif e["kind"] in ("failure", "preemption_notice"):  # a slowed slice lost or warned first: moot
+            gone = {e["slice"]} if e["kind"] == "preemption_notice" else set(e.get("lost_slices") or ())
+            for name in gone | set(e.get("crashed_slices") or ()):
+                if name in self.culprits and self.culprits[name]["kind"] != "stuck_data":
+                    self._undo(self.culprits.pop(name))
+                    self.moot += 1
         if e["kind"] in ("recovered", "scale_up", "failure", "waiting_for_capacity"):
             keys = {
                 "failure": ("cause", "lost_slices", "crashed_slices", "world_slices", "detection_latency_s"),
@@ -342,6 +364,8 @@ def run_phase(
             schedule.setdefault(s, kind)
 
     def on_step(m: dict) -> None:
+        chaos.last_step = max(chaos.last_step, m["step"])
+        chaos.finished_at[m["step"]] = m.get("finished_at") or time.time()
         kind = schedule.pop(m["step"], None)
         if kind is not None:
             chaos.fire(kind, m["step"])
@@ -407,6 +431,10 @@ def run_phase(
         "attributed": chaos.attributed,
         "misattributed": chaos.misattributed,
         "not_named": len(chaos.culprits),
+        "moot": chaos.moot,
+        "steps_to_named": {
+            k: {"median": statistics.median(v), "worst": max(v), "n": len(v)} for k, v in chaos.steps_to_named.items()
+        },
         # processes that broke a rule of the TPU runtime (sim/tpu_runtime.py): must be 0
         "tpu_breaches": len(tpu_runtime.breaches()) - breaches_before,
     }
@@ -432,6 +460,35 @@ def run_phase(
             else None,
             recovery_worst_s=round(max((r.recovery_s for r in result.recoveries), default=0.0), 3),
         )
+    return out
+
+
+def _spread(by_kind: dict[str, list[int]]) -> dict[str, dict]:
+    return {k: {"median": statistics.median(v), "worst": max(v), "n": len(v)} for k, v in by_kind.items() if v}
+
+
+def steps_to_pace(fired: list[dict], finished_at: dict[int, float], kinds, window: int = 10) -> dict[str, list[int]]:
+    """Per slowing fault of ``kinds``: how many steps after it until ``window`` steps in a row took at
+    most 1/0.8 x the median step of the 30 steps before it (its throughput back to >= 0.8x)."""
+    out: dict[str, list[int]] = {}
+    for f in fired:
+        s0 = f["step"]
+        before = [
+            finished_at[s] - finished_at[s - 1]
+            for s in range(s0 - 29, s0 + 1)
+            if s in finished_at and s - 1 in finished_at
+        ]
+        if f["kind"] not in kinds or len(before) < 10:
+            continue
+        pace = statistics.median(before)
+        for s in range(s0 + 1, max(finished_at) - window + 1):
+            span = range(s - 1, s + window)
+            if (
+                all(t in finished_at for t in span)
+                and (finished_at[span[-1]] - finished_at[s - 1]) / window <= pace / 0.8
+            ):
+                out.setdefault(f["kind"], []).append(span[-1] - s0)
+                break
     return out
 
 

@@ -13,7 +13,15 @@ from fake_backend import FakeBackend, add_capacity, straggle, warn_slice
 from ray_elastic import ElasticConfig, ElasticTrainer, FailureConfig, SliceSpec
 from ray_elastic.control import planned_exit
 from ray_elastic.decide import plan_exit, warned_slices
-from ray_elastic.decide.stragglers import Straggler, find_straggler, straggler_action
+from ray_elastic.decide.device_checks import DeviceChecks
+from ray_elastic.decide.stragglers import (
+    Straggler,
+    find_slow_device,
+    find_straggler,
+    speed_check_due,
+    straggler_action,
+    window_period,
+)
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
 
 STEPS = 20
@@ -104,6 +112,54 @@ def test_the_process_whose_calls_return_latest_is_the_one_the_world_waits_for():
     assert find_straggler(released, {}, slice_of, min_steps=21) is None  # the window is too short
     even = {p: {s: 0.5 * s for s in steps} for p in range(3)}
     assert find_straggler(even, {}, slice_of, min_steps=20).ratio == 0.0
+
+
+def test_a_world_slowed_with_no_late_process_has_its_devices_timed_and_the_slow_one_named():
+    # Every process returns at once (they all waited inside the step for the slow device): no late
+    # process, but the period went from 0.1 s to 0.5 s, past (1 + factor) x the world's best.
+    steps = range(10)
+    even = {p: {s: 0.5 * s for s in steps} for p in range(4)}
+    assert find_straggler(even, {}, {0: "a", 1: "a", 2: "b", 3: "c"}, min_steps=10).ratio == 0.0
+    assert window_period(even) == pytest.approx(0.5) and window_period({0: {3: 1.0}}) == 0.0
+    assert speed_check_due(0.16, 0.1, factor=1.0) and not speed_check_due(0.14, 0.1, factor=1.0)  # 1 + factor / 2
+    assert not speed_check_due(0.5, 0.0, factor=1.0)  # no window judged yet
+    slice_of = {0: "a", 1: "a", 2: "b", 3: "c"}
+    found = find_slow_device({0: 0.004, 1: 0.021, 2: 0.0042, 3: 0.0039}, slice_of, 0.5, factor=1.0)
+    assert (found.slice_name, found.process, found.seen_by, found.data_bound) == ("a", 1, "speed_check", False)
+    assert found.slowdown == pytest.approx(0.021 / 0.00405)  # over the other slices' median (not slice a's process 0)
+    assert found.ratio == pytest.approx(found.slowdown - 1)
+    assert find_slow_device({0: 0.004, 1: 0.0075, 2: 0.0042, 3: 0.0039}, slice_of, 0.5, factor=1.0) is None
+    assert find_slow_device({0: 0.004, 1: 0.021}, {0: "a", 1: "a"}, 0.5, factor=1.0) is None  # one slice
+    assert find_slow_device({}, {}, 0.5, factor=1.0) is None
+
+
+def test_device_checks_are_asked_when_the_world_slows_backed_off_when_clean_and_confirmed_twice():
+    checks = DeviceChecks(factor=1.0, slice_of=lambda p: "abc"[p])
+    checks.window(0.1, front=12)  # the world's first window: a check (a slow device from the start)
+    assert checks.check_at == 13 and checks.ask_pending and checks.take_ask() == 13 and checks.take_ask() is None
+    assert checks.answered([(13, 0.004), (12, 0.0)]) is None and checks.check_at == 13  # not all checked yet
+    assert checks.answered([(13, 0.004), (13, 0.0041), (14, 0.0039)]) is None and checks.check_at is None
+    # Nothing found: the next check waits a window, then two, ... (the period wanders on a busy host).
+    checks.recent(0.5, front=20)
+    checks.window(0.1, front=24)
+    assert checks.check_at is None  # held back one window
+    checks.window(0.1, front=30)  # not slowed: no check
+    checks.recent(0.5, front=34)  # the newest steps slowed past (1 + factor) x the median window: asked at once
+    assert checks.take_ask() == 35
+    assert checks.answered([(35, 0.004), (35, 0.021), (36, 0.0042)]) is None
+    assert checks.suspect == "b" and checks.take_ask() == 37  # named once: checked again at once
+    found = checks.answered([(37, 0.004), (37, 0.02), (37, 0.0041)])
+    assert (found.slice_name, found.process, found.seen_by) == ("b", 1, "speed_check") and checks.suspect is None
+    assert found.slowdown == pytest.approx(0.02 / 0.00405) and found.period_s == 0.5
+    # The confirming check asks only half the factor of the slice the first one named (a noisy
+    # host's timings wander); a check that names another slice names neither.
+    for second, named in (([0.004, 0.0066, 0.0042], "b"), ([0.004, 0.004, 0.0099], None)):
+        checks = DeviceChecks(factor=1.0, slice_of=lambda p: "abc"[p])
+        checks.window(0.1, front=12)
+        checks.answered([(13, 0.004), (13, 0.0099), (13, 0.0041)])
+        assert checks.suspect == "b" and checks.check_at == 14
+        found = checks.answered([(14, t) for t in second])
+        assert (found.slice_name if found else None) == named and checks.suspect is None
 
 
 def test_a_straggler_is_replaced_by_a_spare_evicted_when_the_world_is_faster_without_it_else_reported():

@@ -483,6 +483,34 @@ def test_a_slice_with_a_slow_data_source_is_named_a_straggler_and_evicted(cluste
     assert slowed["name"] not in trainer.worlds[-1].slices and len(trainer.worlds[-1].slices) == 2
 
 
+def test_a_slow_host_is_found_by_timing_its_devices_and_evicted(cluster):
+    """A slice whose processes run a fifth of the time (SIGSTOP/SIGCONT: a degraded chip, a noisy
+    neighbour): every process waits for it inside the step, so none returns late; the world's
+    slowed steps ask for a speed check, its devices are the slow ones twice, it leaves at a step
+    boundary with nothing rewound and no failure."""
+    slowed: dict = {}
+
+    def slow(t):
+        slowed["name"] = slice_name(t, 1)
+        slowed["stop"] = cluster.slow_slice(slowed["name"], 5.0)
+
+    plan = FaultPlan({30: slow})
+    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster), progress=False, on_step=plan.on_step)
+    plan.trainer = trainer
+    try:
+        result = trainer.fit(200)
+    finally:
+        if "stop" in slowed:
+            slowed["stop"].set()
+    assert result.steps == list(range(200))
+    s = result.summary
+    assert (s["failures"], s["recoveries"], s["steps_rewound"]) == (0, 0, 0), timeline(result.events)
+    (event,) = [e for e in result.events if e["kind"] == "straggler"]
+    assert event["slice"] == slowed["name"] and event["action"] == "evict", event
+    assert event["evidence"]["seen_by"] == "speed_check" and not event["data_bound"], event
+    assert slowed["name"] not in trainer.worlds[-1].slices and len(trainer.worlds[-1].slices) == 2
+
+
 def test_two_slices_lost_at_once(cluster, baseline):
     def kill_two(t):
         names = [slice_name(t, 0), slice_name(t, 1)]  # two snapshot holders: the third keeps one

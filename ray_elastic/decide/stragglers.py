@@ -30,6 +30,7 @@ class Straggler:
     ratio: float
     data_bound: bool  # it waited for its own rows for most of the excess (a slow data source)
     steps: int
+    seen_by: str = "release"  # "release": its calls returned late; "speed_check": its devices computed slowly
 
     @property
     def slowdown(self) -> float:
@@ -49,16 +50,57 @@ def find_straggler(
     steps = sorted(set.intersection(*(set(r) for r in released.values()))) if released else []
     if len(steps) < max(min_steps, 2):
         return None
-    first = {s: min(r[s] for r in released.values()) for s in steps}  # when the world released step s
+    first = _world_released(released, steps)
     late = {p: statistics.mean(r[s] - first[s] for s in steps) for p, r in released.items()}
     p = max(late, key=lambda q: late[q])
     others = [x for q, x in late.items() if slice_of[q] != slice_of[p]]
     if not others:
         return None
-    period = (first[steps[-1]] - first[steps[0]]) / (len(steps) - 1)
+    period = window_period(released)
     excess = max(0.0, late[p] - statistics.median(others))
     ratio = excess / max(period - excess, 1e-9)
     return Straggler(slice_of[p], p, period, excess, ratio, data_s.get(p, 0.0) > excess / 2, len(steps))
+
+
+def _world_released(released: dict[int, dict[int, float]], steps: list[int]) -> dict[int, float]:
+    """When the world released each step: its earliest process's return."""
+    return {s: min(r[s] for r in released.values()) for s in steps}
+
+
+def window_period(released: dict[int, dict[int, float]]) -> float:
+    """The world's step period over the steps every process released (0.0: fewer than two)."""
+    steps = sorted(set.intersection(*(set(r) for r in released.values()))) if released else []
+    if len(steps) < 2:
+        return 0.0
+    first = _world_released(released, steps)
+    return (first[steps[-1]] - first[steps[0]]) / (len(steps) - 1)
+
+
+def speed_check_due(period_s: float, usual_period_s: float, factor: float) -> bool:
+    """The world's steps have slowed (its period over ``1 + factor / 2`` x its usual one) while no
+    process returned late: every process may be waiting inside the step for a slow device, so the
+    processes' devices are timed (:mod:`ray_elastic.slice.speed_check`). Half the factor: a device
+    ``1 + factor`` times slower slows a step that is not all compute by less, and a check is cheap."""
+    return usual_period_s > 0 and period_s > (1 + factor / 2) * usual_period_s
+
+
+def find_slow_device(
+    seconds: dict[int, float], slice_of: dict[int, str], period_s: float, factor: float
+) -> Straggler | None:
+    """The process whose devices took longest on the fixed program (``seconds``: per process), when
+    over ``1 + factor`` x the other slices' median: the world steps at its pace, so without it the
+    others' step would be that many times shorter (for a world bound by its compute)."""
+    if not seconds:
+        return None
+    p = max(seconds, key=lambda q: seconds[q])
+    others = [x for q, x in seconds.items() if slice_of[q] != slice_of[p]]
+    if not others:
+        return None
+    slowdown = seconds[p] / max(statistics.median(others), 1e-9)
+    if slowdown - 1 <= factor:
+        return None
+    excess = period_s * (1 - 1 / slowdown)
+    return Straggler(slice_of[p], p, period_s, excess, slowdown - 1, False, 0, "speed_check")
 
 
 def straggler_action(found: Straggler, num_slices: int, min_slices: int, spare_ready: bool, on_straggler: str) -> str:

@@ -8,6 +8,10 @@ that every process released have come in, the window is judged
 (:func:`~ray_elastic.decide.stragglers.find_straggler`); a slice that makes the world wait more than
 ``straggler_factor`` x the others' own step time in two windows in a row is a straggler, handed to
 the controller (:meth:`take`), which decides what to do.
+
+A slow device makes every process wait inside the step's collectives, so no process returns late:
+:class:`~ray_elastic.decide.device_checks.DeviceChecks` decides when the probe asks every
+process to time its devices, and names a slow one.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from typing import Any
 import ray
 
 from ray_elastic.config import ElasticConfig
-from ray_elastic.decide.stragglers import Straggler, find_straggler
+from ray_elastic.decide.device_checks import QUICK_STEPS, DeviceChecks
+from ray_elastic.decide.stragglers import Straggler, find_straggler, window_period
 
 logger = logging.getLogger(__name__)
 PROBE_EVERY_S = 1.0
+CHECK_PROBE_EVERY_S = 0.2  # while a speed check is asked for: its answers are read sooner
 ANSWER_WITHIN_S = 5.0  # a round not answered in this long is dropped (a dead process is the failure path's)
 
 
@@ -39,6 +45,15 @@ class StragglerWatch:
         self._next = time.monotonic() + PROBE_EVERY_S
         self._suspect: str | None = None
         self._found: Straggler | None = None
+        self.devices = DeviceChecks(config.failure.straggler_factor, world.slice_of)
+        self._handed: set[str] = set()  # slices handed to the controller (kept, when it only reports them)
+
+    @property
+    def suspicious(self) -> bool:
+        """A slice was named once (a second window or check confirms it), or the world's steps
+        slowed and its devices are being timed: the step loop queues short chunks meanwhile, so a
+        confirmed straggler leaves within a few steps."""
+        return bool({self._suspect, self.devices.suspect} - {None} - self._handed) or self.devices.slowed
 
     def check(self) -> None:
         """Read a round of answers that is in; send the next one when due. Never waits."""
@@ -53,22 +68,28 @@ class StragglerWatch:
                     logger.debug("straggler watch: a probe failed: %r", e)
             elif now - self._sent > ANSWER_WITHIN_S:
                 self._refs = None
-        if self._refs is None and now >= self._next:
-            self._refs, self._sent, self._next = (
-                [w.probe.remote() for w in self.world.workers],
-                now,
-                now + PROBE_EVERY_S,
-            )
+        if self._refs is None and (now >= self._next or self.devices.ask_pending):
+            ask = self.devices.take_ask()
+            every = CHECK_PROBE_EVERY_S if self.devices.check_at is not None else PROBE_EVERY_S
+            self._refs, self._sent, self._next = ([w.probe.remote(ask) for w in self.world.workers], now, now + every)
 
     def take(self) -> Straggler | None:
         """The confirmed straggler since the last call (None: none)."""
         found, self._found = self._found, None
+        if found is not None:
+            self._handed.add(found.slice_name)
         return found
 
     def _add(self, answers: list[dict[str, Any]]) -> None:
+        front = max(a.get("dispatched", -1) for a in answers)
+        slow = self.devices.answered([(a.get("timing") or {}).get("speed") or (-1, 0.0) for a in answers])
+        self._found = slow or self._found
         for p, a in enumerate(answers):
             self._released.setdefault(p, {}).update((s, t) for s, t in a.get("released", ()) if s > self._judged)
-        common = set.intersection(*(set(r) for r in self._released.values())) if self._released else set()
+        common = sorted(set.intersection(*(set(r) for r in self._released.values()))) if self._released else []
+        if len(common) >= QUICK_STEPS:
+            recent = common[-QUICK_STEPS:]
+            self.devices.recent(window_period({p: {s: r[s] for s in recent} for p, r in self._released.items()}), front)
         window = self.config.failure.straggler_window_steps
         if len(common) < window:
             return
@@ -79,12 +100,14 @@ class StragglerWatch:
             for p, t in timing.items()
         }
         released = {p: {s: r[s] for s in common} for p, r in self._released.items()}
-        self._judged = max(common)
+        self._judged = common[-1]
         self._released = {p: {s: t for s, t in r.items() if s > self._judged} for p, r in self._released.items()}
         self._data = {p: (t.get("steps", 0), t.get("data_s", 0.0)) for p, t in timing.items()}
         found = find_straggler(released, data, {p: self.world.slice_of(p) for p in released}, window)
+        logger.debug("straggler window to step %d: %s", self._judged, found)
         if found is None or found.ratio <= self.config.failure.straggler_factor:
             self._suspect = None
+            self.devices.window(window_period(released), front)
             return
         if self._suspect == found.slice_name:  # named twice in a row: handed to the controller
             self._found = found

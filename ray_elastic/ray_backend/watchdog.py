@@ -8,8 +8,9 @@ Two bounds, both from the run's step times (:func:`~ray_elastic.decide.watchdog_
 - the stuck bound (``STUCK_FACTOR`` x the median step, at least ``STUCK_MIN_S``: a few steps on a
   fast step, not the hang bound's floor): every process is probed, and one that is behind the step
   the others wait in, at the same step two probes in a row, is stuck (its data source blocked,
-  say): named, and its slice alone blamed. A long first step, a save or an eval is never this:
-  every process is at the same step, or the probe says it saves or evaluates.
+  say): named, and its slice alone blamed. A save or an eval is never this (the probe says so),
+  nor a world's first step: until one of its steps is back, processes still compiling (a slow
+  host compiles slowly) are behind the others, so only the hang bound judges it.
 """
 
 from __future__ import annotations
@@ -46,13 +47,16 @@ class Watchdog:
         # process -> (the step it was at, behind the others; the world's newest finished step) at the last probe
         self._behind: dict[int, tuple[int, int]] = {}
         self._next_stuck_probe = 0.0
+        self._started_after: int | None = None  # the newest step read when this world began
 
     def check(self, stall: Stall, reported: int) -> RunOutcome | None:
         idle, f = time.monotonic() - stall.at, self.config.failure
         if idle > watchdog_timeout(self.sink.step_times, f.hang_timeout_factor, f.hang_timeout_min_s):
             return self._hang(stall, reported)
-        if idle <= watchdog_timeout(self.sink.step_times, STUCK_FACTOR, STUCK_MIN_S):
-            self._behind = {}  # steps progress: nobody is stuck
+        if self._started_after is None:
+            self._started_after = reported
+        if idle <= watchdog_timeout(self.sink.step_times, STUCK_FACTOR, STUCK_MIN_S) or reported <= self._started_after:
+            self._behind = {}  # steps progress (or none of this world's came back yet): nobody is stuck
             return None
         if time.monotonic() < self._next_stuck_probe:
             return None

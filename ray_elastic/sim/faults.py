@@ -117,7 +117,7 @@ class SliceFaults:
         except Exception as e:  # noqa: BLE001 - the cluster may be shutting down
             logger.debug("preempted slice %s not killed: %r", sl.name, e)
 
-    def slow_slice(self, name: str, factor: float, period_s: float = 0.1) -> threading.Event:
+    def slow_slice(self, name: str, factor: float, period_s: float = 0.01) -> threading.Event:
         """A slow host: the slice's JAX processes (and any that start there later) run ``1/factor``
         of the time, stopped and continued (SIGSTOP/SIGCONT) every ``period_s``, as a degraded chip
         or a noisy neighbour slows every step. Set the returned event to end it."""

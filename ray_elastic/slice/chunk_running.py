@@ -142,10 +142,12 @@ class ChunkRunning:
 
     def _compile_ahead(self) -> None:
         """After this world's first chunk, process 0 compiles the step of the next smaller world
-        the run may form into the persistent cache, in the background (once per world)."""
+        the run may form into the persistent cache, and every process its speed check's program,
+        in the background (once per world)."""
         from ray_elastic.slice.jax_world import compile_smaller_in_background
 
         self._compiled_ahead = True
+        self.loop.speed.prepare_in_background()
         if self.process_id == 0:
             compile_smaller_in_background(self.task, self.settings, self.plan, self.batches)
 

@@ -23,6 +23,7 @@ from ray_elastic.slice.compile_cache import cache_hits, compile_ahead, lower_and
 from ray_elastic.slice.data import BatchPrefetcher, StepBatches
 from ray_elastic.slice.host_blocks import block_range, host_blocks, leaf_paths
 from ray_elastic.slice.settings import SliceSettings
+from ray_elastic.slice.speed_check import SpeedCheck
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,9 @@ class TrainLoop:
         # the state, which happens at one moment for the whole world; a process whose call returns
         # later than its peers' kept the world waiting (its rows late, its host slow).
         self.released: collections.deque = collections.deque(maxlen=64)
+        # Asked by the driver: time this process's devices before this step (``timing["speed"]``).
+        self.speed_check_at: int | None = None
+        self.speed = SpeedCheck(list(mesh.local_devices))
         self._eval = None  # the jitted eval step, compiled at the first evaluation
 
         self.spec, self.state_shardings, self.batch_sharding, self._step = _programs(
@@ -277,6 +281,8 @@ class TrainLoop:
     def dispatch(self, step: int) -> None:
         """Start step ``step`` and return before it has run (JAX dispatches asynchronously);
         :meth:`finish` reads it. The device queue then never drains between steps."""
+        if self.speed_check_at is not None and step >= self.speed_check_at:
+            self._check_speed(step)
         t0 = time.perf_counter()
         batch = self.global_batch_array(step)
         self.state, metrics, *packed = self._step(self.state, batch)  # blocks while the step before holds the state
@@ -284,6 +290,22 @@ class TrainLoop:
         self.packed = packed[0] if packed else None
         self._in_flight.append((step, metrics, t0))
         self.dispatched = step
+
+    def _check_speed(self, step: int) -> None:
+        """Wait for the steps in flight (the devices idle), then time the fixed local program."""
+        self.speed_check_at = None
+        t0 = time.perf_counter()
+        jax.block_until_ready(self.state)
+        t1 = time.perf_counter()
+        seconds = self.speed.seconds()
+        self.timing["speed"] = (step, seconds)
+        logger.info(
+            "speed check before step %d: %.4f s (waited %.3f s for the step, %.3f s in all)",
+            step,
+            seconds,
+            t1 - t0,
+            time.perf_counter() - t0,
+        )
 
     def in_flight(self) -> int:
         return len(self._in_flight)

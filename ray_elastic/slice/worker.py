@@ -124,10 +124,13 @@ class SliceWorker(ChunkRunning):
         }
 
     @ray.method(concurrency_group="health")
-    def probe(self) -> dict:
-        """Answered on its own thread even while a step is blocked in a collective."""
+    def probe(self, speed_check_at: int | None = None) -> dict:
+        """Answered on its own thread even while a step is blocked in a collective. With
+        ``speed_check_at``, the step loop times its devices before that step (or its next one)."""
         since = self.saving_since
         loop = self.loop
+        if loop is not None and speed_check_at is not None:
+            loop.speed_check_at = speed_check_at
         return {
             "pid": os.getpid(),
             "last_step": self.last_step,

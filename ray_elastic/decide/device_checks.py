@@ -1,0 +1,100 @@
+"""When a running world's processes are asked to time their devices, and what the answers say.
+
+A slow device makes every process wait inside the step's collectives, so no process returns late
+(:mod:`~ray_elastic.decide.stragglers`). A check (:mod:`~ray_elastic.slice.speed_check`) is asked
+for at the world's first window (a slow device from the start) and when the world's steps slowed
+past ``1 + straggler_factor`` x its median window, over a whole window or its newest
+``QUICK_STEPS`` steps. A check that finds nothing holds the next ones back for twice as many
+windows each time (up to ``MAX_BACKOFF_WINDOWS``): on a noisy host the step period wanders, and
+every check costs each process its program's time. A process slower than the other slices' by the
+factor in a check, and still the slowest by half the factor in the next one (asked at once), is a
+straggler.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Callable
+
+from ray_elastic.decide.stragglers import Straggler, find_slow_device, speed_check_due
+
+logger = logging.getLogger(__name__)
+QUICK_STEPS = 4
+MAX_BACKOFF_WINDOWS = 8
+
+
+class DeviceChecks:
+    """The speed checks of one world, fed by :class:`~ray_elastic.ray_backend.straggler_watch.StragglerWatch`."""
+
+    def __init__(self, factor: float, slice_of: Callable[[int], str]):
+        self.factor, self.slice_of = factor, slice_of
+        self.check_at: int | None = None  # the step at which every process is asked to time its devices
+        self.suspect: str | None = None  # named by one check: the next check confirms it
+        self.slowed = False  # the world's steps slowed and its devices are being timed
+        self._periods: list[float] = []  # the world's window periods
+        self._period = 0.0  # the period that asked for the check
+        self._sent = False  # the ask went out in a probe round
+        self._quick_done = False  # one quick check per window
+        self._hold, self._backoff = 0, 1  # windows to skip before the next check; the next hold
+
+    def window(self, period: float, front: int) -> None:
+        """A window was judged with no process late (``front``: the newest step any process dispatched)."""
+        first = not self._periods
+        slowed = not first and speed_check_due(period, statistics.median(self._periods), self.factor)
+        self._periods.append(period)
+        self._quick_done = False
+        if self._hold:
+            self._hold -= 1
+        elif (first or slowed) and period > 0:
+            self.slowed = slowed
+            self._ask(period, front)
+
+    def recent(self, period: float, front: int) -> None:
+        """The world's newest ``QUICK_STEPS`` steps took ``period`` each: slowed, a check now."""
+        if self._quick_done or self._hold or not self._periods:
+            return
+        if speed_check_due(period, statistics.median(self._periods), self.factor):
+            self._quick_done = self.slowed = True
+            self._ask(period, front)
+
+    def _ask(self, period: float, front: int) -> None:
+        if self.check_at is None:
+            self.check_at, self._period, self._sent = front + 1, period, False
+
+    @property
+    def ask_pending(self) -> bool:
+        """A check is asked for and not sent yet: the next probe round goes out at once."""
+        return self.check_at is not None and not self._sent
+
+    def take_ask(self) -> int | None:
+        """The step to send in the next probe round, once per check."""
+        if self.check_at is None or self._sent:
+            return None
+        self._sent = True
+        return self.check_at
+
+    def answered(self, done: list[tuple[int, float]]) -> Straggler | None:
+        """Every process's newest check (step, seconds); a confirmed straggler, once all have checked."""
+        if self.check_at is None or not all(step >= self.check_at for step, _ in done):
+            return None
+        seconds = {p: s for p, (_, s) in enumerate(done)}
+        # The second check confirms the first's suspect if it is still the slowest by half the factor.
+        bar = self.factor / 2 if self.suspect else self.factor
+        found = find_slow_device(seconds, {p: self.slice_of(p) for p in seconds}, self._period, bar)
+        logger.debug("speed check at step %d: %s -> %s", self.check_at, seconds, found)
+        front, self.check_at = max(step for step, _ in done), None
+        if found is None:
+            self.suspect, self.slowed = None, False
+            self._hold, self._backoff = self._backoff, min(2 * self._backoff, MAX_BACKOFF_WINDOWS)
+            return None
+        logger.info("speed check: %s's devices %.1fx slower than the others'", found.slice_name, found.ratio + 1)
+        if self.suspect == found.slice_name:  # confirmed: no more checks while the world stops for it
+            self.suspect, self.slowed, self._hold = None, False, MAX_BACKOFF_WINDOWS
+            return found
+        if self.suspect is not None:  # another slice is the slowest now: neither is named
+            self.suspect, self.slowed = None, False
+            return None
+        self.suspect = found.slice_name
+        self._ask(self._period, front)  # confirmed, or not, by a second check at once
+        return None
