@@ -15,7 +15,7 @@ slice, checkpoints every ``--checkpoint-every`` steps. ``--faults N`` faults fir
 - ``during_grow``: a slice lost, and at the next grow-back a process of the world killed as the
   controller enters ``resizing``, before the in-flight save commits (resizing -> recovering);
 - faults that kill nothing: ``preempt`` (a slice's hosts drained with a 5 s notice, killed at the
-  deadline: it should leave with no failure), ``slow_data`` (a slice's rows read 10 ms each),
+  deadline: it should leave with no failure), ``slow_data`` (a slice's rows read 30 ms each),
   ``slow_host`` (a slice's processes running a fifth of the time, SIGSTOP/SIGCONT: a slow chip or
   a noisy neighbour) and ``stuck_data`` (a slice's data source blocked until the failure that names
   it). Each straggler and stuck process must be attributed to the right slice (``misattributed``:
@@ -37,7 +37,8 @@ changed shape must match exactly (``same_shape_max_diff``). ``--no-noise`` skips
      "max_rel_loss_diff": ...,
      "world_size_noise": ..., "loss_diff_over_noise": ..., "same_shape_max_diff": ..., "uncommitted_restored": ...,
      "final_checkpoint_committed": ..., "goodput": ..., "goodput_breakdown": {seconds per category},
-     "by_kind": {...}, "attributed": ..., "misattributed": ..., "not_named": ...}
+     "by_kind": {...}, "attributed": ..., "misattributed": ..., "not_named": ..., "moot": ...,
+     "steps_to_named": {kind: {"median", "worst", "n"}}, "steps_to_pace": {"slow_host": {...}}}
 
     .venv/bin/python bench/chaos.py [--faults 100] [--every-s 30 --steps 3000] [--multihost-faults 10] [--run-dir DIR]
 """
@@ -93,7 +94,7 @@ def chaos_task(marker_dir: str):
                     me = os.environ.get("TPU_NAME", "")
                     slow = os.path.join(where, f"slow_data-{me}")
                     if os.path.exists(slow):
-                        time.sleep(0.01)
+                        time.sleep(0.03)
                     while os.path.exists(os.path.join(where, f"stuck_data-{me}")):
                         time.sleep(0.05)
                     return list.__getitem__(self, i)
@@ -197,7 +198,7 @@ class Chaos:
             return
         marker = os.path.join(self.marker_dir, f"{kind}-{name}")
         with open(marker, "w") as f:
-            f.write("0.01" if kind == "slow_data" else "")
+            f.write("0.03" if kind == "slow_data" else "")
         fault["marker"] = marker
 
     def _named(self, name: str, how: str) -> None:
@@ -432,9 +433,9 @@ def run_phase(
         "misattributed": chaos.misattributed,
         "not_named": len(chaos.culprits),
         "moot": chaos.moot,
-        "steps_to_named": {
-            k: {"median": statistics.median(v), "worst": max(v), "n": len(v)} for k, v in chaos.steps_to_named.items()
-        },
+        "steps_to_named": _spread(chaos.steps_to_named),
+        # slow_host: steps from the fault until 10 steps in a row ran at >= 0.8x the pace before it
+        "steps_to_pace": _spread(steps_to_pace(chaos.fired, chaos.finished_at, ("slow_host",))),
         # processes that broke a rule of the TPU runtime (sim/tpu_runtime.py): must be 0
         "tpu_breaches": len(tpu_runtime.breaches()) - breaches_before,
     }
@@ -639,6 +640,9 @@ def main() -> int:
         "attributed": sum(p["attributed"] for p in ps),
         "misattributed": sum(p["misattributed"] for p in ps),
         "not_named": sum(p["not_named"] for p in ps),
+        "moot": sum(p["moot"] for p in ps),
+        "steps_to_named": phases["one_host_slices"].get("steps_to_named"),
+        "steps_to_pace": phases["one_host_slices"].get("steps_to_pace"),
     }
     print(json.dumps(total))
     return 0 if total["unrecovered"] == 0 else 1

@@ -138,7 +138,10 @@ def test_device_checks_are_asked_when_the_world_slows_backed_off_when_clean_and_
     checks.window(0.1, front=12)  # the world's first window: a check (a slow device from the start)
     assert checks.check_at == 13 and checks.ask_pending and checks.take_ask() == 13 and checks.take_ask() is None
     assert checks.answered([(13, 0.004), (12, 0.0)]) is None and checks.check_at == 13  # not all checked yet
-    assert checks.answered([(13, 0.004), (13, 0.0041), (14, 0.0039)]) is None and checks.check_at is None
+    assert checks.answered([(13, 0.004), (13, None), (14, 0.0039)]) is None and checks.check_at is None  # not compiled
+    checks.window(0.1, front=18)  # asked again
+    assert checks.take_ask() == 19
+    assert checks.answered([(19, 0.004), (19, 0.0041), (20, 0.0039)]) is None and checks.check_at is None
     # Nothing found: the next check waits a window, then two, ... (the period wanders on a busy host).
     checks.recent(0.5, front=20)
     checks.window(0.1, front=24)

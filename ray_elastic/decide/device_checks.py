@@ -37,11 +37,12 @@ class DeviceChecks:
         self._sent = False  # the ask went out in a probe round
         self._quick_done = False  # one quick check per window
         self._hold, self._backoff = 0, 1  # windows to skip before the next check; the next hold
+        self._judged = False  # a check was judged in this world
 
     def window(self, period: float, front: int) -> None:
         """A window was judged with no process late (``front``: the newest step any process dispatched)."""
-        first = not self._periods
-        slowed = not first and speed_check_due(period, statistics.median(self._periods), self.factor)
+        first = not self._judged  # the world's first check (asked again while none was judged)
+        slowed = bool(self._periods) and speed_check_due(period, statistics.median(self._periods), self.factor)
         self._periods.append(period)
         self._quick_done = False
         if self._hold:
@@ -74,11 +75,16 @@ class DeviceChecks:
         self._sent = True
         return self.check_at
 
-    def answered(self, done: list[tuple[int, float]]) -> Straggler | None:
-        """Every process's newest check (step, seconds); a confirmed straggler, once all have checked."""
+    def answered(self, done: list[tuple[int, float | None]]) -> Straggler | None:
+        """Every process's newest check (step, seconds; None: its program was not compiled yet, the
+        round is dropped); a confirmed straggler, once all have checked."""
         if self.check_at is None or not all(step >= self.check_at for step, _ in done):
             return None
-        seconds = {p: s for p, (_, s) in enumerate(done)}
+        if any(s is None for _, s in done):
+            self.check_at, self.slowed = None, False
+            return None
+        seconds = {p: float(s) for p, (_, s) in enumerate(done) if s is not None}
+        self._judged = True
         # The second check confirms the first's suspect if it is still the slowest by half the factor.
         bar = self.factor / 2 if self.suspect else self.factor
         found = find_slow_device(seconds, {p: self.slice_of(p) for p in seconds}, self._period, bar)

@@ -300,7 +300,7 @@ class TrainLoop:
         seconds = self.speed.seconds()
         self.timing["speed"] = (step, seconds)
         logger.info(
-            "speed check before step %d: %.4f s (waited %.3f s for the step, %.3f s in all)",
+            "speed check before step %d: %s s (waited %.3f s for the step, %.3f s in all)",
             step,
             seconds,
             t1 - t0,

@@ -32,8 +32,8 @@ def _local_program(x: jax.Array) -> jax.Array:
 
 class SpeedCheck:
     """The fixed program on ``devices`` (this process's), timed on request. Its inputs are placed and
-    the program compiled by :meth:`prepare_in_background` (after the world's first chunk: the first
-    check then stalls no step on a compile) or, at the latest, by the first check."""
+    the program compiled in the background (:meth:`prepare_in_background`, after the world's first
+    chunk, or at the first check, which then times nothing)."""
 
     def __init__(self, devices: list):
         self._devices = devices
@@ -54,14 +54,14 @@ class SpeedCheck:
         finally:
             self._ready.set()
 
-    def seconds(self) -> float:
+    def seconds(self) -> float | None:
         """The slowest local device's median over ``REPEATS`` runs of the program, the devices
         timed one after the other (on a simulated host they share its cores). The caller has
-        waited for its steps: the devices are idle."""
-        if not self._started:
-            self._started = True
-            self._prepare()
-        self._ready.wait()
+        waited for its steps: the devices are idle. None while the program is not compiled yet:
+        a check never stalls the world on a compile (on a starved host that took seconds)."""
+        self.prepare_in_background()
+        if not self._ready.is_set():
+            return None
         slowest = 0.0
         for x in self._inputs:
             runs = []
