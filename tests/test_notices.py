@@ -112,6 +112,9 @@ def test_the_process_whose_calls_return_latest_is_the_one_the_world_waits_for():
     assert find_straggler(released, {}, slice_of, min_steps=21) is None  # the window is too short
     even = {p: {s: 0.5 * s for s in steps} for p in range(3)}
     assert find_straggler(even, {}, slice_of, min_steps=20).ratio == 0.0
+    # Late by more than a period (blocked for part of the window): at most MAX_SLOWDOWN, never negative.
+    stuck = {**released, 1: {s: 0.5 * s + 0.7 for s in steps}}
+    assert find_straggler(stuck, {}, slice_of, min_steps=20).slowdown == pytest.approx(100.0)
 
 
 def test_a_world_slowed_with_no_late_process_has_its_devices_timed_and_the_slow_one_named():
@@ -154,6 +157,17 @@ def test_device_checks_are_asked_when_the_world_slows_backed_off_when_clean_and_
     found = checks.answered([(37, 0.004), (37, 0.02), (37, 0.0041)])
     assert (found.slice_name, found.process, found.seen_by) == ("b", 1, "speed_check") and checks.suspect is None
     assert found.slowdown == pytest.approx(0.02 / 0.00405) and found.period_s == 0.5
+    # A world that never slows is still checked every MAX_BACKOFF_WINDOWS windows.
+    steady = DeviceChecks(factor=1.0, slice_of=lambda p: "abc"[p])
+    steady.window(0.1, front=10)
+    steady.answered([(11, 0.004)] * 3)
+    asked = []
+    for w in range(2, 30):
+        steady.window(0.1, front=10 * w)
+        if steady.check_at is not None:
+            asked.append(w)
+            steady.answered([(steady.take_ask(), 0.004)] * 3)
+    assert asked == [9, 17, 25]  # 1 held, then MAX_BACKOFF_WINDOWS (8) apart
     # The confirming check asks only half the factor of the slice the first one named (a noisy
     # host's timings wander); a check that names another slice names neither.
     for second, named in (([0.004, 0.0066, 0.0042], "b"), ([0.004, 0.004, 0.0099], None)):

@@ -4,9 +4,11 @@ A slow device makes every process wait inside the step's collectives, so no proc
 (:mod:`~ray_elastic.decide.stragglers`). A check (:mod:`~ray_elastic.slice.speed_check`) is asked
 for at the world's first window (a slow device from the start) and when the world's steps slowed
 past ``1 + straggler_factor`` x its median window, over a whole window or its newest
-``QUICK_STEPS`` steps. A check that finds nothing holds the next ones back for twice as many
-windows each time (up to ``MAX_BACKOFF_WINDOWS``): on a noisy host the step period wanders, and
-every check costs each process its program's time. A process slower than the other slices' by the
+``QUICK_STEPS`` steps, and at least every ``MAX_BACKOFF_WINDOWS`` windows (a slow device does not
+always slow the world: on a host whose cores every process shares, the others take the cores it
+leaves). A check that finds nothing holds the next ones back for twice as many windows each time
+(up to ``MAX_BACKOFF_WINDOWS``): on a noisy host the step period wanders, and every check costs
+each process its program's time. A process slower than the other slices' by the
 factor in a check, and still the slowest by half the factor in the next one (asked at once), is a
 straggler.
 """
@@ -38,6 +40,7 @@ class DeviceChecks:
         self._quick_done = False  # one quick check per window
         self._hold, self._backoff = 0, 1  # windows to skip before the next check; the next hold
         self._judged = False  # a check was judged in this world
+        self._since_check = 0  # windows judged since the last check was asked
 
     def window(self, period: float, front: int) -> None:
         """A window was judged with no process late (``front``: the newest step any process dispatched)."""
@@ -45,9 +48,10 @@ class DeviceChecks:
         slowed = bool(self._periods) and speed_check_due(period, statistics.median(self._periods), self.factor)
         self._periods.append(period)
         self._quick_done = False
+        self._since_check += 1
         if self._hold:
             self._hold -= 1
-        elif (first or slowed) and period > 0:
+        elif (first or slowed or self._since_check >= MAX_BACKOFF_WINDOWS) and period > 0:
             self.slowed = slowed
             self._ask(period, front)
 
@@ -61,7 +65,7 @@ class DeviceChecks:
 
     def _ask(self, period: float, front: int) -> None:
         if self.check_at is None:
-            self.check_at, self._period, self._sent = front + 1, period, False
+            self.check_at, self._period, self._sent, self._since_check = front + 1, period, False, 0
 
     @property
     def ask_pending(self) -> bool:

@@ -35,7 +35,7 @@ class Straggler:
     @property
     def slowdown(self) -> float:
         """How many times faster the others would step without it."""
-        return self.period_s / max(self.period_s - self.excess_s, 1e-9)
+        return self.period_s / _own_step(self.period_s, self.excess_s)
 
     def evidence(self) -> dict[str, object]:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
@@ -58,8 +58,16 @@ def find_straggler(
         return None
     period = window_period(released)
     excess = max(0.0, late[p] - statistics.median(others))
-    ratio = excess / max(period - excess, 1e-9)
+    ratio = excess / _own_step(period, excess)
     return Straggler(slice_of[p], p, period, excess, ratio, data_s.get(p, 0.0) > excess / 2, len(steps))
+
+
+MAX_SLOWDOWN = 100.0  # a process late by about a whole period (stuck for part of the window) reads as this
+
+
+def _own_step(period_s: float, excess_s: float) -> float:
+    """The others' own step: the period less the wait for the straggler (at least 1/MAX_SLOWDOWN of it)."""
+    return max(period_s - excess_s, period_s / MAX_SLOWDOWN, 1e-9)
 
 
 def _world_released(released: dict[int, dict[int, float]], steps: list[int]) -> dict[int, float]:
