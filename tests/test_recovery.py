@@ -431,6 +431,8 @@ def test_a_process_stuck_in_its_data_is_named_and_only_its_slice_blamed(cluster,
     assert result.steps == list(range(STEPS)) and result.summary["steps_rewound"] == 0
     (failure,) = [e for e in result.events if e["kind"] == "failure"]
     assert failure["cause"] == "hang" and failure["kinds"] == {victim["name"]: "hang"}, failure
+    # It answered the watchdog's probe: its host lives, no grace period is spent waiting for Ray to say so.
+    assert failure["vouched_slices"] == [victim["name"]], failure
     assert (
         f"slice {victim['name']}) never reached step" in failure["error"] and "waiting for its rows" in failure["error"]
     )

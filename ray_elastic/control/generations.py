@@ -220,12 +220,14 @@ class Generations:
         for name, res in zip(names, world.reservations):
             if name not in kinds and not self.backend.health.hosts_answer(res):
                 kinds[name] = ErrorKind.ACTOR_DIED
+        # A process named stuck answered the watchdog's probe a moment ago: its host lives.
+        answered = {world.slice_of(p) for p, e in outcome.errors.items() if isinstance(e, StuckProcess)}
         return Evidence(
             kinds,
             world.slice_node_ids(),
             names,
             world.plan.generation,
-            self._vouched(kinds, world.reservations),
+            self._vouched(kinds, world.reservations) | answered,
             origin=origin,
             unreadable_checkpoints=self._unreadable(outcome),
         )
