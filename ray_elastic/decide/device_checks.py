@@ -2,15 +2,15 @@
 
 A slow device makes every process wait inside the step's collectives, so no process returns late
 (:mod:`~ray_elastic.decide.stragglers`). A check (:mod:`~ray_elastic.slice.speed_check`) is asked
-for at the world's first window (a slow device from the start) and when the world's steps slowed
-past ``1 + straggler_factor`` x its median window, over a whole window or its newest
-``QUICK_STEPS`` steps, and at least every ``MAX_BACKOFF_WINDOWS`` windows (a slow device does not
-always slow the world: on a host whose cores every process shares, the others take the cores it
-leaves). A check that finds nothing holds the next ones back for twice as many windows each time
-(up to ``MAX_BACKOFF_WINDOWS``): on a noisy host the step period wanders, and every check costs
-each process its program's time. A process slower than the other slices' by the
-factor in a check, and still the slowest by half the factor in the next one (asked at once), is a
-straggler.
+for at the world's first window (a slow device from the start), when the world's steps slowed
+(:func:`~ray_elastic.decide.stragglers.speed_check_due` against its median window, over a whole
+window or its newest ``QUICK_STEPS`` steps), and at least every ``MAX_BACKOFF_WINDOWS`` windows (a
+slow device does not always slow the world: on a host whose cores every process shares, the others
+take the cores it leaves). A check that finds nothing holds the next ones back for twice as many
+windows each time (up to ``MAX_BACKOFF_WINDOWS``): on a noisy host the step period wanders, and
+every check costs each process its program's time. A process slower than the other slices' median
+by ``1 + straggler_factor`` in a check, and still the slowest by ``1 + straggler_factor / 2`` in
+the next one (asked at once), is a straggler.
 """
 
 from __future__ import annotations
