@@ -473,13 +473,15 @@ def steps_to_pace(fired: list[dict], finished_at: dict[int, float], kinds, windo
     most 1/0.8 x the median step of the 30 steps before it (its throughput back to >= 0.8x)."""
     out: dict[str, list[int]] = {}
     for f in fired:
+        if f["kind"] not in kinds:
+            continue
         s0 = f["step"]
         before = [
             finished_at[s] - finished_at[s - 1]
             for s in range(s0 - 29, s0 + 1)
             if s in finished_at and s - 1 in finished_at
         ]
-        if f["kind"] not in kinds or len(before) < 10:
+        if len(before) < 10:
             continue
         pace = statistics.median(before)
         for s in range(s0 + 1, max(finished_at) - window + 1):

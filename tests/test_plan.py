@@ -343,6 +343,10 @@ def test_chunks_grow_with_the_world_but_last_at_most_ten_seconds():
     assert chunk_steps(10, 1024, [0.1] * 5) == 100  # 10 s of 100 ms steps
     assert chunk_steps(10, 1024, [2.0] * 5) == 10  # slow steps: never below the configured chunk
     assert chunk_steps(50, 64, [1.0]) == 50
+    # A straggler suspected: ~0.3 s of the newest steps, at least 2, so a confirmed one leaves soon.
+    assert chunk_steps(10, 6, [0.01] * 5, suspect=True) == 10  # 30 steps of 10 ms: as configured
+    assert chunk_steps(10, 6, [2.0] * 20 + [0.06] * 10, suspect=True) == 5  # the newest 10 steps
+    assert chunk_steps(10, 6, [1.0] * 5, suspect=True) == 2
 
 
 def test_relay_channels_group_quiet_processes_only_in_large_worlds():

@@ -122,14 +122,21 @@ def save_timeout(configured: float | None, save_seconds: Sequence[float]) -> flo
 # chunks already queued, and with slow steps the submissions are cheap per step anyway).
 PROCESSES_PER_CHUNK_STEP = 10
 MAX_CHUNK_S = 10.0
+# While a straggler is suspected, chunks last about SUSPECT_CHUNK_S (at least SUSPECT_CHUNK_STEPS
+# steps): once it is confirmed, it leaves after the few steps queued.
+SUSPECT_CHUNK_S, SUSPECT_CHUNK_STEPS = 0.3, 2
 
 
-def chunk_steps(steps_per_chunk: int, processes: int, step_times: Sequence[float] = ()) -> int:
+def chunk_steps(steps_per_chunk: int, processes: int, step_times: Sequence[float] = (), suspect: bool = False) -> int:
     """Steps in the next chunk: the configured number, longer for a world of many processes while
-    a chunk stays within ``MAX_CHUNK_S`` (never shorter than configured)."""
+    a chunk stays within ``MAX_CHUNK_S`` (never shorter than configured); about ``SUSPECT_CHUNK_S``
+    of the newest 10 steps' time while a straggler is ``suspect``."""
     n = max(steps_per_chunk, -(-processes // PROCESSES_PER_CHUNK_STEP))
     if step_times:
         step_s = statistics.median(step_times)
         if step_s > 0:
             n = min(n, max(steps_per_chunk, int(MAX_CHUNK_S / step_s)))
+    if suspect:
+        step_s = statistics.median(step_times[-10:]) if step_times else 0.0
+        n = min(n, max(SUSPECT_CHUNK_STEPS, int(SUSPECT_CHUNK_S / max(step_s, 1e-3))))
     return n

@@ -47,7 +47,7 @@ def find_straggler(
     """The process the others waited for over the steps every process released (``released``: per
     process, step -> wall clock when its call of that step returned; ``data_s``: per process, seconds
     per step it waited for its own rows). None with fewer than ``min_steps`` such steps, or one slice."""
-    steps = sorted(set.intersection(*(set(r) for r in released.values()))) if released else []
+    steps = common_steps(released)
     if len(steps) < max(min_steps, 2):
         return None
     first = _world_released(released, steps)
@@ -56,7 +56,7 @@ def find_straggler(
     others = [x for q, x in late.items() if slice_of[q] != slice_of[p]]
     if not others:
         return None
-    period = window_period(released)
+    period = _period(first, steps)
     excess = max(0.0, late[p] - statistics.median(others))
     ratio = excess / _own_step(period, excess)
     return Straggler(slice_of[p], p, period, excess, ratio, data_s.get(p, 0.0) > excess / 2, len(steps))
@@ -70,6 +70,11 @@ def _own_step(period_s: float, excess_s: float) -> float:
     return max(period_s - excess_s, period_s / MAX_SLOWDOWN, 1e-9)
 
 
+def common_steps(released: dict[int, dict[int, float]]) -> list[int]:
+    """The steps every process released, in order."""
+    return sorted(set.intersection(*(set(r) for r in released.values()))) if released else []
+
+
 def _world_released(released: dict[int, dict[int, float]], steps: list[int]) -> dict[int, float]:
     """When the world released each step: its earliest process's return."""
     return {s: min(r[s] for r in released.values()) for s in steps}
@@ -77,10 +82,14 @@ def _world_released(released: dict[int, dict[int, float]], steps: list[int]) -> 
 
 def window_period(released: dict[int, dict[int, float]]) -> float:
     """The world's step period over the steps every process released (0.0: fewer than two)."""
-    steps = sorted(set.intersection(*(set(r) for r in released.values()))) if released else []
+    steps = common_steps(released)
     if len(steps) < 2:
         return 0.0
-    first = _world_released(released, steps)
+    return _period(_world_released(released, steps), steps)
+
+
+def _period(first: dict[int, float], steps: list[int]) -> float:
+    """The mean interval between the world's releases of ``steps`` (sorted, at least two)."""
     return (first[steps[-1]] - first[steps[0]]) / (len(steps) - 1)
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -51,9 +50,6 @@ GATHER_S = 0.005
 SUSPECT_FACTOR, SUSPECT_MIN_S = 1.5, 0.25
 NODE_CHECK_S, NODE_CHECK_MAX_S = 0.05, 1.0
 
-# While a straggler is suspected, chunks last about SUSPECT_CHUNK_S (at least SUSPECT_CHUNK_STEPS
-# steps): once it is confirmed, it leaves after the few steps queued.
-SUSPECT_CHUNK_S, SUSPECT_CHUNK_STEPS = 0.3, 2
 ACK_EVERY_S = 1.0  # a holder's keeper hears what the driver has at most this often (a call costs its CPU)
 NOT_KEPT_LISTED = 5  # snapshots not kept listed per world in the event (all are counted)
 
@@ -166,12 +162,12 @@ class StepStreams:
             self._submit(run.submitted, 0, end_step - 1)
         while not run.draining and run.submitted < end_step and max(map(len, self.queues)) < CHUNKS_IN_FLIGHT:
             self.steps_per_chunk = chunk_steps(
-                self.config.steps_per_chunk, len(self.world.workers), self.step_times[-20:]
+                self.config.steps_per_chunk,
+                len(self.world.workers),
+                self.step_times[-20:],
+                suspect=self.stragglers.suspicious,
             )
             n = min(self.steps_per_chunk, end_step - run.submitted)
-            if self.stragglers.suspicious:
-                step_s = statistics.median(self.step_times[-10:]) if self.step_times else 0.0
-                n = min(n, max(SUSPECT_CHUNK_STEPS, int(SUSPECT_CHUNK_S / max(step_s, 1e-3))))
             heads_changed |= not all(self.queues)
             self._submit(run.submitted, n, end_step - 1)
             run.submitted += n

@@ -24,7 +24,7 @@ import ray
 
 from ray_elastic.config import ElasticConfig
 from ray_elastic.decide.device_checks import QUICK_STEPS, DeviceChecks
-from ray_elastic.decide.stragglers import Straggler, find_straggler, window_period
+from ray_elastic.decide.stragglers import Straggler, common_steps, find_straggler, window_period
 
 logger = logging.getLogger(__name__)
 PROBE_EVERY_S = 1.0
@@ -86,7 +86,7 @@ class StragglerWatch:
         self._found = slow or self._found
         for p, a in enumerate(answers):
             self._released.setdefault(p, {}).update((s, t) for s, t in a.get("released", ()) if s > self._judged)
-        common = sorted(set.intersection(*(set(r) for r in self._released.values()))) if self._released else []
+        common = common_steps(self._released)
         if len(common) >= QUICK_STEPS:
             recent = common[-QUICK_STEPS:]
             self.devices.recent(window_period({p: {s: r[s] for s in recent} for p, r in self._released.items()}), front)
