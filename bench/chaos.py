@@ -38,7 +38,8 @@ changed shape must match exactly (``same_shape_max_diff``). ``--no-noise`` skips
      "world_size_noise": ..., "loss_diff_over_noise": ..., "same_shape_max_diff": ..., "uncommitted_restored": ...,
      "final_checkpoint_committed": ..., "goodput": ..., "goodput_breakdown": {seconds per category},
      "by_kind": {...}, "attributed": ..., "misattributed": ..., "not_named": ..., "moot": ...,
-     "steps_to_named": {kind: {"median", "worst", "n"}}, "steps_to_pace": {"slow_host": {...}}}
+     "steps_to_named": {kind: {"median", "worst", "n"}}, "steps_to_pace": {"slow_host": {...}},
+     "steps_to_throughput": {"slow_host": {...}}}
 
     .venv/bin/python bench/chaos.py [--faults 100] [--every-s 30 --steps 3000] [--multihost-faults 10] [--run-dir DIR]
 """
@@ -434,8 +435,10 @@ def run_phase(
         "not_named": len(chaos.culprits),
         "moot": chaos.moot,
         "steps_to_named": _spread(chaos.steps_to_named),
-        # slow_host: steps from the fault until 10 steps in a row ran at >= 0.8x the pace before it
+        # slow_host: steps from the fault until the world steps at >= 0.8x its pace before it again
+        # (10 steps in a row by their median), and until 10 steps' whole time is (pauses counted)
         "steps_to_pace": _spread(steps_to_pace(chaos.fired, chaos.finished_at, ("slow_host",))),
+        "steps_to_throughput": _spread(steps_to_pace(chaos.fired, chaos.finished_at, ("slow_host",), strict=True)),
         # processes that broke a rule of the TPU runtime (sim/tpu_runtime.py): must be 0
         "tpu_breaches": len(tpu_runtime.breaches()) - breaches_before,
     }
@@ -468,29 +471,34 @@ def _spread(by_kind: dict[str, list[int]]) -> dict[str, dict]:
     return {k: {"median": statistics.median(v), "worst": max(v), "n": len(v)} for k, v in by_kind.items() if v}
 
 
-def steps_to_pace(fired: list[dict], finished_at: dict[int, float], kinds, window: int = 10) -> dict[str, list[int]]:
-    """Per slowing fault of ``kinds``: how many steps after it until ``window`` steps in a row took at
-    most 1/0.8 x the median step of the 30 steps before it (its throughput back to >= 0.8x)."""
+def steps_to_pace(
+    fired: list[dict], finished_at: dict[int, float], kinds, window: int = 10, strict: bool = False
+) -> dict[str, list[int]]:
+    """Per slowing fault of ``kinds``: steps after it until the world steps at >= 0.8x its pace
+    before it again (at most 1/0.8 x the median step of the 30 steps before the fault): the first
+    step after which ``window`` steps in a row keep that pace, by their median (a one-off pause
+    among them, a checkpoint save or a grow-back, is not a slower pace). ``strict``: by the
+    ``window`` steps' whole time instead (every pause counts), counted to the window's end: the
+    throughput of those steps, not their pace."""
     out: dict[str, list[int]] = {}
     for f in fired:
         if f["kind"] not in kinds:
             continue
         s0 = f["step"]
-        before = [
-            finished_at[s] - finished_at[s - 1]
-            for s in range(s0 - 29, s0 + 1)
-            if s in finished_at and s - 1 in finished_at
-        ]
+        took = {s: finished_at[s] - finished_at[s - 1] for s in finished_at if s - 1 in finished_at}
+        before = [took[s] for s in range(s0 - 29, s0 + 1) if s in took]
         if len(before) < 10:
             continue
-        pace = statistics.median(before)
+        pace = statistics.median(before) / 0.8
         for s in range(s0 + 1, max(finished_at) - window + 1):
-            span = range(s - 1, s + window)
-            if (
-                all(t in finished_at for t in span)
-                and (finished_at[span[-1]] - finished_at[s - 1]) / window <= pace / 0.8
-            ):
-                out.setdefault(f["kind"], []).append(span[-1] - s0)
+            span = [took.get(t) for t in range(s, s + window)]
+            if None in span:
+                continue
+            if strict and sum(span) / window <= pace:
+                out.setdefault(f["kind"], []).append(s + window - 1 - s0)
+                break
+            if not strict and span[0] <= pace and statistics.median(span) <= pace:
+                out.setdefault(f["kind"], []).append(s - 1 - s0)
                 break
     return out
 
@@ -645,6 +653,7 @@ def main() -> int:
         "moot": sum(p["moot"] for p in ps),
         "steps_to_named": phases["one_host_slices"].get("steps_to_named"),
         "steps_to_pace": phases["one_host_slices"].get("steps_to_pace"),
+        "steps_to_throughput": phases["one_host_slices"].get("steps_to_throughput"),
     }
     print(json.dumps(total))
     return 0 if total["unrecovered"] == 0 else 1

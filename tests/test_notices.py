@@ -168,15 +168,27 @@ def test_device_checks_are_asked_when_the_world_slows_backed_off_when_clean_and_
             asked.append(w)
             steady.answered([(steady.take_ask(), 0.004)] * 3)
     assert asked == [9, 17, 25]  # 1 held, then MAX_BACKOFF_WINDOWS (8) apart
-    # The confirming check asks only half the factor of the slice the first one named (a noisy
-    # host's timings wander); a check that names another slice names neither.
-    for second, named in (([0.004, 0.0066, 0.0042], "b"), ([0.004, 0.004, 0.0099], None)):
+    # One check past the whole factor and the next (asked at once) past half of it, in either order
+    # (a duty-cycled host's timings wander); twice only half as slow, or another slice slowest in
+    # the second, names none.
+    full, half, clean, other = [0.004, 0.0099, 0.0041], [0.004, 0.0066, 0.0042], [0.004] * 3, [0.004, 0.004, 0.0099]
+    for first, second, named in (
+        (full, half, "b"),
+        (half, full, "b"),
+        (half, half, None),
+        (full, other, None),
+        (full, clean, None),
+    ):
         checks = DeviceChecks(factor=1.0, slice_of=lambda p: "abc"[p])
         checks.window(0.1, front=12)
-        checks.answered([(13, 0.004), (13, 0.0099), (13, 0.0041)])
+        checks.answered([(13, t) for t in first])
         assert checks.suspect == "b" and checks.check_at == 14
         found = checks.answered([(14, t) for t in second])
         assert (found.slice_name if found else None) == named and checks.suspect is None
+    checks = DeviceChecks(factor=1.0, slice_of=lambda p: "abc"[p])
+    checks.window(0.1, front=12)
+    checks.answered([(13, 0.004), (13, 0.0055), (13, 0.0042)])  # 1.36x: under half the factor
+    assert checks.suspect is None and checks.check_at is None
 
 
 def test_a_straggler_is_replaced_by_a_spare_evicted_when_the_world_is_faster_without_it_else_reported():

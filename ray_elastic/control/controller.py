@@ -1,14 +1,13 @@
 """The single controller: it reserves slices, forms worlds, drives steps and recovers, through a backend.
 
 ``ElasticTrainer(task, config).fit(num_steps)`` (:mod:`ray_elastic.trainer`: this controller on the Ray
-backend) is the whole API. ``fit`` is one loop
-over typed :class:`~ray_elastic.control.states.RunOutcome` s: a world runs until it is done,
-fails, hangs, or stops to grow; every other outcome is taken in (evidence, verdict,
-teardown) and handed to the one path to the next world, which may itself fail while
-forming: that is another turn of the loop, never a recursive call. Decisions are the
-policies' (``policy/``) and pure functions (``decide/``); membership and forming live in
-``generations.py``; every Ray effect goes through the backend (:mod:`ray_elastic.ray_backend`); what
-happened is written down by the recorder (``recorder.py``), and observers listen to it.
+backend) is the whole API. ``fit`` is one loop over typed :class:`~ray_elastic.control.states.RunOutcome` s:
+a world runs until it is done, fails, hangs, or stops to grow or for slices to leave; every other
+outcome is taken in (evidence, verdict, teardown) and handed to the one path to the next world,
+which may itself fail while forming: another turn of the loop, never a recursive call. Decisions
+are the policies' (``policy/``) and pure functions (``decide/``); membership and forming live in
+``generations.py``; every Ray effect goes through the backend (:mod:`ray_elastic.ray_backend`); the
+recorder (``recorder.py``) writes down what happened, and observers listen to it.
 """
 
 from __future__ import annotations
@@ -115,9 +114,9 @@ class Controller:
 
     def _formed(self) -> WorldHandle:
         """The current world, in a state that has one."""
-        if self.world is None:
+        if (world := self.world) is None:
             raise RuntimeError(f"no world in state {self.state}")
-        return self.world
+        return world
 
     @property
     def recoveries(self) -> list[RecoveryRecord]:
@@ -144,8 +143,7 @@ class Controller:
 
     def _waiting_for_slices(self, ready: int, asked: int) -> None:
         waited = time.perf_counter() - self._scheduling_since
-        limit = f"slice_timeout_s={self.config.slice_timeout_s:.0f}"
-        what = f"reserving slices: {ready}/{asked} ready after {waited:.0f}s of {limit}"
+        what = f"reserving slices: {ready}/{asked} ready after {waited:.0f}s of slice_timeout_s={self.config.slice_timeout_s:.0f}"
         self._report_waiting(what, ready=ready, asked=asked, waited_s=waited)
 
     def _report_waiting(self, what: str, *, ready: int, asked: int, waited_s: float) -> None:
@@ -269,12 +267,14 @@ class Controller:
         """Asked between a running world's reads: stop at the next step boundary for slices that
         should go to leave (warned ones, a straggler), or to grow once capacity returned."""
         self._leaving: dict[str, Any] = dict(self.notices.poll())
+        self._take_straggler()
+        return OutcomeKind.LEAVE if self._leaving else OutcomeKind.GROW if self.gens.capacity_returned() else None
+
+    def _take_straggler(self) -> None:
+        """A straggler the backend confirmed joins the slices leaving, when it is to leave."""
         found = self._streams.take_straggler()
         if found is not None and straggler_leaves(found, self.gens, self.config, self.events):
             self._leaving[found.slice_name] = found
-        if self._leaving:
-            return OutcomeKind.LEAVE
-        return OutcomeKind.GROW if self.gens.capacity_returned() else None
 
     def _intake(self, outcome: RunOutcome, previous: WorldChange) -> WorldChange:
         """A world ended early: read the evidence, decide what is lost (the failure policy), then
@@ -282,6 +282,8 @@ class Controller:
         now = time.time()
         self._check_owner()
         if outcome.kind in (OutcomeKind.GROW, OutcomeKind.LEAVE):
+            self._take_straggler()  # confirmed while the world stopped: it leaves now, not once found again
+            outcome = dataclasses.replace(outcome, kind=OutcomeKind.LEAVE) if self._leaving else outcome
             self._enter(S.RESIZING)
             self._check_owner()
             world = self._formed()

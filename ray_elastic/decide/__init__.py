@@ -46,6 +46,7 @@ from ray_elastic.decide.schedule import (
     save_timeout,
     snapshot_cost_in_steps,
     snapshot_interval,
+    stop_lead_steps,
     watchdog_timeout,
 )
 from ray_elastic.decide.world import WorldPlan, WorldShapes, batch_for_world, lr_scale, plan_world
@@ -94,6 +95,7 @@ __all__ = [
     "snapshot_cost_in_steps",
     "snapshot_interval",
     "spec_sizes",
+    "stop_lead_steps",
     "warned_slices",
     "watchdog_timeout",
 ]

@@ -9,8 +9,9 @@ slow device does not always slow the world: on a host whose cores every process 
 take the cores it leaves). A check that finds nothing holds the next ones back for twice as many
 windows each time (up to ``MAX_BACKOFF_WINDOWS``): on a noisy host the step period wanders, and
 every check costs each process its program's time. A process slower than the other slices' median
-by ``1 + straggler_factor`` in a check, and still the slowest by ``1 + straggler_factor / 2`` in
-the next one (asked at once), is a straggler.
+by ``1 + straggler_factor / 2`` in one check and by ``1 + straggler_factor`` in the next one (asked
+at once), or the other way round, is a straggler: a duty-cycled host's timings wander around its
+slowdown, so either check may be the one under the whole factor.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class DeviceChecks:
     def __init__(self, factor: float, slice_of: Callable[[int], str]):
         self.factor, self.slice_of = factor, slice_of
         self.check_at: int | None = None  # the step at which every process is asked to time its devices
-        self.suspect: str | None = None  # named by one check: the next check confirms it
+        self.suspect: str | None = None  # the slowest by half the factor in one check: the next one confirms it
+        self._suspect_full = False  # ... and by the whole factor in it
         self.slowed = False  # the world's steps slowed and its devices are being timed
         self._periods: list[float] = []  # the world's window periods
         self._period = 0.0  # the period that asked for the check
@@ -89,22 +91,18 @@ class DeviceChecks:
             return None
         seconds = {p: float(s) for p, (_, s) in enumerate(done) if s is not None}
         self._judged = True
-        # The second check confirms the first's suspect if it is still the slowest by half the factor.
-        bar = self.factor / 2 if self.suspect else self.factor
-        found = find_slow_device(seconds, {p: self.slice_of(p) for p in seconds}, self._period, bar)
+        found = find_slow_device(seconds, {p: self.slice_of(p) for p in seconds}, self._period, self.factor / 2)
         logger.debug("speed check at step %d: %s -> %s", self.check_at, seconds, found)
         front, self.check_at = max(step for step, _ in done), None
-        if found is None:
+        full = found is not None and found.ratio > self.factor
+        if found is not None and self.suspect == found.slice_name and (full or self._suspect_full):
+            logger.info("speed check: %s's devices %.1fx slower than the others'", found.slice_name, found.slowdown)
+            self.suspect, self.slowed, self._hold = None, False, MAX_BACKOFF_WINDOWS  # no checks while it leaves
+            return found
+        if found is None or self.suspect is not None:  # clean, another slice now, or twice only half as slow
             self.suspect, self.slowed = None, False
             self._hold, self._backoff = self._backoff, min(2 * self._backoff, MAX_BACKOFF_WINDOWS)
             return None
-        logger.info("speed check: %s's devices %.1fx slower than the others'", found.slice_name, found.ratio + 1)
-        if self.suspect == found.slice_name:  # confirmed: no more checks while the world stops for it
-            self.suspect, self.slowed, self._hold = None, False, MAX_BACKOFF_WINDOWS
-            return found
-        if self.suspect is not None:  # another slice is the slowest now: neither is named
-            self.suspect, self.slowed = None, False
-            return None
-        self.suspect = found.slice_name
+        self.suspect, self._suspect_full = found.slice_name, full
         self._ask(self._period, front)  # confirmed, or not, by a second check at once
         return None

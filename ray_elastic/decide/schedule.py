@@ -140,3 +140,19 @@ def chunk_steps(steps_per_chunk: int, processes: int, step_times: Sequence[float
         step_s = statistics.median(step_times[-10:]) if step_times else 0.0
         n = min(n, max(SUSPECT_CHUNK_STEPS, int(SUSPECT_CHUNK_S / max(step_s, 1e-3))))
     return n
+
+
+STOP_LEAD_S = 0.15  # what a proposal's round trip may take (a health-thread call)
+STOP_LEAD_MIN_STEPS = 2
+
+
+def stop_lead_steps(step_times: Sequence[float], lag_s: float) -> int:
+    """Steps ahead of the newest step the driver has heard of at which to propose a stop at a
+    step boundary (``slice.stop_gate``): what runs while the driver hears of a step (``lag_s``,
+    a process streams its steps that often) and while the proposal travels (``STOP_LEAD_S``),
+    plus the step in flight. Too few and a process refuses (it started the step), costing a retry;
+    too many and the world runs steps it need not."""
+    step_s = statistics.median(step_times[-10:]) if step_times else 0.0
+    if step_s <= 0:
+        return STOP_LEAD_MIN_STEPS + 8
+    return STOP_LEAD_MIN_STEPS + math.ceil((lag_s + STOP_LEAD_S) / step_s)

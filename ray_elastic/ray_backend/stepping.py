@@ -28,14 +28,16 @@ from ray_elastic.config import ElasticConfig
 from ray_elastic.control.backend import StepSink
 from ray_elastic.control.snapshot_cadence import SnapshotCadence
 from ray_elastic.control.states import OutcomeKind, RunOutcome
-from ray_elastic.decide import chunk_steps, is_eval_step, watchdog_timeout
+from ray_elastic.decide import chunk_steps, is_eval_step, stop_lead_steps, watchdog_timeout
 from ray_elastic.decide.stragglers import Straggler
+from ray_elastic.ray_backend.early_stop import agree_stop
 from ray_elastic.ray_backend.first_ready import FirstReady
 from ray_elastic.ray_backend.host_watch import HostWatch
 from ray_elastic.ray_backend.keeper_sync import KeeperSync
 from ray_elastic.ray_backend.straggler_watch import StragglerWatch
 from ray_elastic.ray_backend.watchdog import Stall, Watchdog
 from ray_elastic.ray_backend.world import World
+from ray_elastic.slice.chunk_running import FLUSH_S
 from ray_elastic.state.snapshots import SnapshotRef, SnapshotStore
 
 logger = logging.getLogger(__name__)
@@ -172,10 +174,20 @@ class StepStreams:
             self._submit(run.submitted, n, end_step - 1)
             run.submitted += n
         if run.draining and not run.stopped:
+            self._stop_early(run)
             heads_changed |= not all(self.queues)
             self._submit(run.submitted, 0, end_step - 1)  # no steps: the processes finish the one in flight
             run.stopped = True
         return heads_changed
+
+    def _stop_early(self, run: _Progress) -> None:
+        """A stop requested while chunks are queued: the processes agree on a sooner boundary
+        (:func:`~ray_elastic.ray_backend.early_stop.agree_stop`), and the queued steps past it run nothing."""
+        lead = stop_lead_steps(self.step_times[-10:], FLUSH_S)
+        agreed = agree_stop(self.world.workers, self._reported + 1 + lead, lead, run.submitted)
+        logger.debug("stop requested after step %d, %d queued: agreed %s", self._reported, run.submitted, agreed)
+        if agreed is not None:
+            run.submitted = agreed
 
     def _read(
         self,

@@ -17,6 +17,7 @@ from ray_elastic.decide import WorldPlan, is_checkpoint_step, is_eval_step, is_s
 from ray_elastic.slice.process import world_errors
 from ray_elastic.slice.settings import SliceSettings
 from ray_elastic.slice.step_reports import StepReports
+from ray_elastic.slice.stop_gate import StopGate
 from ray_elastic.state.checkpoints import checkpoint_metadata
 from ray_elastic.state.snapshot_writer import SnapshotWriter
 
@@ -41,6 +42,7 @@ class ChunkRunning:
     _snapshots: Any
     _snapshot_step: int
     _compiled_ahead: bool
+    gate: StopGate
 
     @ray.method(num_returns="streaming")
     def run_chunk(
@@ -54,7 +56,8 @@ class ChunkRunning:
         """Run steps ``start_step ..``; stream what the controller needs.
 
         One step stays in flight across chunks; the run's last step and a chunk of no steps (the
-        controller's way to stop at a step boundary) finish every step. Snapshot-keeping processes
+        controller's way to stop at a step boundary) finish every step; a stop the processes agreed on
+        (:class:`~ray_elastic.slice.stop_gate.StopGate`) ends this and every later chunk before its step. Snapshot-keeping processes
         take a snapshot after every ``snapshot_every``-th step and stream their finished steps'
         metrics at most every ``FLUSH_S`` and at the chunk's end: a list of step metrics, the
         last item carrying the steps kept. A step is streamed only once its snapshot is kept, so
@@ -75,6 +78,8 @@ class ChunkRunning:
         if eval_before:
             yield from self._evaluate(start_step - 1, streams, every)
         for step in range(start_step, end):
+            if self.gate.stops_before(step):  # the world stops here: the chunks queued beyond run nothing
+                break
             self._step(step, final_step, every)
             if c.eval_every and is_eval_step(step, c.eval_every, final_step):
                 yield from self._evaluate(step, streams, every)

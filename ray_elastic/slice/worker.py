@@ -25,6 +25,7 @@ from ray_elastic.slice.chunk_running import ChunkRunning
 from ray_elastic.slice.process import set_niceness, world_errors
 from ray_elastic.slice.settings import SliceSettings
 from ray_elastic.slice.step_reports import StepReports
+from ray_elastic.slice.stop_gate import StopGate
 from ray_elastic.slice.tpu_env import clear_stale_lock, megascale_env, set_world_env, wait_until_gone
 from ray_elastic.state.snapshot_writer import SnapshotWriter
 from ray_elastic.state.snapshots import SnapshotRef
@@ -68,6 +69,7 @@ class SliceWorker(ChunkRunning):
         self.reports = StepReports()  # finished steps and kept snapshots, until streamed
         self._snapshot_step = -1  # the newest step handed to the writer
         self._compiled_ahead = False  # once per world, after its first chunk (process 0)
+        self.gate = StopGate()  # a stop at a step boundary the controller proposes (one world per process)
 
     def prepare(self, for_world: int | None = None) -> dict:
         """Everything that does not need the world: import JAX, load the task's data. Then, in the
@@ -143,6 +145,17 @@ class SliceWorker(ChunkRunning):
             "saving_s": time.monotonic() - since if since is not None else 0.0,
             "evaluating": self.evaluating,
         }
+
+    @ray.method(concurrency_group="health")
+    def propose_stop(self, step: int) -> dict:
+        """Stop before ``step`` (:class:`~ray_elastic.slice.stop_gate.StopGate`): accepted unless this
+        process has started it; then it holds before it until :meth:`decide_stop`."""
+        return self.gate.propose(step)
+
+    @ray.method(concurrency_group="health")
+    def decide_stop(self, stop: bool) -> None:
+        """Every process accepted the proposed stop (``stop``), or one refused it (go on)."""
+        self.gate.decide(stop)
 
     def reserve_coordinator_port(self) -> str:
         """Process 0 hosts the JAX coordination service: a free port on its node's address, held
