@@ -116,6 +116,8 @@ class FakeStreams:
             kind = stop_requested() if step > start_step else None
             if kind is not None:  # a planned stop: every holder snapshots the boundary step (as the real one)
                 self._snapshot(step - 1)
+                # a straggler confirmed by the checks still in flight while the world stopped
+                self.backend.straggler = self.backend.straggler or getattr(self.backend, "straggler_at_stop", None)
                 return RunOutcome(kind, {}, time.time())
             fault = self.backend.faults.pop(step, None)
             if fault is not None:

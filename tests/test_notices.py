@@ -224,6 +224,25 @@ def test_an_evicted_straggler_s_replacement_joins_at_once_where_capacity_is_free
     assert [e["action"] for e in kinds(result, "straggler")] == ["report"] and len(backend.formed) == 1
 
 
+def test_a_straggler_confirmed_while_the_world_stops_to_grow_leaves_with_that_stop():
+    """Not found again from scratch by the bigger world: the grow-back becomes its leaving, and the
+    returned capacity replaces it."""
+    from fake_backend import lose_slice
+
+    def grow_and_straggle(backend, world):
+        add_capacity(backend, world)
+        backend.straggler_at_stop = Straggler(world.plan.slice_names[0], 0, 0.5, 0.4, 4.0, False, 0, "speed_check")
+
+    backend = FakeBackend(faults={3: lose_slice(2), 8: grow_and_straggle})
+    trainer = make(backend, mode="replica-resize", min_slices=1)
+    result = trainer.fit(STEPS)
+    (event,) = kinds(result, "straggler")
+    assert (event["slice"], event["action"]) == ("s0", "replace")
+    assert not kinds(result, "scale_up")  # no world formed with it again
+    assert [w.plan.slice_names for w in backend.formed] == [("s0", "s1", "s2"), ("s0", "s1"), ("s1", "s3")]
+    assert result.steps == list(range(STEPS)) and result.summary["steps_rewound"] == 0
+
+
 def test_a_notice_read_before_its_slice_left_does_not_stop_the_next_world(monkeypatch):
     """Notices are read at most every NOTICE_POLL_S: the one that made a slice leave is not taken,
     from that cache, for the next world's (which would tear a healthy world down again)."""

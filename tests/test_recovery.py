@@ -513,6 +513,47 @@ def test_a_slow_host_is_found_by_timing_its_devices_and_evicted(cluster):
     assert slowed["name"] not in trainer.worlds[-1].slices and len(trainer.worlds[-1].slices) == 2
 
 
+def test_a_stop_is_agreed_past_the_newest_step_any_process_started(cluster):
+    """The driver's half of an early stop (``early_stop.agree_stop``) against processes' gates on
+    real actors: one had started the proposed step (its collective would wait for the others
+    forever), so the stop is proposed again past it; with nothing left to agree on before the
+    queued steps end, every process goes on."""
+    from ray_elastic.ray_backend.early_stop import agree_stop
+    from ray_elastic.slice.stop_gate import StopGate
+
+    @ray.remote(num_cpus=0, concurrency_groups={"health": 1})
+    class Process:
+        def __init__(self, started: int):
+            self.gate = StopGate()
+            for s in range(started + 1):
+                self.gate.stops_before(s)
+
+        @ray.method(concurrency_group="health")
+        def propose_stop(self, step):
+            return self.gate.propose(step)
+
+        @ray.method(concurrency_group="health")
+        def decide_stop(self, stop):
+            self.gate.decide(stop)
+
+        def runs(self, steps):
+            return [s for s in steps if not self.gate.stops_before(s)]
+
+    procs = [Process.remote(10), Process.remote(14)]
+    assert agree_stop(procs, first=12, lead=3, queued_to=30) == 17
+    a, b = procs  # each runs on from the step after its own newest
+    assert ray.get([a.runs.remote(range(11, 25)), b.runs.remote(range(15, 25))]) == [list(range(11, 17)), [15, 16]]
+    procs = [Process.remote(10), Process.remote(14)]
+    assert agree_stop(procs, first=12, lead=3, queued_to=16) is None
+    a, b = procs
+    assert ray.get([a.runs.remote(range(11, 20)), b.runs.remote(range(15, 20))]) == [
+        list(range(11, 20)),
+        [15, 16, 17, 18, 19],
+    ]
+    for p in procs:
+        ray.kill(p)
+
+
 def test_two_slices_lost_at_once(cluster, baseline):
     def kill_two(t):
         names = [slice_name(t, 0), slice_name(t, 1)]  # two snapshot holders: the third keeps one
