@@ -17,7 +17,10 @@ of one configuration back to back differ by 10-15%: a 3% goal needs more
 repetitions of the few runs it compares (``--only bare,default,no_snapshots --reps 6``).
 What keeping every step costs is measured apart: ``every_step`` (``snapshot_every=1``) against
 ``no_snapshots`` on the same model, ``every_step_cost`` = the ratio of their medians - 1 (also
-``_large`` and ``_llm``; the goal: 3% on the small models, 5% on the LLM example):
+``_large`` and ``_llm``; the goal: 3% on the small models, 5% on the LLM example). What the step
+guard that skips bad steps costs: ``bad_step_guard_cost_large``, the default against
+``on_bad_step="raise"`` (``--only no_snapshots_large,no_snapshots_raise_large``; the bare loop runs
+without the guard):
 ``--only every_step,no_snapshots,every_step_llm,no_snapshots_llm --reps 5``. Beside each wall-clock
 cost, ``every_step_cost_cpu`` (``_large``, ``_llm``): the CPU time per steady step of every process
 of the run (driver, slices, keepers, Ray's own), median over the repetitions, every step against
@@ -87,6 +90,7 @@ def bare_worker(
     compile_cache.enable_compilation_cache("/tmp/ray-elastic-jax-cache")
     world_mesh.initialize(coordinator, plan, process_id, 120)
     from ray_elastic import ElasticConfig, SliceSpec
+    from ray_elastic.decide.bad_steps import BadSteps
 
     fsdp_min_size = ElasticConfig(num_slices=1, global_batch_size=batch, slice=SliceSpec()).fsdp_min_size  # the default
     t = task(model)
@@ -99,6 +103,7 @@ def bare_worker(
         fsdp_min_size,
         StepBatches(t.dataset(), batch, 0),
         rules=settings.get("logical_axis_rules", ()),
+        bad_steps=BadSteps(skip=False),  # a plain loop keeps every update (its loss read, as a user's)
     )
     loop.compile(0)
     half = steps // 2
@@ -213,6 +218,12 @@ def ab_cost(times: list[float], chunks: dict[int, int], first: int) -> float | N
     return round(statistics.median(ratios) - 1, 4) if ratios else None
 
 
+def _raise():
+    from ray_elastic import FailureConfig
+
+    return FailureConfig(on_bad_step="raise")
+
+
 def run_ray(steps: int, spec, model: str, ab: bool = False, **overrides) -> dict:
     from machine import cpu_ms_per_step, cpu_seconds_by_role
 
@@ -305,6 +316,10 @@ def main() -> None:
         "default_large": ("large", lambda c, n: run_ray(n, c.slice_spec, "large", **snap)),
         "no_snapshots_large": ("large", lambda c, n: run_ray(n, c.slice_spec, "large", snapshot_every=0)),
         "every_step_large": ("large", lambda c, n: run_ray(n, c.slice_spec, "large", snapshot_every=1)),
+        "no_snapshots_raise_large": (  # bad steps stop the run: no guard on the state (bad_step_guard_cost)
+            "large",
+            lambda c, n: run_ray(n, c.slice_spec, "large", snapshot_every=0, failure=_raise()),
+        ),
         "no_snapshots_no_standbys_large": (
             "large",
             lambda c, n: run_ray(n, c.slice_spec, "large", snapshot_every=0, standby_workers=0),
@@ -369,6 +384,8 @@ def main() -> None:
         "every_step_cost": ("every_step", "no_snapshots"),
         "every_step_cost_large": ("every_step_large", "no_snapshots_large"),
         "every_step_cost_llm": ("every_step_llm", "no_snapshots_llm"),
+        # the step guard that skips a bad step (default) against on_bad_step="raise"
+        "bad_step_guard_cost_large": ("no_snapshots_large", "no_snapshots_raise_large"),
     }
     ratios = {
         "overhead_ratio": ("default", "bare"),

@@ -37,6 +37,7 @@ RESERVED_METRICS = (
     "checkpoint_step",
     "checkpoint_blocking_s",
     "checkpoints_committed",
+    "skipped",
 )
 
 _microbatches: contextvars.ContextVar[int] = contextvars.ContextVar("ray_elastic_microbatches", default=1)

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import reference_losses
 from faults import FaultPlan, ensure_slices, in_thread, kill_process_of_slice, max_rel_err
 
 from ray_elastic import ElasticConfig, ElasticTrainer, FailureConfig, TrainingCodeError
@@ -210,21 +211,27 @@ def test_eval_numbers_equal_on_two_and_four_slices(sim_cluster, tmp_path):
     assert 10 in two.evals
 
 
-def nan_at_row(row: int) -> DigitsMLPTask:
-    """Digits with one example whose features are NaN: the step that reads it has a NaN loss (a class
-    defined here: the slice processes get it by value, as a notebook's)."""
+def nan_at_row(row: int, how: str = "nan") -> DigitsMLPTask:
+    """Digits with one example whose features are NaN (``how="nan"``: the step that reads it has a
+    NaN loss), a thousand times too large and mislabelled (``"spike"``: its loss spikes), or left out (``"drop"``)
+    (a class defined here: the slice processes get it by value, as a notebook's)."""
 
     class NaNAtRow(DigitsMLPTask):
         def dataset(self):
             base = super().dataset()
-            return [dict(ex, x=np.full_like(ex["x"], np.nan)) if i == row else ex for i, ex in enumerate(base)]
+            if how == "drop":
+                return base[:row] + base[row + 1 :]
+            if how == "nan":
+                bad = {"x": np.full_like(base[row]["x"], np.nan)}
+            else:  # scaled and mislabelled: the model is sure of the wrong class
+                bad = {"x": base[row]["x"] * 1000.0, "y": (base[row]["y"] + 1) % 10}
+            return [dict(ex, **bad) if i == row else ex for i, ex in enumerate(base)]
 
     return NaNAtRow()
 
 
-def test_a_nan_loss_stops_the_run_naming_the_step_before_it_is_checkpointed(sim_cluster, tmp_path):
-    ensure_slices(sim_cluster, 4)
-    cfg = ElasticConfig(
+def _nan_config(sim_cluster, tmp_path, **failure) -> ElasticConfig:
+    return ElasticConfig(
         num_slices=2,
         global_batch_size=32,
         slice=sim_cluster.slice_spec,
@@ -234,15 +241,62 @@ def test_a_nan_loss_stops_the_run_naming_the_step_before_it_is_checkpointed(sim_
         standby_workers=0,
         snapshot_every=1,
         slice_timeout_s=120.0,
+        failure=FailureConfig(**failure),
     )
-    task = nan_at_row(123)
-    batches = StepBatches(task.dataset(), 32, 0)
+
+
+def _bad_step(row: int) -> int:
+    batches = StepBatches(nan_at_row(row).dataset(), 32, 0)
     bad = next(s for s in range(100) if np.isnan(batches.global_batch(s)["x"]).any())
     assert bad > 0
+    return bad
+
+
+def test_a_nan_loss_stops_the_run_naming_the_step_before_it_is_checkpointed(sim_cluster, tmp_path):
+    """``on_bad_step="raise"``: the run stops at the bad step, with the state before it checkpointed."""
+    ensure_slices(sim_cluster, 4)
+    task = nan_at_row(123)
+    bad = _bad_step(123)
     with pytest.raises(TrainingCodeError, match=f"loss of step {bad} is nan"):
-        ElasticTrainer(task, cfg, progress=False).fit(bad + 5)
+        ElasticTrainer(task, _nan_config(sim_cluster, tmp_path, on_bad_step="raise"), progress=False).fit(bad + 5)
     info = latest_checkpoint(str(tmp_path / "ckpt"))
     assert info is not None and info.step == bad  # the state after step bad-1: the last good one
+
+
+@pytest.mark.parametrize("how, failure, why", [("nan", {}, "non_finite"), ("spike", {"spike_factor": 5.0}, "spike")])
+def test_a_poisoned_record_is_skipped_and_the_run_ends_as_if_it_was_left_out(sim_cluster, tmp_path, how, failure, why):
+    """The default: the step that reads the NaN record (or, with ``spike_factor``, the one whose loss
+    it makes spike) is not kept (its update never applied, no rollback), the run goes on to the
+    end, and its final losses are within noise of a run whose dataset leaves that record out
+    (noise: how far the run on the clean dataset ends from that one)."""
+    ensure_slices(sim_cluster, 4)
+    task, steps = nan_at_row(123, how), 60
+    bad = _bad_step(123)  # step 9: a spike is judged once 8 steps are known
+    config = _nan_config(sim_cluster, tmp_path, **failure)
+    result = ElasticTrainer(task, config, progress=False, run_dir=str(tmp_path / "run")).fit(steps)
+    assert result.steps == list(range(steps))
+    (skip,) = [e for e in result.events if e["kind"] == "step_skipped"]
+    assert (skip["step"], skip["why"]) == (bad, why), skip
+    assert not np.isfinite(skip["loss"]) if how == "nan" else skip["loss"] > 5.0 * np.median(result.losses[:bad])
+    assert result.summary["steps_skipped"] == 1 and result.summary["failures"] == 0
+    assert all(np.isfinite(result.losses[s]) for s in range(steps) if s != bad)
+    assert latest_checkpoint(str(tmp_path / "ckpt")).step == steps  # every checkpoint after it too
+    if how == "nan":  # in the report and TensorBoard
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        from ray_elastic.observe import report
+
+        run_dir = str(tmp_path / "run")
+        tl = report.timeline(report.load_events(run_dir))
+        assert tl.skipped == {bad: "non_finite"} and bad not in dict(tl.losses)
+        acc = EventAccumulator(os.path.join(run_dir, "tensorboard"))
+        acc.Reload()
+        assert [(e.step, e.value) for e in acc.Scalars("elastic/steps_skipped")] == [(bad, 1.0)]
+    # The loss of one step is its batch's: compare the means of the last 20 steps.
+    left_out = reference_losses(nan_at_row(123, "drop"), 32, 0, steps)[-20:].mean()
+    clean = reference_losses(DigitsMLPTask(), 32, 0, steps)[-20:].mean()
+    ours = float(np.mean(result.losses[-20:]))
+    assert abs(ours - left_out) <= 2 * abs(clean - left_out), (ours, left_out, clean)
 
 
 def slow_eval(delay_s: float) -> DigitsMLPTask:

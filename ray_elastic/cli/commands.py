@@ -45,6 +45,8 @@ def cmd_report(args) -> int:
     tl = report.timeline(report.load_events(args.run_dir))
     out = report.render(args.run_dir, args.out, tl)
     print(tl.goodput.table())
+    if tl.skipped:
+        print(tl.skipped_line())
     print(f"timeline: {out}")
     return 0
 

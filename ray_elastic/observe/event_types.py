@@ -111,6 +111,17 @@ class Steps(Event):
     finished_at: list[Any] | None = None  # wall clock per step (older logs: absent)
     snapshot_steps: list[Any] = dataclasses.field(default_factory=list)
     metrics: dict[Any, Any] = dataclasses.field(default_factory=dict)  # the task's own metrics, one list per name
+    skipped: list[int] = dataclasses.field(default_factory=list)  # steps not kept (a bad step: its loss as it was)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepSkipped(Event):
+    """A bad step's update was not applied and its batch skipped (``why``: non_finite or spike)."""
+
+    kind = "step_skipped"
+    step: int
+    why: str
+    loss: float
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -366,6 +377,7 @@ ELASTIC = (
     PreemptionNotice,
     Straggler,
     SliceLeft,
+    StepSkipped,
     WaitingForCapacity,
     Waiting,
     Eval,

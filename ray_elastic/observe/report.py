@@ -32,6 +32,14 @@ class Timeline:
     goodput: Goodput
     num_slices: int
     evals: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (step, eval loss)
+    skipped: dict[int, str] = dataclasses.field(default_factory=dict)  # bad steps not kept: step -> why
+
+    def skipped_line(self) -> str:
+        """The bad steps not kept, for the report's text (empty without any)."""
+        if not self.skipped:
+            return ""
+        listed = ", ".join(f"{s} ({why})" for s, why in list(self.skipped.items())[:10])
+        return f"steps skipped (not kept): {len(self.skipped)}: {listed}" + (" ..." if len(self.skipped) > 10 else "")
 
 
 def load_events(run_dir: str) -> list[ev.Event]:
@@ -49,7 +57,7 @@ def timeline(events: list) -> Timeline:
     t0 = events[0].ts
     start = events[0]
     alive: list[tuple[float, int]] = [(0.0, 0)]
-    rate, fails, recs, waits, grows, ckpts, evals = [], [], [], [], [], [], {}
+    rate, fails, recs, waits, grows, ckpts, evals, skipped = [], [], [], [], [], [], {}, {}
     prev_ts = None
 
     def set_alive(t: float, n: int) -> None:
@@ -77,12 +85,14 @@ def timeline(events: list) -> Timeline:
             prev_ts = e.ts
         elif isinstance(e, ev.CheckpointCommitted) and e.step is not None:
             ckpts.append((t, e.step))
+        elif isinstance(e, ev.StepSkipped):
+            skipped[e.step] = e.why
         elif isinstance(e, ev.Eval) and "eval/loss" in (e.metrics or {}):
             evals[e.step] = e.metrics["eval/loss"]
         elif isinstance(e, (ev.RunFinished, ev.Errored)):
             set_alive(t, 0)
     kept, _ = kept_and_rewound(events)
-    losses = [(s, kept[s][0]) for s in sorted(kept)]
+    losses = [(s, kept[s][0]) for s in sorted(kept) if s not in skipped]  # a skipped step's loss was not trained on
     return Timeline(
         alive,
         rate,
@@ -95,6 +105,7 @@ def timeline(events: list) -> Timeline:
         account(events),
         start.num_slices if isinstance(start, ev.RunStarted) else 0,
         sorted(evals.items()),
+        dict(sorted(skipped.items())),
     )
 
 
@@ -167,6 +178,9 @@ def _draw_losses(ax_loss, tl: Timeline) -> None:
         ax_loss.plot([s for s, _ in tl.losses], [v for _, v in tl.losses], color="tab:blue", label="train loss")
     if tl.evals:
         ax_loss.plot([s for s, _ in tl.evals], [v for _, v in tl.evals], "o-", color="tab:orange", label="eval loss")
+    for i, step in enumerate(tl.skipped):
+        ax_loss.axvline(step, color="tab:red", linestyle=":", linewidth=0.8, label="skipped step" if i == 0 else None)
+    if tl.evals or tl.skipped:
         ax_loss.legend(fontsize=8)
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss")

@@ -97,6 +97,7 @@ class RunSummary:
     recoveries: int = 0
     scale_ups: int = 0
     preemption_notices: int = 0  # slices that left on a drain notice (planned, not failures)
+    steps_skipped: int = 0  # bad steps whose update was not applied (a non-finite loss, a spike)
     checkpoints_saved: int = 0
     checkpoints_committed: int = 0
     checkpoint_restores: int = 0
@@ -160,11 +161,10 @@ def summarize(
     steps = sorted(ledger.metrics)
     losses = [ledger.metrics[s]["loss"] for s in steps]
     times = [ledger.metrics[s]["step_time_s"] for s in steps]
-    steady = sorted(times[1:]) or times
-    last = worlds[-1]
+    steady, last = sorted(times[1:]) or times, worlds[-1]
 
-    def count(kind: type) -> int:
-        return sum(1 for e in events if isinstance(e, kind))
+    def count(kind: type, distinct=id) -> int:  # ``distinct``: what makes two events one (a replayed step)
+        return len({distinct(e) for e in events if isinstance(e, kind)})
 
     intervals = [e.every for e in events if isinstance(e, ev.SnapshotInterval)]
     # Steps run twice, by recoveries and by grow-backs alike (a grow-back should rewind none).
@@ -189,6 +189,7 @@ def summarize(
         recoveries=len(recoveries),
         scale_ups=count(ev.ScaleUp),
         preemption_notices=count(ev.PreemptionNotice),
+        steps_skipped=count(ev.StepSkipped, lambda e: e.step),
         checkpoints_saved=count(ev.CheckpointSave),
         checkpoints_committed=count(ev.CheckpointCommitted),
         checkpoint_restores=count(ev.CheckpointRestore),
@@ -292,8 +293,9 @@ def previous_run(run_dir: str | None) -> PreviousRun:
         elif kind in ("run_finished", "errored"):
             flags[0] = True
         elif kind == "steps" and flags[-1]:
+            skipped = set(e.get("skipped") or ())  # a bad step not kept: the state after it is the one before
             for step, loss in zip(e.get("steps") or [], e.get("losses") or []):
-                if not (isinstance(loss, (int, float)) and math.isfinite(loss)):
+                if step not in skipped and not (isinstance(loss, (int, float)) and math.isfinite(loss)):
                     flags[-1] = False  # a NaN step: neither it nor a later one may be restored
                     break
                 steps.append(step)

@@ -65,6 +65,8 @@ class StepLedger:
         if "checkpoint_step" in m:
             self.events.emit(ev.CheckpointSave(step=m["checkpoint_step"], blocking_s=m["checkpoint_blocking_s"]))
         self.saves_committed(m.get("checkpoints_committed", []))
+        if m.get("skipped"):
+            self.events.emit(ev.StepSkipped(step=m["step"], why=m["skipped"], loss=m["loss"]))
         if not self._buffer:
             self._buffered_at = time.monotonic()
         self._buffer.append(m)
@@ -86,6 +88,7 @@ class StepLedger:
                     finished_at=[m.get("finished_at") for m in buf],
                     snapshot_steps=self._snapshot_steps(),
                     metrics=user_metrics(buf),
+                    skipped=[m["step"] for m in buf if m.get("skipped")],
                 )
             )
 

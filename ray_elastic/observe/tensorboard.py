@@ -54,6 +54,7 @@ class TensorBoardWriter(EventListener):
         self.events = events  # the log's own list, for goodput so far
         self._step = 0
         self._recoveries = 0
+        self._skipped: set[int] = set()
         self._goodput_at = 0.0
 
     def on_step(self, m: dict) -> None:
@@ -74,6 +75,9 @@ class TensorBoardWriter(EventListener):
                 self._recoveries += 1
                 self.writer.add_scalar("elastic/recoveries", self._recoveries, self._step)
             self.writer.add_scalar("elastic/steps_rewound", event.steps_rewound, self._step)
+        elif isinstance(event, ev.StepSkipped):
+            self._skipped.add(event.step)  # a replayed step skipped again is one step
+            self.writer.add_scalar("elastic/steps_skipped", len(self._skipped), event.step)
         elif isinstance(event, ev.Steps) and time.monotonic() - self._goodput_at > GOODPUT_EVERY_S:
             self._goodput_at = time.monotonic()
             self.writer.add_scalar("elastic/goodput", goodput.account(self.events).goodput, self._step)

@@ -8,6 +8,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+from ray_elastic.decide.bad_steps import BadSteps
 from ray_elastic.decide.failures import (
     ErrorKind,
     FailureVerdict,
@@ -42,6 +43,13 @@ class FailureConfig:
             least ``straggler_window_steps`` steps, is a straggler (always a ``straggler`` event).
         on_straggler: ``"auto"``: replace a straggler when a spare slice is ready, evict it when the
             world is faster without it, else report it; ``"report"``: only report.
+        on_bad_step: ``"skip"``: a step whose loss or new state is not finite (or a spike) is not
+            kept, its batch skipped (a ``step_skipped`` event); ``"raise"``: it stops the run with
+            ``NonFiniteLossError``.
+        spike_factor: also a bad step: a loss over this x the median of the recent kept steps'
+            (None: off; for losses above 0).
+        max_skipped_steps, skipped_steps_window: more skips than this within the window's steps
+            stop the run with ``NonFiniteLossError`` naming them (a diverging model, not a bad batch).
     """
 
     max_failures: int = 30
@@ -55,6 +63,10 @@ class FailureConfig:
     straggler_factor: float = 1.0
     straggler_window_steps: int = 10
     on_straggler: str = "auto"
+    on_bad_step: str = "skip"
+    spike_factor: float | None = None
+    max_skipped_steps: int = 5
+    skipped_steps_window: int = 1000
 
     def __post_init__(self) -> None:
         for name in ("max_failures", "max_failures_in_a_row", "max_save_failures_in_a_row"):
@@ -69,8 +81,23 @@ class FailureConfig:
             raise ValueError(f"straggler_factor must be a finite number > 0, got {self.straggler_factor!r}")
         if self.on_straggler not in ("auto", "report"):
             raise ValueError(f"on_straggler must be 'auto' or 'report', got {self.on_straggler!r}")
+        if self.on_bad_step not in ("skip", "raise"):
+            raise ValueError(f"on_bad_step must be 'skip' or 'raise', got {self.on_bad_step!r}")
+        spike = self.spike_factor
+        if spike is not None and not (
+            isinstance(spike, (int, float)) and not isinstance(spike, bool) and 1 < spike < math.inf
+        ):
+            raise ValueError(f"spike_factor must be None (off) or a finite number > 1, got {spike!r}")
+        check_count("max_skipped_steps", self.max_skipped_steps, 0)
+        check_count("skipped_steps_window", self.skipped_steps_window, 1)
         for name, want, value in mistyped_fields(self):
             raise ValueError(f"{name} must be {want}, got {value!r} ({type(value).__name__}): see FailureConfig's docs")
+
+    def bad_steps(self) -> BadSteps:
+        """What the slice processes need of it for bad steps."""
+        return BadSteps(
+            self.on_bad_step == "skip", self.spike_factor, self.max_skipped_steps, self.skipped_steps_window
+        )
 
 
 @dataclasses.dataclass(frozen=True)

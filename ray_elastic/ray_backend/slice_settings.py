@@ -30,4 +30,5 @@ def slice_settings(config: ElasticConfig) -> SliceSettings:
         compilation_cache_dir=c.compilation_cache_dir,
         megascale_port=c.megascale_port,
         worker_niceness=c.worker_niceness,
+        bad_steps=c.failure.bad_steps(),
     )

@@ -17,6 +17,14 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 
 from ray_elastic.decide import WorldPlan
+from ray_elastic.decide.bad_steps import (
+    DEFAULT_BAD_STEPS,
+    WHY,
+    BadSteps,
+    bad_step_message,
+    too_many_message,
+    too_many_skips,
+)
 from ray_elastic.errors import StorageError, TrainingCodeError
 from ray_elastic.slice import step_program as sp
 from ray_elastic.slice.compile_cache import cache_hits, compile_ahead, lower_and_compile
@@ -24,17 +32,20 @@ from ray_elastic.slice.data import BatchPrefetcher, StepBatches
 from ray_elastic.slice.host_blocks import block_range, host_blocks, leaf_paths
 from ray_elastic.slice.settings import SliceSettings
 from ray_elastic.slice.speed_check import SpeedCheck
+from ray_elastic.slice.step_guard import history_struct, new_history
 
 logger = logging.getLogger(__name__)
 
 
-def _programs(task, plan: WorldPlan, seed: int, fsdp_min_size: int, mesh, rules, scale_updates: bool, pack: bool):
+def _programs(
+    task, plan: WorldPlan, seed: int, fsdp_min_size: int, mesh, rules, scale_updates: bool, pack: bool, bad: BadSteps
+):
     """State spec, shardings and the train step for ``mesh`` (concrete, or abstract to trace ahead of
     a world). One definition for both, so what is traced ahead is what runs."""
     spec = sp.state_spec(task, seed, plan.lr_scale if scale_updates else None)
     shardings = sp.state_shardings(spec, mesh, rules, fsdp_min_size)
     batch_sharding, step = sp.train_program(
-        task, spec, shardings, mesh, plan.num_microbatches, plan.data_parallel, pack
+        task, spec, shardings, mesh, plan.num_microbatches, plan.data_parallel, pack, bad
     )
     return spec, shardings, batch_sharding, step
 
@@ -53,6 +64,7 @@ def trace_ahead(
     scale_updates: bool = False,
     rules=(),
     pack: bool = False,
+    bad: BadSteps = DEFAULT_BAD_STEPS,
 ) -> jax.stages.Traced:
     """Trace the train step for a world laid out like ``plan``, before any world exists.
 
@@ -61,14 +73,16 @@ def trace_ahead(
     while it waits, and joining one only lowers and loads (:meth:`TrainLoop.compile`).
     """
     mesh = AbstractMesh(tuple(plan.mesh_shape.values()), tuple(plan.mesh_shape))
-    spec, shardings, batch_sharding, step = _programs(task, plan, seed, fsdp_min_size, mesh, rules, scale_updates, pack)
+    spec, shardings, batch_sharding, step = _programs(
+        task, plan, seed, fsdp_min_size, mesh, rules, scale_updates, pack, bad
+    )
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), spec.abstract, shardings)
     example = batches.rows(0, 0, 1)  # one row: the fields' trailing shapes and dtypes
     batch = {
         k: jax.ShapeDtypeStruct((plan.global_batch_size,) + v.shape[1:], v.dtype, sharding=batch_sharding)
         for k, v in example.items()
     }
-    return step.trace(state, batch)
+    return step.trace(state, batch, history_struct(mesh))
 
 
 def trace_for(task, settings: SliceSettings, plan: WorldPlan, batches: StepBatches) -> jax.stages.Traced:
@@ -82,6 +96,7 @@ def trace_for(task, settings: SliceSettings, plan: WorldPlan, batches: StepBatch
         scale_updates=settings.scale_updates,
         rules=settings.logical_axis_rules,
         pack=settings.pack,
+        bad=settings.bad_steps,
     )
 
 
@@ -161,6 +176,7 @@ class TrainLoop:
         eval_batches=None,
         prefetch: int = 2,
         pack: bool = False,
+        bad_steps: BadSteps = DEFAULT_BAD_STEPS,
     ):
         self.task = task
         self.plan = plan
@@ -186,8 +202,10 @@ class TrainLoop:
         self._eval = None  # the jitted eval step, compiled at the first evaluation
 
         self.spec, self.state_shardings, self.batch_sharding, self._step = _programs(
-            task, plan, seed, fsdp_min_size, mesh, rules, scale_updates, pack
+            task, plan, seed, fsdp_min_size, mesh, rules, scale_updates, pack, bad_steps
         )
+        self.bad_steps, self.skipped = bad_steps, collections.deque(maxlen=bad_steps.max_skipped + 1)
+        self.history = new_history(mesh)  # the step guard's recent losses
         self.packed: jax.Array | None = None  # the newest dispatched step's state, packed (``pack``)
         self.leaf_paths = leaf_paths(self.spec.abstract)
         self.sharded_params = sum(1 for sh in jax.tree.leaves(self.state_shardings) if any(sh.spec))
@@ -262,7 +280,7 @@ class TrainLoop:
         if traced is not None:
             self._step, phases = lower_and_compile(traced, self.mesh.devices)
             return {"trace_s": 0.0, **phases, "compile_s": time.perf_counter() - t0, "traced_ahead": True}
-        traced = self._step.trace(self.state, self.global_batch_array(step))
+        traced = self._step.trace(self.state, self.global_batch_array(step), self.history)
         t1 = time.perf_counter()
         lowered = traced.lower()
         t2 = time.perf_counter()
@@ -285,7 +303,8 @@ class TrainLoop:
             self._check_speed(step)
         t0 = time.perf_counter()
         batch = self.global_batch_array(step)
-        self.state, metrics, *packed = self._step(self.state, batch)  # blocks while the step before holds the state
+        # blocks while the step before holds the state
+        self.state, metrics, self.history, *packed = self._step(self.state, batch, self.history)
         self.released.append((step, time.time()))
         self.packed = packed[0] if packed else None
         self._in_flight.append((step, metrics, t0))
@@ -314,21 +333,28 @@ class TrainLoop:
         """Wait for the oldest dispatched step: its metrics (``loss`` and what the task returns) and
         step time. The step time is the interval since the previous step finished (for the first,
         since it was dispatched): with steps in flight that is what a step costs the run, waits
-        between chunks included. A loss that is not finite ends the run (:class:`NonFiniteLossError`)."""
+        between chunks included. A bad step (``skipped``: why) was not applied; it ends the run
+        (:class:`NonFiniteLossError`) with ``on_bad_step="raise"`` or past ``max_skipped_steps``."""
         step, metrics, t_dispatch = self._in_flight.popleft()
         values = _host_metrics(metrics)
         self.timing["steps"] += 1
-        if not np.isfinite(values["loss"]):
-            raise NonFiniteLossError(
-                f"the loss of step {step} is {values['loss']}: training stopped before that state was "
-                "checkpointed or snapshotted (lower the learning rate, clip gradients, or check the data of "
-                "that step)",
-                step,
-            )
+        verdict = int(values.pop("skipped"))
+        if verdict:
+            self._skip(step, values["loss"], verdict)
+            values["skipped"] = WHY[verdict]
         now = time.perf_counter()
         since = t_dispatch if self._last_finish is None else self._last_finish
         self._last_finish = now
         return {**values, "step": step, "step_time_s": now - since}
+
+    def _skip(self, step: int, loss: float, verdict: int) -> None:
+        if not self.bad_steps.skip:
+            raise NonFiniteLossError(bad_step_message(step, loss, verdict, self.bad_steps), step)
+        self.skipped.append(step)
+        logger.warning("step %d not kept (%s, loss %s): its batch is skipped", step, WHY[verdict], loss)
+        over = too_many_skips(self.skipped, step, self.bad_steps)
+        if over:
+            raise NonFiniteLossError(too_many_message(over, self.bad_steps), step)
 
     def evaluate(self, num_batches: int) -> dict:
         """Mean of the task's eval metrics over eval batches ``0 .. num_batches-1``, as ``eval/<name>``.

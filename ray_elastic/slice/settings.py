@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from ray_elastic.decide import WorldShapes
+from ray_elastic.decide.bad_steps import DEFAULT_BAD_STEPS, BadSteps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,3 +32,4 @@ class SliceSettings:
     compilation_cache_dir: str | None
     megascale_port: int
     worker_niceness: int | None
+    bad_steps: BadSteps = DEFAULT_BAD_STEPS  # what the step program does with a non-finite loss or a spike

@@ -20,9 +20,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ray_elastic.decide.bad_steps import DEFAULT_BAD_STEPS, BadSteps
 from ray_elastic.decide.layout import FSDP_AXIS, REPLICA_AXIS, partition
 from ray_elastic.errors import TrainingCodeError
 from ray_elastic.slice.snapshot_pack import pack_body, packed_sharding
+from ray_elastic.slice.step_guard import guard
 from ray_elastic.task import RESERVED_METRICS, TrainTask, step_layout
 
 BATCH_SPEC = P((REPLICA_AXIS, FSDP_AXIS))
@@ -141,25 +143,35 @@ def _check_metrics(metrics, what: str) -> dict:
 
 
 def train_program(
-    task: TrainTask, spec: StateSpec, shardings, mesh, num_microbatches: int, data_shards: int, pack: bool = False
+    task: TrainTask,
+    spec: StateSpec,
+    shardings,
+    mesh,
+    num_microbatches: int,
+    data_shards: int,
+    pack: bool = False,
+    bad: BadSteps = DEFAULT_BAD_STEPS,
 ):
-    """The jitted train step ``(raw state, batch) -> (raw state, metrics)`` for ``mesh``; with
-    ``pack``, also the new state packed for a snapshot (``(raw state, metrics, packed)``, see
-    :mod:`~ray_elastic.slice.snapshot_pack`): one more output of the step, no program of its own."""
+    """The jitted train step ``(raw state, batch, guard history) -> (raw state, metrics, guard
+    history)`` for ``mesh``, whose update a bad step does not apply (:mod:`~ray_elastic.slice.step_guard`;
+    its verdict is the ``skipped`` metric); with ``pack``, also the new state packed for a snapshot
+    (see :mod:`~ray_elastic.slice.snapshot_pack`): one more output of the step, no program of its own."""
     batch_sharding = NamedSharding(mesh, BATCH_SPEC)
     packing = pack_body(tuple(sh.spec for sh in jax.tree.leaves(shardings)), mesh) if pack else None
 
-    def train_step(raw, batch):
+    def train_step(raw, batch, history):
         model, optimizer = nnx.merge(spec.graphdef, from_raw(raw, spec.keys))
         with step_layout(num_microbatches, data_shards), _mesh_context(mesh):
-            metrics = task.train_step(model, optimizer, batch)
-        new = to_raw(nnx.state((model, optimizer)))
-        if packing is None:
-            return new, _check_metrics(metrics, "train_step")
-        return new, _check_metrics(metrics, "train_step"), packing(*jax.tree.leaves(new))
+            metrics = _check_metrics(task.train_step(model, optimizer, batch), "train_step")
+        new, history, verdict = guard(to_raw(nnx.state((model, optimizer))), raw, metrics["loss"], history, bad)
+        out = (new, {**metrics, "skipped": verdict.astype(jnp.float32)}, history)
+        return out if packing is None else (*out, packing(*jax.tree.leaves(new)))
 
-    outs = (shardings, NamedSharding(mesh, P())) + ((packed_sharding(mesh),) if pack else ())
-    step = jax.jit(train_step, in_shardings=(shardings, batch_sharding), out_shardings=outs, donate_argnums=0)
+    replicated = NamedSharding(mesh, P())
+    outs = (shardings, replicated, replicated) + ((packed_sharding(mesh),) if pack else ())
+    step = jax.jit(
+        train_step, in_shardings=(shardings, batch_sharding, replicated), out_shardings=outs, donate_argnums=(0, 2)
+    )
     return batch_sharding, step
 
 

@@ -236,6 +236,7 @@ class SliceWorker(ChunkRunning):
                 rules=c.logical_axis_rules,
                 eval_batches=self.eval_batches,
                 pack=c.pack,
+                bad_steps=c.bad_steps,
             )
         if source is not checkpointer:
             source.close()
