@@ -20,7 +20,9 @@ What keeping every step costs is measured apart: ``every_step`` (``snapshot_ever
 ``_large`` and ``_llm``; the goal: 3% on the small models, 5% on the LLM example). What the step
 guard that skips bad steps costs: ``bad_step_guard_cost_large``, the default against
 ``on_bad_step="raise"`` (``--only no_snapshots_large,no_snapshots_raise_large``; the bare loop runs
-without the guard):
+without the guard); what fingerprinting the replicas costs: ``integrity_cost_large`` and
+``_llm``, the default ``integrity_every`` against none
+(``--only no_snapshots_large,no_snapshots_no_integrity_large,no_snapshots_llm,no_snapshots_no_integrity_llm``):
 ``--only every_step,no_snapshots,every_step_llm,no_snapshots_llm --reps 5``. Beside each wall-clock
 cost, ``every_step_cost_cpu`` (``_large``, ``_llm``): the CPU time per steady step of every process
 of the run (driver, slices, keepers, Ray's own), median over the repetitions, every step against
@@ -218,10 +220,10 @@ def ab_cost(times: list[float], chunks: dict[int, int], first: int) -> float | N
     return round(statistics.median(ratios) - 1, 4) if ratios else None
 
 
-def _raise():
+def _failure(**kw):
     from ray_elastic import FailureConfig
 
-    return FailureConfig(on_bad_step="raise")
+    return FailureConfig(**kw)
 
 
 def run_ray(steps: int, spec, model: str, ab: bool = False, **overrides) -> dict:
@@ -316,9 +318,13 @@ def main() -> None:
         "default_large": ("large", lambda c, n: run_ray(n, c.slice_spec, "large", **snap)),
         "no_snapshots_large": ("large", lambda c, n: run_ray(n, c.slice_spec, "large", snapshot_every=0)),
         "every_step_large": ("large", lambda c, n: run_ray(n, c.slice_spec, "large", snapshot_every=1)),
+        "no_snapshots_no_integrity_large": (  # replicas never fingerprinted (integrity_cost_large)
+            "large",
+            lambda c, n: run_ray(n, c.slice_spec, "large", snapshot_every=0, failure=_failure(integrity_every=0)),
+        ),
         "no_snapshots_raise_large": (  # bad steps stop the run: no guard on the state (bad_step_guard_cost)
             "large",
-            lambda c, n: run_ray(n, c.slice_spec, "large", snapshot_every=0, failure=_raise()),
+            lambda c, n: run_ray(n, c.slice_spec, "large", snapshot_every=0, failure=_failure(on_bad_step="raise")),
         ),
         "no_snapshots_no_standbys_large": (
             "large",
@@ -327,6 +333,10 @@ def main() -> None:
         "bare_llm": ("llm", lambda c, n: run_bare(n, "llm", 1)),
         "default_llm": ("llm", lambda c, n: run_ray(n, c.slice_spec, "llm", **snap)),
         "no_snapshots_llm": ("llm", lambda c, n: run_ray(n, c.slice_spec, "llm", snapshot_every=0)),
+        "no_snapshots_no_integrity_llm": (
+            "llm",
+            lambda c, n: run_ray(n, c.slice_spec, "llm", snapshot_every=0, failure=_failure(integrity_every=0)),
+        ),
         "every_step_llm": ("llm", lambda c, n: run_ray(n, c.slice_spec, "llm", snapshot_every=1)),
         # keeping every step against none, chunk by chunk in one run (see alternating_snapshots)
         "every_step_ab": ("small", lambda c, n: run_ray(n, c.slice_spec, "small", ab=True, snapshot_every=1)),
@@ -386,6 +396,9 @@ def main() -> None:
         "every_step_cost_llm": ("every_step_llm", "no_snapshots_llm"),
         # the step guard that skips a bad step (default) against on_bad_step="raise"
         "bad_step_guard_cost_large": ("no_snapshots_large", "no_snapshots_raise_large"),
+        # the replicas' fingerprints every integrity_every steps (default) against never
+        "integrity_cost_large": ("no_snapshots_large", "no_snapshots_no_integrity_large"),
+        "integrity_cost_llm": ("no_snapshots_llm", "no_snapshots_no_integrity_llm"),
     }
     ratios = {
         "overhead_ratio": ("default", "bare"),

@@ -146,6 +146,11 @@ class FakeStreams:
         found, self.backend.straggler = self.backend.straggler, None
         return found
 
+    def take_mismatch(self):
+        """Replicas found to disagree (``FakeBackend.mismatch``), once."""
+        found, self.backend.mismatch = getattr(self.backend, "mismatch", None), None
+        return found
+
 
 class FakeBackend:
     """A cluster of named one-host slices; ``spare`` of them start unreserved."""

@@ -32,6 +32,7 @@ from ray_elastic.errors import CapacityTimeoutError, RetriesExhaustedError, Stat
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
 from ray_elastic.observe.results import unexplained_rewinds
 from ray_elastic.policy.snapshots import AutoInterval
+from ray_elastic.state.checkpoints import latest_checkpoint
 
 SIM_CLUSTER = {"num_slices": 3}
 SHARE_CLUSTER = True  # conftest.py: one cluster for the modules of plain 1-host slices
@@ -441,6 +442,21 @@ def test_a_process_stuck_in_its_data_is_named_and_only_its_slice_blamed(cluster,
     assert max_rel_err(result.losses, baseline) <= SAME_SHAPE
 
 
+def fit_through_a_planned_exit(cluster, task, faults: dict, steps: int, kind: str, **kw) -> tuple:
+    """Train ``steps`` with ``faults``; every step once, no failure, nothing rewound (a slice alive
+    that should go leaves through the planned path). Returns the trainer, the result and the one
+    event of ``kind`` that names why."""
+    plan = FaultPlan(faults)
+    trainer = ElasticTrainer(task, config(cluster, **kw), progress=False, on_step=plan.on_step)
+    plan.trainer = trainer
+    result = trainer.fit(steps)
+    assert result.steps == list(range(steps))
+    s = result.summary
+    assert (s["failures"], s["recoveries"], s["steps_rewound"]) == (0, 0, 0), timeline(result.events)
+    (event,) = [e for e in result.events if e["kind"] == kind]
+    return trainer, result, event
+
+
 def test_a_slice_with_a_slow_data_source_is_named_a_straggler_and_evicted(cluster, tmp_path):
     """A slice every step waits for: its rows read 10 ms each (16 a step: a slow data source). The
     driver's step timings name it over two windows, the world is faster without it, so it leaves
@@ -471,15 +487,7 @@ def test_a_slice_with_a_slow_data_source_is_named_a_straggler_and_evicted(cluste
         slowed["name"] = slice_name(t, 1)
         marker.write_text(slowed["name"])
 
-    plan = FaultPlan({20: slow})
-    task = SlowRows(marker=str(marker))
-    trainer = ElasticTrainer(task, config(cluster), progress=False, on_step=plan.on_step)
-    plan.trainer = trainer
-    result = trainer.fit(200)
-    assert result.steps == list(range(200))
-    s = result.summary
-    assert (s["failures"], s["recoveries"], s["steps_rewound"]) == (0, 0, 0), timeline(result.events)
-    (event,) = [e for e in result.events if e["kind"] == "straggler"]
+    trainer, _, event = fit_through_a_planned_exit(cluster, SlowRows(marker=str(marker)), {20: slow}, 200, "straggler")
     assert event["slice"] == slowed["name"] and event["action"] == "evict", event
     assert event["slowdown"] > 2.0 and event["data_bound"], event
     assert slowed["name"] not in trainer.worlds[-1].slices and len(trainer.worlds[-1].slices) == 2
@@ -496,18 +504,11 @@ def test_a_slow_host_is_found_by_timing_its_devices_and_evicted(cluster):
         slowed["name"] = slice_name(t, 1)
         slowed["stop"] = cluster.slow_slice(slowed["name"], 5.0)
 
-    plan = FaultPlan({30: slow})
-    trainer = ElasticTrainer(DigitsMLPTask(), config(cluster), progress=False, on_step=plan.on_step)
-    plan.trainer = trainer
     try:
-        result = trainer.fit(200)
+        trainer, _, event = fit_through_a_planned_exit(cluster, DigitsMLPTask(), {30: slow}, 200, "straggler")
     finally:
         if "stop" in slowed:
             slowed["stop"].set()
-    assert result.steps == list(range(200))
-    s = result.summary
-    assert (s["failures"], s["recoveries"], s["steps_rewound"]) == (0, 0, 0), timeline(result.events)
-    (event,) = [e for e in result.events if e["kind"] == "straggler"]
     assert event["slice"] == slowed["name"] and event["action"] == "evict", event
     assert event["evidence"]["seen_by"] == "speed_check" and not event["data_bound"], event
     assert slowed["name"] not in trainer.worlds[-1].slices and len(trainer.worlds[-1].slices) == 2
@@ -552,6 +553,59 @@ def test_a_stop_is_agreed_past_the_newest_step_any_process_started(cluster):
     ]
     for p in procs:
         ray.kill(p)
+
+
+def test_a_bit_flipped_in_one_replica_is_found_and_its_slice_evicted(cluster):
+    """Silent data corruption: one bit of one slice's replica of the parameters flips while every
+    process runs on. Within ``integrity_every`` steps the replicas' fingerprints disagree, the two
+    others out-vote it, and its slice leaves at a step boundary (its snapshots discarded): no
+    failure, nothing rewound, and the two survivors' replicas agree again."""
+    flipped: dict = {}
+
+    def flip(t):
+        flipped["name"] = slice_name(t, 1)
+        cluster.flip_bit(t.world, flipped["name"])
+
+    failure = FailureConfig(hang_timeout_min_s=3.0, integrity_every=5)
+    trainer, result, event = fit_through_a_planned_exit(
+        cluster, DigitsMLPTask(), {25: flip}, 80, "replica_mismatch", failure=failure
+    )
+    assert event["slices"] == [flipped["name"]] and event["action"] == "evict", event
+    assert 25 < event["step"] <= 25 + 2 * 5 and 0 <= event["agreed_step"] < event["step"] and event["arrays"], event
+    assert flipped["name"] not in trainer.worlds[-1].slices and len(trainer.worlds[-1].slices) == 2
+    assert not [e for e in result.events if e["kind"] == "replica_mismatch" and e["step"] > event["step"]]
+
+
+def test_two_replicas_that_disagree_roll_back_to_the_checkpoint_before_it(cluster, tmp_path):
+    """Two replicas: no majority tells which one a flipped bit corrupted. Both go back to the newest
+    step they agreed on (here the checkpoint of it: the snapshots after it are not trusted, the
+    checkpoints after it set aside) and replay: the replicas agree again and the run finishes."""
+    flipped: dict = {}
+
+    def flip(t):
+        flipped["name"] = slice_name(t, 1)
+        cluster.flip_bit(t.world, flipped["name"])
+
+    plan = FaultPlan({22: flip})
+    cfg = config(
+        cluster,
+        num_slices=2,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every=5,
+        failure=FailureConfig(hang_timeout_min_s=3.0, integrity_every=5),
+    )
+    trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=plan.on_step)
+    plan.trainer = trainer
+    result = trainer.fit(60)
+    assert result.steps == list(range(60))
+    (event,) = [e for e in result.events if e["kind"] == "replica_mismatch"]
+    assert (event["slices"], event["action"]) == ([], "rollback") and 19 <= event["agreed_step"] < event["step"], event
+    (rec,) = result.recoveries
+    assert rec.restored_from_step <= event["agreed_step"] and rec.steps_rewound > 0, rec
+    assert result.summary["failures"] == 0
+    assert sorted(trainer.worlds[-1].slices) == sorted(trainer.worlds[0].slices)  # the same two slices
+    assert unexplained_rewinds(result.events, cfg.snapshot_replicas) == 0
+    assert latest_checkpoint(str(tmp_path / "ckpt")).step == 60
 
 
 def test_two_slices_lost_at_once(cluster, baseline):

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from ray_elastic.control.states import OutcomeKind, RunOutcome
 from ray_elastic.decide import ErrorKind, WorldPlan
+from ray_elastic.decide.integrity import Mismatch
 from ray_elastic.decide.stragglers import Straggler
 
 
@@ -111,6 +112,8 @@ class Streams(Protocol):
     def drain(self, timeout_s: float, errors: dict[Any, Any]) -> None: ...
 
     def take_straggler(self) -> Straggler | None: ...
+
+    def take_mismatch(self) -> Mismatch | None: ...
 
     def take_snapshot_steps(self) -> list[int]: ...
 

@@ -24,7 +24,7 @@ from ray_elastic.config import ElasticConfig
 from ray_elastic.control.backend import Backend, BackendFactory, WorldHandle
 from ray_elastic.control.final_checkpoint import final_checkpoint
 from ray_elastic.control.generations import Generations
-from ray_elastic.control.planned_exit import NoticeWatch, leave, stop_to_grow, straggler_leaves
+from ray_elastic.control.planned_exit import NoticeWatch, leave, planned_stop, roll_back, stop_to_grow
 from ray_elastic.control.recorder import RunRecorder
 from ray_elastic.control.run_checkpoints import RunCheckpoints
 from ray_elastic.control.states import ControllerState, OutcomeKind, RunOutcome, check_transition
@@ -266,32 +266,32 @@ class Controller:
     def _stop_request(self) -> OutcomeKind | None:
         """Asked between a running world's reads: stop at the next step boundary for slices that
         should go to leave (warned ones, a straggler), or to grow once capacity returned."""
-        self._leaving: dict[str, Any] = dict(self.notices.poll())
-        self._take_straggler()
-        return OutcomeKind.LEAVE if self._leaving else OutcomeKind.GROW if self.gens.capacity_returned() else None
+        self._stop = planned_stop(self.notices.poll(), self._streams, self.gens, self.config, self.events)
+        return self._stop.kind or (OutcomeKind.GROW if self.gens.capacity_returned() else None)
 
-    def _take_straggler(self) -> None:
-        """A straggler the backend confirmed joins the slices leaving, when it is to leave."""
-        found = self._streams.take_straggler()
-        if found is not None and straggler_leaves(found, self.gens, self.config, self.events):
-            self._leaving[found.slice_name] = found
+    def _planned(self, outcome: RunOutcome) -> WorldChange | RunOutcome:
+        """The world stopped itself at a step boundary: roll back, grow, or let slices leave (what was
+        found while it stopped counts too, rather than once the next world finds it again)."""
+        self._stop.update(planned_stop({}, self._streams, self.gens, self.config, self.events))
+        kind, world = self._stop.kind or outcome.kind, self._formed()
+        if kind is OutcomeKind.ROLLBACK and self._stop.rollback is not None:
+            self._enter(S.RECOVERING)
+            wait = TEARDOWN_CONFIRM_S if self.config.checkpoint_dir else 0.0  # its processes gone first
+            return roll_back(self.checkpoints, world, self.gens, self._stop.rollback, outcome, wait)
+        self._enter(S.RESIZING)
+        self._check_owner()
+        if kind is OutcomeKind.GROW:
+            return stop_to_grow(self.checkpoints, world, self.ledger, self.gens.members, outcome)
+        self.notices.forget()  # a cached notice of a slice gone must not stop the next world
+        return leave(self.checkpoints, world, self.ledger, self.gens, self._stop.leaving, self.events, outcome)
 
     def _intake(self, outcome: RunOutcome, previous: WorldChange) -> WorldChange:
         """A world ended early: read the evidence, decide what is lost (the failure policy), then
         execute: tear down, set aside unreadable checkpoints, keep the survivors."""
         now = time.time()
         self._check_owner()
-        if outcome.kind in (OutcomeKind.GROW, OutcomeKind.LEAVE):
-            self._take_straggler()  # confirmed while the world stopped: it leaves now, not once found again
-            outcome = dataclasses.replace(outcome, kind=OutcomeKind.LEAVE) if self._leaving else outcome
-            self._enter(S.RESIZING)
-            self._check_owner()
-            world = self._formed()
-            if outcome.kind is OutcomeKind.GROW:
-                planned = stop_to_grow(self.checkpoints, world, self.ledger, self.gens.members, outcome)
-            else:
-                planned = leave(self.checkpoints, world, self.ledger, self.gens, self._leaving, self.events, outcome)
-                self.notices.forget()  # a cached notice of a slice gone must not stop the next world
+        if outcome.kind in (OutcomeKind.GROW, OutcomeKind.LEAVE, OutcomeKind.ROLLBACK):
+            planned = self._planned(outcome)
             if isinstance(planned, WorldChange):
                 return planned
             outcome = planned  # a process died while the in-flight save committed: a failure, not a planned change

@@ -11,6 +11,7 @@ checkpoint first (with a checkpoint directory).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -21,6 +22,7 @@ from ray_elastic.control.final_checkpoint import finish_checkpoints
 from ray_elastic.control.run_checkpoints import RunCheckpoints
 from ray_elastic.control.states import OutcomeKind, RunOutcome
 from ray_elastic.decide import Notice, plan_exit, warned_slices
+from ray_elastic.decide.integrity import Mismatch
 from ray_elastic.decide.stragglers import Straggler, straggler_action
 from ray_elastic.errors import ProcessFailed
 from ray_elastic.observe import event_types as ev
@@ -114,12 +116,84 @@ def straggler_leaves(found: Straggler, gens: Any, config: ElasticConfig, events:
     return action != "report"
 
 
+@dataclasses.dataclass
+class PlannedStop:
+    """Why a running world should stop at its next step boundary: slices alive that should go
+    (warned, a straggler, a replica out-voted), or replicas that disagree with no majority."""
+
+    leaving: dict[str, Notice | Straggler | Mismatch]
+    rollback: Mismatch | None = None
+
+    def update(self, other: PlannedStop) -> None:
+        self.leaving.update(other.leaving)
+        self.rollback = self.rollback or other.rollback
+
+    @property
+    def kind(self) -> OutcomeKind | None:
+        return OutcomeKind.ROLLBACK if self.rollback else OutcomeKind.LEAVE if self.leaving else None
+
+
+def planned_stop(
+    warned: dict[str, Notice], streams: Any, gens: Any, config: ElasticConfig, events: EventLog
+) -> PlannedStop:
+    """What should stop the world now: the ``warned`` slices, a straggler the backend confirmed that
+    is to leave, and replicas found to disagree (a ``replica_mismatch`` event: the out-voted slices
+    leave; with no majority, a rollback)."""
+    stop = PlannedStop(dict(warned))
+    found = streams.take_straggler()
+    if found is not None and straggler_leaves(found, gens, config, events):
+        stop.leaving[found.slice_name] = found
+    mismatch = streams.take_mismatch()
+    if mismatch is not None:
+        action = "evict" if mismatch.corrupt else "rollback"
+        events.emit(
+            ev.ReplicaMismatch(
+                step=mismatch.step,
+                slices=list(mismatch.corrupt),
+                arrays=list(mismatch.arrays),
+                agreed_step=mismatch.agreed_step,
+                action=action,
+            )
+        )
+        stop.leaving.update(dict.fromkeys(mismatch.corrupt, mismatch))
+        stop.rollback = None if mismatch.corrupt else mismatch
+    return stop
+
+
+def roll_back(
+    checkpoints: RunCheckpoints,
+    world: WorldHandle,
+    gens: Any,
+    mismatch: Mismatch,
+    outcome: RunOutcome,
+    confirm_s: float,
+) -> WorldChange:
+    """Replicas disagree and none can be told corrupt (two of them): nothing after the newest step
+    they agreed on is trusted. The world is torn down without committing its in-flight save (once
+    its processes are gone: ``confirm_s``), the snapshots after that step are forgotten and the
+    run's own checkpoints after it set aside, and the same slices form the next world from what is
+    left of that step or before (the steps after it run again)."""
+    now, t0 = time.time(), time.perf_counter()
+    world.teardown(confirm_s=confirm_s)
+    gens.store.drop_after(mismatch.agreed_step)
+    directory, step = checkpoints.newest()
+    checkpoints.set_aside_newer(directory, step, mismatch.agreed_step)
+    return WorldChange(
+        OutcomeKind.ROLLBACK,
+        list(gens.members),
+        f"replicas disagree after step {mismatch.step} with no majority: back to step {mismatch.agreed_step}",
+        now,
+        outcome.last_progress_at or now,
+        teardown_s=time.perf_counter() - t0,
+    )
+
+
 def leave(
     checkpoints: RunCheckpoints,
     world: WorldHandle,
     ledger: StepLedger,
     gens: Any,
-    leaving: dict[str, Notice | Straggler],
+    leaving: dict[str, Notice | Straggler | Mismatch],
     events: EventLog,
     outcome: RunOutcome,
 ) -> WorldChange | RunOutcome:
@@ -157,9 +231,9 @@ def leave(
             "the next world restores what it can",
             list(plan.leaving),
         )
-    stragglers = {n for n in plan.leaving if isinstance(leaving[n], Straggler)}
-    survivors = gens.split(set(plan.leaving), stragglers)
-    what = ", ".join(f"{n} ({'straggler' if n in stragglers else 'preemption notice'})" for n in plan.leaving)
+    held = {n for n in plan.leaving if not isinstance(leaving[n], Notice)}  # its hosts are not to be used again
+    survivors = gens.split(set(plan.leaving), held)  # and its snapshots forgotten
+    what = ", ".join(f"{n} ({_why(leaving[n])})" for n in plan.leaving)
     return WorldChange(
         OutcomeKind.LEAVE,
         survivors,
@@ -168,3 +242,7 @@ def leave(
         outcome.last_progress_at or now,
         teardown_s=time.perf_counter() - t0,
     )
+
+
+def _why(reason: Notice | Straggler | Mismatch) -> str:
+    return {Notice: "preemption notice", Straggler: "straggler", Mismatch: "corrupt replica"}[type(reason)]

@@ -37,6 +37,8 @@ class OutcomeKind(enum.StrEnum):
     GROW = "grow"  # capacity returned: stopped at a step boundary to form a bigger world
     # Slices alive that should go (a preemption notice, a straggler): stopped at a step boundary for them to leave.
     LEAVE = "leave"
+    # Replicas of the state disagree with no majority: torn down, back to the newest step they agreed on.
+    ROLLBACK = "rollback"
     FORMING_FAILED = "forming_failed"  # the next world failed before its first step
 
 

@@ -1,6 +1,6 @@
 """Which steps are not kept, and when skipping them has to stop the run.
 
-A step whose loss or new state is not finite, or (with ``spike_factor``) whose loss is over
+A step whose loss (or the ``grad_norm`` its task reports) is not finite, or (with ``spike_factor``) whose loss is over
 ``spike_factor`` x the median loss of the recent kept steps, is a bad step: a batch that turns the
 loss into NaN, a spike. The step program does not apply its update (:mod:`~ray_elastic.slice.step_guard`),
 so the step is skipped and the run goes on. A model that diverges every step is a bug and not a

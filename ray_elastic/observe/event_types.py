@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 from ray_elastic.observe.event_base import KINDS, Event, UnknownEvent
 from ray_elastic.observe.planned_events import PlannedChange as PlannedChange
 from ray_elastic.observe.planned_events import PreemptionNotice as PreemptionNotice
+from ray_elastic.observe.planned_events import ReplicaMismatch as ReplicaMismatch
 from ray_elastic.observe.planned_events import ScaleUp as ScaleUp
 from ray_elastic.observe.planned_events import SliceLeft as SliceLeft
 from ray_elastic.observe.planned_events import Straggler as Straggler
@@ -378,6 +379,7 @@ ELASTIC = (
     Straggler,
     SliceLeft,
     StepSkipped,
+    ReplicaMismatch,
     WaitingForCapacity,
     Waiting,
     Eval,

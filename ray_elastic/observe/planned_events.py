@@ -66,3 +66,18 @@ class Straggler(Event):
     data_bound: bool  # it waited for its own rows (a slow data source) more than for the world
     action: str
     evidence: dict[Any, Any]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplicaMismatch(Event):
+    """Replicas of the state disagreed after ``step`` (their fingerprints): ``slices`` out-voted by
+    the others (empty: no majority), the state ``arrays`` (leaf indices) that differ, the newest
+    step all agreed on, and what was done (``evict``: the odd slices left, their snapshots
+    discarded; ``stop``: no majority, the run stopped)."""
+
+    kind = "replica_mismatch"
+    step: int
+    slices: list[str]
+    arrays: list[int]
+    agreed_step: int
+    action: str

@@ -222,8 +222,9 @@ def unexplained_rewinds(events: list, replicas: int) -> int:
     until the next world trained, or when each rewound step's snapshot failed on a survivor because
     the step itself failed there (``snapshot_not_kept`` with a collective error: a peer got the
     reduced loss, reported it and died before the survivor's all-reduce finished, so no living
-    process ever had that state); a planned grow-back never rewinds."""
-    holders, chain_holders, gone, in_chain, unexplained = [], [], set(), False, 0
+    process ever had that state), or when replicas that disagreed with no majority were rolled back
+    (``replica_mismatch``, action ``rollback``); a planned grow-back never rewinds."""
+    holders, chain_holders, gone, in_chain, unexplained, rolled_back = [], [], set(), False, 0, False
     unfinished: set[int] = set()  # steps whose snapshot failed in the step's own collective
     for e in ev.parse_all(events):
         if isinstance(e, ev.WorldFormed):
@@ -232,15 +233,17 @@ def unexplained_rewinds(events: list, replicas: int) -> int:
                 holders = formed
         elif isinstance(e, ev.SnapshotNotKept):
             unfinished |= {n["step"] for n in e.first if "JaxRuntimeError" in n["why"]}
+        elif isinstance(e, ev.ReplicaMismatch) and e.action == "rollback":
+            rolled_back = True
         elif isinstance(e, ev.FailureEvent):
             if not in_chain:
                 chain_holders, gone, in_chain = holders, set(), True
             gone |= e.gone_slices
         elif isinstance(e, (ev.Recovered, ev.PlannedChange)):
             rewound = range(e.restored_from_step + 1, e.restored_from_step + 1 + e.steps_rewound)
-            if (not in_chain or not set(chain_holders) <= gone) and not set(rewound) <= unfinished:
+            if (not in_chain or not set(chain_holders) <= gone) and not set(rewound) <= unfinished and not rolled_back:
                 unexplained += e.steps_rewound
-            holders, in_chain, unfinished = formed, False, set()
+            holders, in_chain, unfinished, rolled_back = formed, False, set(), False
     return unexplained
 
 

@@ -43,13 +43,16 @@ class FailureConfig:
             least ``straggler_window_steps`` steps, is a straggler (always a ``straggler`` event).
         on_straggler: ``"auto"``: replace a straggler when a spare slice is ready, evict it when the
             world is faster without it, else report it; ``"report"``: only report.
-        on_bad_step: ``"skip"``: a step whose loss or new state is not finite (or a spike) is not
+        on_bad_step: ``"skip"``: a step whose loss (or ``grad_norm`` metric) is not finite, or a spike, is not
             kept, its batch skipped (a ``step_skipped`` event); ``"raise"``: it stops the run with
             ``NonFiniteLossError``.
         spike_factor: also a bad step: a loss over this x the median of the recent kept steps'
             (None: off; for losses above 0).
         max_skipped_steps, skipped_steps_window: more skips than this within the window's steps
             stop the run with ``NonFiniteLossError`` naming them (a diverging model, not a bad batch).
+        integrity_every: every this many steps each process fingerprints its blocks of the state and
+            the driver compares the replicas (a ``replica_mismatch``: the odd slice leaves, its
+            snapshots discarded); 0: never.
     """
 
     max_failures: int = 30
@@ -67,6 +70,7 @@ class FailureConfig:
     spike_factor: float | None = None
     max_skipped_steps: int = 5
     skipped_steps_window: int = 1000
+    integrity_every: int = 100
 
     def __post_init__(self) -> None:
         for name in ("max_failures", "max_failures_in_a_row", "max_save_failures_in_a_row"):
@@ -90,6 +94,7 @@ class FailureConfig:
             raise ValueError(f"spike_factor must be None (off) or a finite number > 1, got {spike!r}")
         check_count("max_skipped_steps", self.max_skipped_steps, 0)
         check_count("skipped_steps_window", self.skipped_steps_window, 1)
+        check_count("integrity_every", self.integrity_every, 0)
         for name, want, value in mistyped_fields(self):
             raise ValueError(f"{name} must be {want}, got {value!r} ({type(value).__name__}): see FailureConfig's docs")
 

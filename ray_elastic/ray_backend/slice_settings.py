@@ -31,4 +31,5 @@ def slice_settings(config: ElasticConfig) -> SliceSettings:
         megascale_port=c.megascale_port,
         worker_niceness=c.worker_niceness,
         bad_steps=c.failure.bad_steps(),
+        integrity_every=c.failure.integrity_every,
     )

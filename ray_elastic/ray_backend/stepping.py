@@ -29,10 +29,12 @@ from ray_elastic.control.backend import StepSink
 from ray_elastic.control.snapshot_cadence import SnapshotCadence
 from ray_elastic.control.states import OutcomeKind, RunOutcome
 from ray_elastic.decide import chunk_steps, is_eval_step, stop_lead_steps, watchdog_timeout
+from ray_elastic.decide.integrity import Mismatch
 from ray_elastic.decide.stragglers import Straggler
 from ray_elastic.ray_backend.early_stop import agree_stop
 from ray_elastic.ray_backend.first_ready import FirstReady
 from ray_elastic.ray_backend.host_watch import HostWatch
+from ray_elastic.ray_backend.integrity_watch import IntegrityWatch
 from ray_elastic.ray_backend.keeper_sync import KeeperSync
 from ray_elastic.ray_backend.straggler_watch import StragglerWatch
 from ray_elastic.ray_backend.watchdog import Stall, Watchdog
@@ -87,12 +89,17 @@ class StepStreams:
         self._submitted = False  # a world's first chunk redoes an eval a failure lost
         self.hosts = HostWatch(world)
         self.watchdog = Watchdog(world, config, sink)
-        self.stragglers = StragglerWatch(world, config)
+        self.integrity = IntegrityWatch(world)
+        self.stragglers = StragglerWatch(world, config, also=self.integrity.add)  # one probe round for both
         self.keepers = KeeperSync(world, store, [ch[0] for ch, on in zip(self.channels, self.streaming) if on])
 
     def take_straggler(self) -> Straggler | None:
         """A slice the world has been waiting for (confirmed over two windows), once."""
         return self.stragglers.take()
+
+    def take_mismatch(self) -> Mismatch | None:
+        """Replicas found to disagree (their fingerprints), once."""
+        return self.integrity.take()
 
     def take_snapshot_steps(self) -> list[int]:
         """Steps snapshotted since the last call (for the event log)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -35,8 +36,8 @@ ANSWER_WITHIN_S = 5.0  # a round not answered in this long is dropped (a dead pr
 class StragglerWatch:
     """Step release times of ``world``'s processes over windows; a confirmed straggler for the controller."""
 
-    def __init__(self, world: Any, config: ElasticConfig):
-        self.world, self.config = world, config
+    def __init__(self, world: Any, config: ElasticConfig, also: Callable[[list[dict[str, Any]]], None] | None = None):
+        self.world, self.config, self._also = world, config, also  # ``also``: every round's answers too
         self._released: dict[int, dict[int, float]] = {}  # per process: step -> when its call returned
         self._data: dict[int, tuple[float, float]] = {}  # per process: (steps, data_s) when the window began
         self._judged = -1  # the newest step of the last window judged
@@ -63,7 +64,10 @@ class StragglerWatch:
             if len(ready) == len(self._refs):
                 refs, self._refs = self._refs, None
                 try:
-                    self._add(ray.get(refs))
+                    answers = ray.get(refs)
+                    self._add(answers)
+                    if self._also is not None:
+                        self._also(answers)
                 except Exception as e:  # noqa: BLE001 - a process died: the failure path sees it
                     logger.debug("straggler watch: a probe failed: %r", e)
             elif now - self._sent > ANSWER_WITHIN_S:

@@ -1,6 +1,7 @@
 """The faults a simulated cluster offers: a slice or one host lost (SIGKILL), a slice hung (SIGSTOP),
 a slice preempted with notice (drained, then killed at the deadline), a slow slice (its processes
-duty-cycled), and finding what of the cluster still runs."""
+duty-cycled), a bit flipped in a slice's replica of the state, and finding what of the cluster
+still runs."""
 
 from __future__ import annotations
 
@@ -140,6 +141,16 @@ class SliceFaults:
         threading.Thread(target=duty_cycle, name=f"slow-{name}", daemon=True).start()
         logger.info("simulated slice %s slowed %.1fx", name, factor)
         return stop
+
+    def flip_bit(self, world, name: str, leaf: int = 0, bit: int = 20) -> None:
+        """Silent data corruption: one bit of train state array ``leaf`` flips on the first host of
+        slice ``name`` of the running ``world`` (``trainer.world``) before its next step: its replica
+        drifts from the others while every process runs on (``SliceWorker.flip_bit``, which only a
+        simulated host accepts)."""
+        import ray
+
+        p = world.plan.slice_names.index(name) * world.plan.hosts_per_slice
+        ray.get(world.workers[p].flip_bit.remote(leaf, bit))
 
     def hang_slice(self, name: str) -> None:
         """A hung slice: SIGSTOP its hosts' processes (raylet and workers)."""

@@ -30,6 +30,7 @@ from ray_elastic.slice import step_program as sp
 from ray_elastic.slice.compile_cache import cache_hits, compile_ahead, lower_and_compile
 from ray_elastic.slice.data import BatchPrefetcher, StepBatches
 from ray_elastic.slice.host_blocks import block_range, host_blocks, leaf_paths
+from ray_elastic.slice.integrity import Fingerprints, flip_one_bit
 from ray_elastic.slice.settings import SliceSettings
 from ray_elastic.slice.speed_check import SpeedCheck
 from ray_elastic.slice.step_guard import history_struct, new_history
@@ -138,16 +139,12 @@ class TrainLoop:
     """Sharded train state and a compiled step on one world's mesh.
 
     Args:
-        task: the user's TrainTask.
-        plan: this world's layout.
-        process_id: this process's place in ``plan``.
+        task, plan, process_id: the user's TrainTask, this world's layout, this process's place in it.
         seed: parameter initialisation seed.
-        mesh: from :func:`build_mesh`.
-        fsdp_min_size: see ``ElasticConfig.fsdp_min_size``.
+        mesh, fsdp_min_size: from :func:`build_mesh`; see ``ElasticConfig.fsdp_min_size``.
         batches: the task's data by step (built once per process, reused across worlds).
-        restore: what :meth:`snapshot` returned in the same host position of an earlier world
-            (blocks and their index ranges, checked against this world's shardings); ``None``
-            initialises fresh parameters.
+        restore: what :meth:`snapshot` returned in the same host position of an earlier world (blocks
+            and their index ranges, checked against this world's shardings); None: fresh parameters.
         scale_updates: wrap the optimizer with the plan's ``lr_scale`` (scale policy + lr rule).
         pack: the step also packs its new state for a snapshot (:attr:`packed`; the run snapshots).
         checkpointer: this world's :class:`~ray_elastic.state.checkpoints.Checkpointer` (None: no checkpoints).
@@ -156,6 +153,7 @@ class TrainLoop:
         rules: the run's logical axis rules (``ElasticConfig.logical_axis_rules``).
         eval_batches: the task's held-out data (:class:`~ray_elastic.slice.data.EvalBatches`), or None.
         prefetch: steps whose rows a reader thread prepares ahead (0: read in the step loop).
+        bad_steps, integrity_every: what the step guard skips; fingerprint the state this often (0: never).
     """
 
     def __init__(
@@ -177,6 +175,7 @@ class TrainLoop:
         prefetch: int = 2,
         pack: bool = False,
         bad_steps: BadSteps = DEFAULT_BAD_STEPS,
+        integrity_every: int = 0,
     ):
         self.task = task
         self.plan = plan
@@ -206,6 +205,8 @@ class TrainLoop:
         )
         self.bad_steps, self.skipped = bad_steps, collections.deque(maxlen=bad_steps.max_skipped + 1)
         self.history = new_history(mesh)  # the step guard's recent losses
+        self.fingerprints = Fingerprints(integrity_every)  # of the state, every integrity_every steps
+        self.flip: tuple[int, int] | None = None  # (array, bit) to flip before the next step: simulated corruption
         self.packed: jax.Array | None = None  # the newest dispatched step's state, packed (``pack``)
         self.leaf_paths = leaf_paths(self.spec.abstract)
         self.sharded_params = sum(1 for sh in jax.tree.leaves(self.state_shardings) if any(sh.spec))
@@ -301,6 +302,8 @@ class TrainLoop:
         :meth:`finish` reads it. The device queue then never drains between steps."""
         if self.speed_check_at is not None and step >= self.speed_check_at:
             self._check_speed(step)
+        if self.flip is not None:
+            self.state, self.flip = flip_one_bit(self.state, *self.flip), None
         t0 = time.perf_counter()
         batch = self.global_batch_array(step)
         # blocks while the step before holds the state
@@ -308,6 +311,7 @@ class TrainLoop:
         self.released.append((step, time.time()))
         self.packed = packed[0] if packed else None
         self._in_flight.append((step, metrics, t0))
+        self.fingerprints.dispatched(step, self.state)
         self.dispatched = step
 
     def _check_speed(self, step: int) -> None:
@@ -318,13 +322,7 @@ class TrainLoop:
         t1 = time.perf_counter()
         seconds = self.speed.seconds()
         self.timing["speed"] = (step, seconds)
-        logger.info(
-            "speed check before step %d: %s s (waited %.3f s for the step, %.3f s in all)",
-            step,
-            seconds,
-            t1 - t0,
-            time.perf_counter() - t0,
-        )
+        logger.info("speed check before step %d: %s s (after %.3f s for the step in flight)", step, seconds, t1 - t0)
 
     def in_flight(self) -> int:
         return len(self._in_flight)
@@ -337,6 +335,7 @@ class TrainLoop:
         (:class:`NonFiniteLossError`) with ``on_bad_step="raise"`` or past ``max_skipped_steps``."""
         step, metrics, t_dispatch = self._in_flight.popleft()
         values = _host_metrics(metrics)
+        self.fingerprints.finished(step)
         self.timing["steps"] += 1
         verdict = int(values.pop("skipped"))
         if verdict:

@@ -33,3 +33,4 @@ class SliceSettings:
     megascale_port: int
     worker_niceness: int | None
     bad_steps: BadSteps = DEFAULT_BAD_STEPS  # what the step program does with a non-finite loss or a spike
+    integrity_every: int = 0  # fingerprint the state every this many steps (0: never)

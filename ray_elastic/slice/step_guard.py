@@ -1,8 +1,8 @@
 """The step's guard: the update of a bad step (:mod:`~ray_elastic.decide.bad_steps`) is never applied.
 
-It runs inside the step program, after the task's ``train_step``: when the loss or any floating
-array of the new state is not finite, or the loss spikes, the program returns the state it was
-given. So the state after a skipped step is the state before it (parameters, optimizer state,
+It runs inside the step program, after the task's ``train_step``: when the loss (or a
+``grad_norm`` metric the task returns) is not finite, or the loss spikes, the program returns the
+state it was given. So the state after a skipped step is the state before it (parameters, optimizer state,
 counters and RNG streams alike), the step dispatched after it computes from that state, no
 snapshot or checkpoint can hold a bad update, and nothing is rolled back or replayed: the next step
 reads its own batch, the bad one is skipped. A spike is judged against the median loss of the last
@@ -10,8 +10,6 @@ reads its own batch, the bad one is skipped. A spike is judged against the media
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,14 +32,15 @@ def new_history(mesh) -> jax.Array:
     return jax.jit(lambda: jnp.zeros((HISTORY + 1,), jnp.float32), out_shardings=NamedSharding(mesh, P()))()
 
 
-def guard(new, old, loss, history, bad: BadSteps):
+def guard(new, old, loss, history, bad: BadSteps, grad_norm=None):
     """``(state to keep, history, verdict)``: ``new`` when the step is kept, else ``old`` (with
-    ``bad.skip``; otherwise ``new`` either way and the verdict stops the run)."""
+    ``bad.skip``; otherwise ``new`` either way and the verdict stops the run). Judged on the loss
+    (and the ``grad_norm`` the task reports, if it does) alone: the selection then fuses into the
+    update's own pass over the state, where a check of every new array would cost two more passes."""
     loss = jnp.asarray(loss, jnp.float32)
     finite = jnp.isfinite(loss)
-    if bad.skip:  # a state made non-finite by a finite loss (an overflowing gradient) is not kept either
-        floats = [x for x in jax.tree.leaves(new) if jnp.issubdtype(x.dtype, jnp.floating)]
-        finite = functools.reduce(jnp.logical_and, [jnp.isfinite(x).all() for x in floats], finite)
+    if grad_norm is not None:
+        finite &= jnp.isfinite(jnp.asarray(grad_norm, jnp.float32))
     verdict = jnp.where(finite, KEPT, NON_FINITE)
     count, losses = history[0], history[1:]
     if bad.spike_factor is not None:

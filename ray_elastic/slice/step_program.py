@@ -163,7 +163,9 @@ def train_program(
         model, optimizer = nnx.merge(spec.graphdef, from_raw(raw, spec.keys))
         with step_layout(num_microbatches, data_shards), _mesh_context(mesh):
             metrics = _check_metrics(task.train_step(model, optimizer, batch), "train_step")
-        new, history, verdict = guard(to_raw(nnx.state((model, optimizer))), raw, metrics["loss"], history, bad)
+        new, history, verdict = guard(
+            to_raw(nnx.state((model, optimizer))), raw, metrics["loss"], history, bad, metrics.get("grad_norm")
+        )
         out = (new, {**metrics, "skipped": verdict.astype(jnp.float32)}, history)
         return out if packing is None else (*out, packing(*jax.tree.leaves(new)))
 

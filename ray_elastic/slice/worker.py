@@ -141,6 +141,7 @@ class SliceWorker(ChunkRunning):
             # steps, waits and this clock: the driver's straggler watch compares processes over a window
             "timing": {**loop.timing, "at": time.monotonic()} if loop is not None else None,
             "released": list(loop.released) if loop is not None else [],
+            "fingerprints": dict(loop.fingerprints.done) if loop is not None else {},  # step -> one per array
             "saving": since is not None,
             "saving_s": time.monotonic() - since if since is not None else 0.0,
             "evaluating": self.evaluating,
@@ -156,6 +157,14 @@ class SliceWorker(ChunkRunning):
     def decide_stop(self, stop: bool) -> None:
         """Every process accepted the proposed stop (``stop``), or one refused it (go on)."""
         self.gate.decide(stop)
+
+    @ray.method(concurrency_group="health")
+    def flip_bit(self, leaf: int, bit: int) -> None:
+        """Silent data corruption, for the simulated cluster alone: one bit of this process's block
+        of state array ``leaf`` flips before its next step."""
+        if "SIM_TPU_HOST" not in os.environ:
+            raise RuntimeError("flip_bit is a fault of the simulated cluster: refused on a real host")
+        self.loop.flip = (leaf, bit)
 
     def reserve_coordinator_port(self) -> str:
         """Process 0 hosts the JAX coordination service: a free port on its node's address, held
@@ -237,6 +246,7 @@ class SliceWorker(ChunkRunning):
                 eval_batches=self.eval_batches,
                 pack=c.pack,
                 bad_steps=c.bad_steps,
+                integrity_every=c.integrity_every,
             )
         if source is not checkpointer:
             source.close()

@@ -1,0 +1,49 @@
+"""Whether the replicas of the train state still agree, from their fingerprints.
+
+The process at host ``h`` of every slice holds the same blocks of the state (each slice is one
+replica), so their fingerprints (:mod:`~ray_elastic.slice.integrity`) must be equal. Per host
+position, the slices whose fingerprints differ from those of more than half of the slices are
+corrupt; with no such majority (two replicas, or a split vote) which replica is right cannot be
+told, and the run has to go back to a step at which they agreed.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+    """Replicas that disagree after ``step``: ``corrupt`` (out-voted slices; empty: no majority),
+    the arrays (state leaf indices) that differ, and the newest step at which all agreed (-1: none
+    was compared)."""
+
+    step: int
+    corrupt: tuple[str, ...]
+    arrays: tuple[int, ...]
+    agreed_step: int = -1
+
+
+def compare(step: int, fingerprints: dict[int, tuple[int, ...]], place: dict[int, tuple[str, int]]) -> Mismatch | None:
+    """``fingerprints`` per process of ``step``; ``place``: process -> (slice, host in slice).
+    None when every replica agrees."""
+    by_host: dict[int, dict[str, tuple[int, ...]]] = {}
+    for p, fp in fingerprints.items():
+        name, host = place[p]
+        by_host.setdefault(host, {})[name] = tuple(fp)
+    corrupt: set[str] = set()
+    arrays: set[int] = set()
+    split = False
+    for fps in by_host.values():
+        best, votes = collections.Counter(fps.values()).most_common(1)[0]
+        if votes == len(fps):
+            continue
+        arrays |= {i for fp in fps.values() for i, (a, b) in enumerate(zip(fp, best)) if a != b}
+        if 2 * votes > len(fps):
+            corrupt |= {name for name, fp in fps.items() if fp != best}
+        else:
+            split = True
+    if not arrays and not corrupt and not split:
+        return None
+    return Mismatch(step, () if split else tuple(sorted(corrupt)), tuple(sorted(arrays)))

@@ -1,0 +1,53 @@
+"""The replicas' fingerprints, read from the same health-probe rounds as the step timings.
+
+Each process keeps its newest few fingerprinted steps (:class:`~ray_elastic.slice.integrity.Fingerprints`);
+once every process of the world has reported a step, :func:`~ray_elastic.decide.integrity.compare`
+judges it. The newest step at which all agreed is kept: with no majority the run goes back to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from ray_elastic.decide.integrity import Mismatch, compare
+
+logger = logging.getLogger(__name__)
+
+
+class IntegrityWatch:
+    """Fingerprints of ``world``'s processes by step; a mismatch for the controller (:meth:`take`)."""
+
+    def __init__(self, world: Any):
+        self.world = world
+        n, hosts = len(world.workers), world.plan.hosts_per_slice
+        self._place = {p: (world.slice_of(p), p % hosts) for p in range(n)}
+        self._seen: dict[int, dict[int, tuple[int, ...]]] = {}  # step -> process -> fingerprints
+        self.agreed = -1  # the newest step every replica agreed on
+        self._found: Mismatch | None = None
+        self._over = False  # a mismatch was found: the world stops for it, nothing after it counts
+
+    def add(self, answers: list[dict[str, Any]]) -> None:
+        """One probe round's answers (process order)."""
+        if self._over:
+            return
+        for p, a in enumerate(answers):
+            for step, fp in (a.get("fingerprints") or {}).items():
+                if step > self.agreed:
+                    self._seen.setdefault(step, {})[p] = fp
+        complete = sorted(s for s, got in self._seen.items() if len(got) == len(answers))
+        logger.debug("fingerprints: %s complete of %s", complete, sorted(self._seen))
+        for step in complete:
+            found = compare(step, self._seen.pop(step), self._place)
+            if found is None:
+                self.agreed = max(self.agreed, step)
+                continue
+            logger.warning("replicas disagree after step %d: %s", step, found)
+            self._found, self._seen, self._over = dataclasses.replace(found, agreed_step=self.agreed), {}, True
+            return
+
+    def take(self) -> Mismatch | None:
+        """The replicas' first disagreement, once."""
+        found, self._found = self._found, None
+        return found
