@@ -20,7 +20,11 @@ slice, checkpoints every ``--checkpoint-every`` steps. ``--faults N`` faults fir
   a noisy neighbour) and ``stuck_data`` (a slice's data source blocked until the failure that names
   it). Each straggler and stuck process must be attributed to the right slice (``misattributed``:
   0); ``steps_to_named`` is how many steps the run made between the fault and the naming (a slowed
-  slice lost to another fault first is ``moot``, not counted).
+  slice lost to another fault first is ``moot``, not counted);
+- wrong numbers: ``poisoned_record`` (the next row any process reads becomes inf: the step that
+  reads it must be skipped, ``bad_kept``: 0) and ``bit_flip`` (one bit of one slice's replica of
+  the state flipped: found by the replicas' fingerprints, every 10 steps here, for that slice;
+  ``flips_not_found``, ``flips_misnamed``: 0; ``flips_found_after``: steps from the flip).
 
 Phase 2 (``--multihost-faults M``): 3 slices of 2 hosts (``min_slices`` 2), each fault one host of a
 slice lost.
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -71,6 +76,8 @@ KINDS = (
     "slow_data",
     "slow_host",
     "stuck_data",
+    "poisoned_record",
+    "bit_flip",
 )
 GBS, SEED = 48, 0  # 48 splits evenly over 2, 3 and 4 slices of 2 devices (and 2 or 3 slices of 4)
 
@@ -78,7 +85,8 @@ GBS, SEED = 48, 0  # 48 splits evenly over 2, 3 and 4 slices of 2 devices (and 2
 def chaos_task(marker_dir: str):
     """The digits MLP whose rows a fault can slow or block on one slice: a file ``slow_data-<slice>``
     in ``marker_dir`` makes each of that slice's rows take its seconds; ``stuck_data-<slice>``
-    blocks them while it exists (the slice is the host's ``TPU_NAME``)."""
+    blocks them while it exists (the slice is the host's ``TPU_NAME``); ``poison`` makes the next
+    row any process reads infinite (the process that renames it away first)."""
     import dataclasses
 
     from ray_elastic.examples.digits_mlp import DigitsMLPTask
@@ -98,7 +106,13 @@ def chaos_task(marker_dir: str):
                         time.sleep(0.03)
                     while os.path.exists(os.path.join(where, f"stuck_data-{me}")):
                         time.sleep(0.05)
-                    return list.__getitem__(self, i)
+                    row = list.__getitem__(self, i)
+                    poison = os.path.join(where, "poison")
+                    try:
+                        os.rename(poison, f"{poison}-{me}-{os.getpid()}-{i}")  # one reader takes it
+                    except OSError:
+                        return row
+                    return dict(row, x=row["x"] * float("inf"))
 
             return Rows(super().dataset())
 
@@ -118,6 +132,10 @@ class Chaos:
         self.culprits: dict[str, dict] = {}  # slice -> the fault that should be named for it
         self.attributed = self.misattributed = self.moot = 0
         self.last_step = -1  # the newest step the run reported
+        self.poisoned = 0  # records made inf (each step that reads one must be skipped)
+        self.flips: dict[str, dict] = {}  # slice -> its bit_flip fault, until a replica_mismatch names it
+        self.flips_found: list[int] = []  # steps from a flip to the replica_mismatch that named it
+        self.flips_misnamed = 0
         self.steps_to_named: dict[str, list[int]] = {}  # fault kind -> steps between the fault and its naming
         self.finished_at: dict[int, float] = {}  # step -> when it finished (the newest run of it)
 
@@ -182,6 +200,18 @@ class Chaos:
             self.cluster.preempt_slice(self._pick()[0], notice_s=5.0)
         elif kind in ("slow_data", "stuck_data", "slow_host"):
             self._slow(kind, self._pick()[0])
+        elif kind == "poisoned_record":  # a record that becomes inf: its step must be skipped, not kept
+            open(os.path.join(self.marker_dir, "poison"), "w").close()
+            self.poisoned += 1
+        elif kind == "bit_flip":  # one bit of one slice's replica: found within integrity_every steps
+            victim = self._pick()[0]
+            self.fired[-1]["victim"] = victim
+            self.flips[victim] = self.fired[-1]
+            try:
+                self.cluster.flip_bit(t.world, victim)
+            except Exception as e:  # noqa: BLE001 - the world changed under it: no flip happened
+                print(f"    flip missed: {e!r}"[:200], flush=True)
+                self.flips.pop(victim)
         elif kind == "dies_on_arrival":
             known = {s.name for s in self.cluster.slices}
             threading.Thread(target=self._lose_on_arrival, args=(known,), daemon=True).start()
@@ -252,6 +282,15 @@ class Chaos:
             time.sleep(0.05)
 
     def on_event(self, e: dict) -> None:
+        if e["kind"] == "replica_mismatch":
+            print(f"    replica_mismatch: step {e['step']}, {e['slices']}, {e['action']}", flush=True)
+            named = e["slices"] or [n for n in self.flips if n in self._names()]  # no majority: any flipped one
+            for name in named:
+                fault = self.flips.pop(name, None)
+                if fault is None:
+                    self.flips_misnamed += 1
+                else:
+                    self.flips_found.append(e["step"] - fault["step"])
         if e["kind"] == "straggler":
             print(f"    straggler: {e['slice']} {e['slowdown']}x, {e['action']}", flush=True)
             self._named(e["slice"], "a straggler")
@@ -334,7 +373,10 @@ def run_phase(
             steps_per_chunk=10,
             seed=SEED,
             replacement_timeout_s=120.0,
-            failure=FailureConfig(hang_timeout_min_s=3.0, max_failures=max(30, 4 * faults, int(steps))),
+            # integrity_every 10: a flipped bit is found within a fault's window
+            failure=FailureConfig(
+                hang_timeout_min_s=3.0, max_failures=max(30, 4 * faults, int(steps)), integrity_every=10
+            ),
             **kw,
         )  # snapshots as the default chooses them: 0 rewinds is a goal
 
@@ -441,8 +483,22 @@ def run_phase(
         "steps_to_throughput": _spread(steps_to_pace(chaos.fired, chaos.finished_at, ("slow_host",), strict=True)),
         # processes that broke a rule of the TPU runtime (sim/tpu_runtime.py): must be 0
         "tpu_breaches": len(tpu_runtime.breaches()) - breaches_before,
+        # poisoned records (each step reading one skipped) and flipped bits (each found, for its slice)
+        "poisoned": chaos.poisoned,
+        "flips": sum(1 for f in chaos.fired if f["kind"] == "bit_flip"),
+        "flips_found_after": _spread({"bit_flip": chaos.flips_found}),
+        "flips_not_found": len(chaos.flips),
+        "flips_misnamed": chaos.flips_misnamed,
     }
     if result is not None:
+        skipped = {e["step"] for e in events if e["kind"] == "step_skipped"}
+        # a kept step whose loss is not finite: a bad step kept (must be 0)
+        out["skipped"], out["bad_kept"] = (
+            len(skipped),
+            sum(1 for s, loss in enumerate(result.losses) if s not in skipped and not math.isfinite(loss)),
+        )
+        # a skipped step's loss is the bad batch's: compared as the failure-free run's
+        result.losses = [full[s] if s in skipped else loss for s, loss in enumerate(result.losses)]
         # Steps before the world first changed shape trained exactly as the failure-free run did.
         resized = [r.restored_from_step for r in result.recoveries if r.slices != num_slices] + [
             e["restored_from_step"] for e in events if e["kind"] == "slice_left"
@@ -654,6 +710,11 @@ def main() -> int:
         "steps_to_named": phases["one_host_slices"].get("steps_to_named"),
         "steps_to_pace": phases["one_host_slices"].get("steps_to_pace"),
         "steps_to_throughput": phases["one_host_slices"].get("steps_to_throughput"),
+        **{
+            k: sum(p.get(k, 0) for p in ps)
+            for k in ("poisoned", "skipped", "bad_kept", "flips", "flips_not_found", "flips_misnamed")
+        },
+        "flips_found_after": phases["one_host_slices"].get("flips_found_after"),
     }
     print(json.dumps(total))
     return 0 if total["unrecovered"] == 0 else 1

@@ -592,6 +592,7 @@ def test_two_replicas_that_disagree_roll_back_to_the_checkpoint_before_it(cluste
         num_slices=2,
         checkpoint_dir=str(tmp_path / "ckpt"),
         checkpoint_every=5,
+        max_to_keep=None,  # the checkpoint of the agreed step must still be there (the default keeps 3)
         failure=FailureConfig(hang_timeout_min_s=3.0, integrity_every=5),
     )
     trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=plan.on_step)

@@ -140,7 +140,10 @@ class StepStreams:
                 stream_waiter.watch(self._heads(holders))
                 quiet_waiter.watch(self._heads(quiet))
             if not any(self.queues):
-                kind = run.draining if run.draining and run.submitted < end_step else OutcomeKind.DONE
+                # A stop asked for once every step was queued changes nothing, unless the steps
+                # after some point are not to be trusted (a rollback): then they run again.
+                late = run.submitted >= end_step and run.draining is not OutcomeKind.ROLLBACK
+                kind = run.draining if run.draining and not late else OutcomeKind.DONE
                 if kind is not OutcomeKind.DONE:
                     self.sync_with_keepers()  # the next world restores from what they hold
                 return RunOutcome(kind, {}, run.wall)
