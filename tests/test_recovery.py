@@ -348,6 +348,27 @@ def test_a_preempted_slice_leaves_at_a_step_boundary_and_its_kill_changes_nothin
     assert max_rel_err(result.losses, baseline) <= RESIZED
 
 
+def test_a_replica_corrupted_since_the_last_check_is_caught_at_a_planned_stop(cluster):
+    """No periodic check falls in this run (``integrity_every`` 1000), yet a bit flipped in one slice
+    before another is preempted does not travel on: at the preemption's step boundary every process
+    fingerprints that step and the replicas are compared before the next world restores one, so the
+    corrupt slice leaves with the warned one."""
+    names: dict = {}
+
+    def preempt(t):
+        names["flipped"], names["kept"], names["warned"] = (slice_name(t, i) for i in range(3))
+        cluster.flip_bit(t.world, names["flipped"])
+        names["deadline"] = cluster.preempt_slice(names["warned"], notice_s=4.0)
+
+    failure = FailureConfig(hang_timeout_min_s=3.0, integrity_every=1000)
+    trainer, result = run_preempted(
+        cluster, preempt, lambda t: time.time() > names["deadline"] + 2.0, failure=failure, min_slices=1
+    )
+    (event,) = [e for e in result.events if e["kind"] == "replica_mismatch"]
+    assert (event["slices"], event["action"]) == ([names["flipped"]], "evict"), event
+    assert trainer.worlds[-1].slices == [names["kept"]]
+
+
 def test_every_slice_preempted_commits_the_boundary_step_and_the_run_goes_on_elsewhere(cluster, tmp_path):
     """Both slices of a 2-slice world warned at once (no staying holder): the boundary step is
     committed to a checkpoint before they go, and the world formed on the cluster's third slice

@@ -11,6 +11,8 @@ import dataclasses
 import logging
 from typing import Any
 
+import ray
+
 from ray_elastic.decide.integrity import Mismatch, compare
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,15 @@ class IntegrityWatch:
             logger.warning("replicas disagree after step %d: %s", step, found)
             self._found, self._seen, self._over = dataclasses.replace(found, agreed_step=self.agreed), {}, True
             return
+
+    def verify(self, workers: list[Any], timeout_s: float = 5.0) -> None:
+        """The world stopped at a planned step boundary, every process fingerprinted that step (when
+        fingerprints are on): compare them now, before the next world restores a replica of it. A
+        bit flipped since the last check would otherwise travel on in the snapshot of a corrupt slice."""
+        try:
+            self.add(ray.get([w.probe.remote() for w in workers], timeout=timeout_s))
+        except Exception as e:  # noqa: BLE001 - a process died: the failure path sees it
+            logger.debug("integrity: the boundary's fingerprints were not read: %r", e)
 
     def take(self) -> Mismatch | None:
         """The replicas' first disagreement, once."""

@@ -146,6 +146,7 @@ class StepStreams:
                 kind = run.draining if run.draining and not late else OutcomeKind.DONE
                 if kind is not OutcomeKind.DONE:
                     self.sync_with_keepers()  # the next world restores from what they hold
+                    self.integrity.verify(self.world.workers)  # ... once the replicas agree on it
                 return RunOutcome(kind, {}, run.wall)
             suspect = watchdog_timeout(self.step_times, SUSPECT_FACTOR, SUSPECT_MIN_S)
             wake.wait(min(POLL_S, max(0.0, max(run.at + suspect, run.next_node_check) - time.monotonic())))

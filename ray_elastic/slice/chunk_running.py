@@ -121,6 +121,9 @@ class ChunkRunning:
                 self._finish_one()
             if planned_stop and self.writer is not None and self.last_step > self._snapshot_step:
                 self._snapshot(self.last_step)
+            if planned_stop:  # the replicas are compared at the boundary before the next world restores one
+                self.loop.fingerprints.dispatched(self.last_step, self.loop.state, now=True)
+                self.loop.fingerprints.finished(self.last_step)
             if self.writer is not None:
                 self.writer.wait()
 

@@ -54,8 +54,10 @@ class Fingerprints:
         self._started: dict[int, list[list[jax.Array]]] = {}
         self.done: collections.OrderedDict[int, tuple[int, ...]] = collections.OrderedDict()
 
-    def dispatched(self, step: int, state) -> None:
-        if self.every and (step + 1) % self.every == 0:
+    def dispatched(self, step: int, state, now: bool = False) -> None:
+        """``state``: the state after ``step``, fingerprinted when due (``now``: whenever fingerprints
+        are on, as at a planned stop)."""
+        if self.every and ((step + 1) % self.every == 0 or now):
             self._started[step] = [[_bits_sum(b) for b in _blocks(x)] for x in jax.tree.leaves(state)]
 
     def finished(self, step: int) -> None:
