@@ -135,7 +135,7 @@ class Chaos:
         self.poisoned = 0  # records made inf (each step that reads one must be skipped)
         self.flips: dict[str, dict] = {}  # slice -> its bit_flip fault, until a replica_mismatch names it
         self.flips_found: list[int] = []  # steps from a flip to the replica_mismatch that named it
-        self.flips_misnamed = 0
+        self.flips_misnamed = self.flips_missed = 0
         self.steps_to_named: dict[str, list[int]] = {}  # fault kind -> steps between the fault and its naming
         self.finished_at: dict[int, float] = {}  # step -> when it finished (the newest run of it)
 
@@ -207,17 +207,26 @@ class Chaos:
             victim = self._pick()[0]
             self.fired[-1]["victim"] = victim
             self.flips[victim] = self.fired[-1]
-            try:
-                self.cluster.flip_bit(t.world, victim)
-            except Exception as e:  # noqa: BLE001 - the world changed under it: no flip happened
-                print(f"    flip missed: {e!r}"[:200], flush=True)
-                self.flips.pop(victim)
+            threading.Thread(target=self._flip, args=(t.world, victim), daemon=True).start()
         elif kind == "dies_on_arrival":
             known = {s.name for s in self.cluster.slices}
             threading.Thread(target=self._lose_on_arrival, args=(known,), daemon=True).start()
             self._lose(self._pick()[0])
         else:
             raise ValueError(f"unknown fault kind {kind!r}")
+
+    def _flip(self, world, victim: str) -> None:
+        """The flip lands before the victim's next step, unless its world stops first (then nothing
+        flipped, and nothing is to be found)."""
+        try:
+            step = self.cluster.flip_bit(world, victim)
+        except Exception as e:  # noqa: BLE001 - the world changed under it
+            step = None
+            print(f"    flip failed: {e!r}"[:200], flush=True)
+        if step is None:
+            print(f"    flip of {victim} missed: its world stopped first", flush=True)
+            self.flips.pop(victim, None)
+            self.flips_missed += 1
 
     def _slow(self, kind: str, name: str) -> None:
         """A slice that should be named (a straggler, a stuck process) until it is."""
@@ -489,6 +498,7 @@ def run_phase(
         "flips_found_after": _spread({"bit_flip": chaos.flips_found}),
         "flips_not_found": len(chaos.flips),
         "flips_misnamed": chaos.flips_misnamed,
+        "flips_missed": chaos.flips_missed,  # the world stopped before the flip landed: nothing flipped
     }
     if result is not None:
         skipped = {e["step"] for e in events if e["kind"] == "step_skipped"}
@@ -712,7 +722,7 @@ def main() -> int:
         "steps_to_throughput": phases["one_host_slices"].get("steps_to_throughput"),
         **{
             k: sum(p.get(k, 0) for p in ps)
-            for k in ("poisoned", "skipped", "bad_kept", "flips", "flips_not_found", "flips_misnamed")
+            for k in ("poisoned", "skipped", "bad_kept", "flips", "flips_not_found", "flips_misnamed", "flips_missed")
         },
         "flips_found_after": phases["one_host_slices"].get("flips_found_after"),
     }

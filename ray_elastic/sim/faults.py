@@ -142,15 +142,26 @@ class SliceFaults:
         logger.info("simulated slice %s slowed %.1fx", name, factor)
         return stop
 
-    def flip_bit(self, world, name: str, leaf: int = 0, bit: int = 20) -> None:
+    def flip_bit(self, world, name: str, leaf: int = 0, bit: int = 20, timeout_s: float = 5.0) -> int | None:
         """Silent data corruption: one bit of train state array ``leaf`` flips on the first host of
         slice ``name`` of the running ``world`` (``trainer.world``) before its next step: its replica
         drifts from the others while every process runs on (``SliceWorker.flip_bit``, which only a
-        simulated host accepts)."""
+        simulated host accepts). Returns the step it flipped before, or None when the world stopped
+        first (nothing flipped)."""
         import ray
 
-        p = world.plan.slice_names.index(name) * world.plan.hosts_per_slice
-        ray.get(world.workers[p].flip_bit.remote(leaf, bit))
+        worker = world.workers[world.plan.slice_names.index(name) * world.plan.hosts_per_slice]
+        ray.get(worker.flip_bit.remote(leaf, bit))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                step = ray.get(worker.flipped_before.remote(), timeout=timeout_s)
+            except Exception:  # noqa: BLE001 - its world ended (the process is gone)
+                return None
+            if step is not None:
+                return step
+            time.sleep(0.02)
+        return None
 
     def hang_slice(self, name: str) -> None:
         """A hung slice: SIGSTOP its hosts' processes (raylet and workers)."""

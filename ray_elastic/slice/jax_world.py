@@ -206,7 +206,9 @@ class TrainLoop:
         self.bad_steps, self.skipped = bad_steps, collections.deque(maxlen=bad_steps.max_skipped + 1)
         self.history = new_history(mesh)  # the step guard's recent losses
         self.fingerprints = Fingerprints(integrity_every)  # of the state, every integrity_every steps
-        self.flip: tuple[int, int] | None = None  # (array, bit) to flip before the next step: simulated corruption
+        self.flip: tuple | None = (
+            None  # (array, bit) to flip before the next step (simulated corruption), then its step
+        )
         self.packed: jax.Array | None = None  # the newest dispatched step's state, packed (``pack``)
         self.leaf_paths = leaf_paths(self.spec.abstract)
         self.sharded_params = sum(1 for sh in jax.tree.leaves(self.state_shardings) if any(sh.spec))
@@ -302,8 +304,8 @@ class TrainLoop:
         :meth:`finish` reads it. The device queue then never drains between steps."""
         if self.speed_check_at is not None and step >= self.speed_check_at:
             self._check_speed(step)
-        if self.flip is not None:
-            self.state, self.flip = flip_one_bit(self.state, *self.flip), None
+        if self.flip is not None and len(self.flip) == 2:
+            self.state, self.flip = flip_one_bit(self.state, *self.flip), (step,)
         t0 = time.perf_counter()
         batch = self.global_batch_array(step)
         # blocks while the step before holds the state

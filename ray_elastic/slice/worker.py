@@ -161,10 +161,16 @@ class SliceWorker(ChunkRunning):
     @ray.method(concurrency_group="health")
     def flip_bit(self, leaf: int, bit: int) -> None:
         """Silent data corruption, for the simulated cluster alone: one bit of this process's block
-        of state array ``leaf`` flips before its next step."""
+        of state array ``leaf`` flips before its next step (:meth:`flipped_before` says which)."""
         if "SIM_TPU_HOST" not in os.environ:
             raise RuntimeError("flip_bit is a fault of the simulated cluster: refused on a real host")
         self.loop.flip = (leaf, bit)
+
+    @ray.method(concurrency_group="health")
+    def flipped_before(self) -> int | None:
+        """The step before which :meth:`flip_bit`'s bit flipped (None: not yet)."""
+        flip = self.loop.flip if self.loop is not None else None
+        return flip[0] if flip is not None and len(flip) == 1 else None
 
     def reserve_coordinator_port(self) -> str:
         """Process 0 hosts the JAX coordination service: a free port on its node's address, held
