@@ -24,7 +24,9 @@ slice, checkpoints every ``--checkpoint-every`` steps. ``--faults N`` faults fir
 - wrong numbers: ``poisoned_record`` (the next row any process reads becomes inf: the step that
   reads it must be skipped, ``bad_kept``: 0) and ``bit_flip`` (one bit of one slice's replica of
   the state flipped: found by the replicas' fingerprints, every 10 steps here, for that slice;
-  ``flips_not_found``, ``flips_misnamed``: 0; ``flips_found_after``: steps from the flip).
+  ``flips_not_found``, ``flips_misnamed``: 0; ``flips_found_after``: steps from the step the bit
+  flipped before to the step whose fingerprints disagreed; ``flips_missed``: flips whose world
+  stopped before they landed, so nothing flipped).
 
 Phase 2 (``--multihost-faults M``): 3 slices of 2 hosts (``min_slices`` 2), each fault one host of a
 slice lost.
@@ -223,6 +225,8 @@ class Chaos:
         except Exception as e:  # noqa: BLE001 - the world changed under it
             step = None
             print(f"    flip failed: {e!r}"[:200], flush=True)
+        if victim in self.flips and step is not None:
+            self.flips[victim]["landed"] = step  # the step it flipped before
         if step is None:
             print(f"    flip of {victim} missed: its world stopped first", flush=True)
             self.flips.pop(victim, None)
@@ -299,7 +303,7 @@ class Chaos:
                 if fault is None:
                     self.flips_misnamed += 1
                 else:
-                    self.flips_found.append(e["step"] - fault["step"])
+                    self.flips_found.append(e["step"] - fault.get("landed", fault["step"]))
         if e["kind"] == "straggler":
             print(f"    straggler: {e['slice']} {e['slowdown']}x, {e['action']}", flush=True)
             self._named(e["slice"], "a straggler")
