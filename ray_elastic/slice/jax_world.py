@@ -206,9 +206,7 @@ class TrainLoop:
         self.bad_steps, self.skipped = bad_steps, collections.deque(maxlen=bad_steps.max_skipped + 1)
         self.history = new_history(mesh)  # the step guard's recent losses
         self.fingerprints = Fingerprints(integrity_every)  # of the state, every integrity_every steps
-        self.flip: tuple | None = (
-            None  # (array, bit) to flip before the next step (simulated corruption), then its step
-        )
+        self.flip: tuple | None = None  # (array, bit) to flip before the next step (simulated), then (step,)
         self.packed: jax.Array | None = None  # the newest dispatched step's state, packed (``pack``)
         self.leaf_paths = leaf_paths(self.spec.abstract)
         self.sharded_params = sum(1 for sh in jax.tree.leaves(self.state_shardings) if any(sh.spec))
