@@ -137,7 +137,7 @@ class Chaos:
         self.poisoned = 0  # records made inf (each step that reads one must be skipped)
         self.flips: dict[str, dict] = {}  # slice -> its bit_flip fault, until a replica_mismatch names it
         self.flips_found: list[int] = []  # steps from a flip to the replica_mismatch that named it
-        self.flips_misnamed = self.flips_missed = 0
+        self.flips_misnamed = self.flips_missed = self.mismatches = 0
         self.steps_to_named: dict[str, list[int]] = {}  # fault kind -> steps between the fault and its naming
         self.finished_at: dict[int, float] = {}  # step -> when it finished (the newest run of it)
 
@@ -296,6 +296,7 @@ class Chaos:
 
     def on_event(self, e: dict) -> None:
         if e["kind"] == "replica_mismatch":
+            self.mismatches += 1
             print(f"    replica_mismatch: step {e['step']}, {e['slices']}, {e['action']}", flush=True)
             named = e["slices"] or [n for n in self.flips if n in self._names()]  # no majority: any flipped one
             for name in named:
@@ -503,6 +504,7 @@ def run_phase(
         "flips_not_found": len(chaos.flips),
         "flips_misnamed": chaos.flips_misnamed,
         "flips_missed": chaos.flips_missed,  # the world stopped before the flip landed: nothing flipped
+        "replica_mismatches": chaos.mismatches,  # every one a flip's (with no flips: false alarms)
     }
     if result is not None:
         skipped = {e["step"] for e in events if e["kind"] == "step_skipped"}
@@ -726,7 +728,16 @@ def main() -> int:
         "steps_to_throughput": phases["one_host_slices"].get("steps_to_throughput"),
         **{
             k: sum(p.get(k, 0) for p in ps)
-            for k in ("poisoned", "skipped", "bad_kept", "flips", "flips_not_found", "flips_misnamed", "flips_missed")
+            for k in (
+                "poisoned",
+                "skipped",
+                "bad_kept",
+                "flips",
+                "flips_not_found",
+                "flips_misnamed",
+                "flips_missed",
+                "replica_mismatches",
+            )
         },
         "flips_found_after": phases["one_host_slices"].get("flips_found_after"),
     }
