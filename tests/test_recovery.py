@@ -576,11 +576,12 @@ def test_a_stop_is_agreed_past_the_newest_step_any_process_started(cluster):
         ray.kill(p)
 
 
-def test_a_bit_flipped_in_one_replica_is_found_and_its_slice_evicted(cluster):
+def test_a_bit_flipped_in_one_replica_is_found_and_its_slice_evicted(cluster, tmp_path):
     """Silent data corruption: one bit of one slice's replica of the parameters flips while every
     process runs on. Within ``integrity_every`` steps the replicas' fingerprints disagree, the two
-    others out-vote it, and its slice leaves at a step boundary (its snapshots discarded): no
-    failure, nothing rewound, and the two survivors' replicas agree again."""
+    others out-vote it, and its slice leaves at a step boundary (its snapshots discarded, the
+    checkpoints saved since the replicas last agreed set aside): no failure, nothing rewound, and
+    the two survivors' replicas agree again."""
     flipped: dict = {}
 
     def flip(t):
@@ -588,9 +589,21 @@ def test_a_bit_flipped_in_one_replica_is_found_and_its_slice_evicted(cluster):
         cluster.flip_bit(t.world, flipped["name"])
 
     failure = FailureConfig(hang_timeout_min_s=3.0, integrity_every=5)
+    ckpt = tmp_path / "ckpt"
     trainer, result, event = fit_through_a_planned_exit(
-        cluster, DigitsMLPTask(), {25: flip}, 80, "replica_mismatch", failure=failure
+        cluster,
+        DigitsMLPTask(),
+        {25: flip},
+        80,
+        "replica_mismatch",
+        failure=failure,
+        checkpoint_dir=str(ckpt),
+        checkpoint_every=5,
+        max_to_keep=None,
     )
+    # Saved since the replicas last agreed: maybe from the corrupt replica's blocks, set aside.
+    suspect = sorted(int(p.name.split(".")[0]) for p in ckpt.iterdir() if ".suspect-" in p.name)
+    assert suspect and all(s > event["agreed_step"] + 1 for s in suspect), (suspect, event)
     assert event["slices"] == [flipped["name"]] and event["action"] == "evict", event
     assert 25 < event["step"] <= 25 + 2 * 5 and 0 <= event["agreed_step"] < event["step"] and event["arrays"], event
     assert flipped["name"] not in trainer.worlds[-1].slices and len(trainer.worlds[-1].slices) == 2

@@ -176,8 +176,7 @@ def roll_back(
     now, t0 = time.time(), time.perf_counter()
     world.teardown(confirm_s=confirm_s)
     gens.store.drop_after(mismatch.agreed_step)
-    directory, step = checkpoints.newest()
-    checkpoints.set_aside_newer(directory, step, mismatch.agreed_step)
+    _set_aside_suspect(checkpoints, [mismatch.agreed_step])
     return WorldChange(
         OutcomeKind.ROLLBACK,
         list(gens.members),
@@ -210,6 +209,7 @@ def leave(
     )
     if failed is not None:
         return failed
+    _set_aside_suspect(checkpoints, [r.agreed_step for r in leaving.values() if isinstance(r, Mismatch)])
     out_at = time.time()
     for name in plan.leaving:
         why = leaving[name]
@@ -242,6 +242,14 @@ def leave(
         outcome.last_progress_at or now,
         teardown_s=time.perf_counter() - t0,
     )
+
+
+def _set_aside_suspect(checkpoints: RunCheckpoints, agreed: list[int]) -> None:
+    """The run's own checkpoints saved since the replicas last agreed may hold a corrupt replica's
+    blocks (a replicated array is written from one replica): set aside (kept, never restored)."""
+    if agreed:
+        directory, step = checkpoints.newest()
+        checkpoints.set_aside_newer(directory, step, min(agreed), why="suspect")
 
 
 def _why(reason: Notice | Straggler | Mismatch) -> str:

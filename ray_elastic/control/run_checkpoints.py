@@ -61,21 +61,24 @@ class RunCheckpoints:
         """The newest committed checkpoint in the run's own directory, whoever reported it."""
         return checkpoints.latest_checkpoint(self.own) if self.own else None
 
-    def set_aside_newer(self, directory: str | None, step: int | None, restore_step: int) -> list[str]:
+    def set_aside_newer(
+        self, directory: str | None, step: int | None, restore_step: int, why: str = "superseded"
+    ) -> list[str]:
         """The run goes on from a snapshot of ``restore_step`` though a newer checkpoint committed (see
         :func:`~ray_elastic.decide.choose_restore`): the steps after it run again and save that
         checkpoint again, which orbax refuses while it exists (``StepAlreadyExistsError``: one more
         failure, and the next world would take the checkpoint after all).
         ``step`` in ``directory``: the newest committed one, already read by the caller. Every
         committed step of the run's own directory newer than ``restore_step`` is set aside (kept),
-        newest first. Returns where they went."""
+        newest first (``why`` names them: superseded, or suspect when replicas disagreed since).
+        Returns where they went."""
         moved: list[str] = []
         tried: set[int] = set()
         while step is not None and step > restore_step and directory == self.own and step not in tried:
             assert directory is not None  # the loop runs only in the run's own directory
             tried.add(step)
             try:
-                moved.append(checkpoints.set_aside(directory, step + 1, why="superseded"))
+                moved.append(checkpoints.set_aside(directory, step + 1, why=why))
             except OSError as e:  # the storage failing: the save of that step fails and is recovered
                 logger.warning("could not set aside checkpoint %d: %r", step + 1, e)
                 break
