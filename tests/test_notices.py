@@ -243,6 +243,26 @@ def test_a_straggler_confirmed_while_the_world_stops_to_grow_leaves_with_that_st
     assert result.steps == list(range(STEPS)) and result.summary["steps_rewound"] == 0
 
 
+def test_an_out_voted_replica_still_goes_when_a_failure_overtakes_its_leaving(tmp_path):
+    """A process dies while the in-flight save commits at the boundary where the corrupt replica
+    was to leave: the planned change becomes a failure, and the failure's recovery does not form
+    the next world with the corrupt slice (nor restore its snapshot)."""
+    from ray_elastic.decide.integrity import Mismatch
+
+    def corrupt_and_fail_the_commit(backend, world):
+        backend.finish_checkpoint_failures = 1
+        backend.mismatch = Mismatch(step=9, corrupt=(world.plan.slice_names[1],), arrays=(0,), agreed_step=4)
+
+    backend = FakeBackend(faults={10: corrupt_and_fail_the_commit})
+    trainer = make(backend, checkpoint_dir=str(tmp_path / "ckpt"))
+    result = trainer.fit(STEPS)
+    assert result.steps == list(range(STEPS))
+    (event,) = kinds(result, "replica_mismatch")
+    assert (event["slices"], event["action"]) == (["s1"], "evict")
+    assert "died while committing" in kinds(result, "failure")[0]["error"]
+    assert all("s1" not in w.plan.slice_names for w in backend.formed[1:])
+
+
 def test_a_notice_read_before_its_slice_left_does_not_stop_the_next_world(monkeypatch):
     """Notices are read at most every NOTICE_POLL_S: the one that made a slice leave is not taken,
     from that cache, for the next world's (which would tear a healthy world down again)."""

@@ -24,7 +24,7 @@ from ray_elastic.config import ElasticConfig
 from ray_elastic.control.backend import Backend, BackendFactory, WorldHandle
 from ray_elastic.control.final_checkpoint import final_checkpoint
 from ray_elastic.control.generations import Generations
-from ray_elastic.control.planned_exit import NoticeWatch, leave, planned_stop, roll_back, stop_to_grow
+from ray_elastic.control.planned_exit import NoticeWatch, PlannedStop, leave, planned_stop, roll_back, stop_to_grow
 from ray_elastic.control.recorder import RunRecorder
 from ray_elastic.control.run_checkpoints import RunCheckpoints
 from ray_elastic.control.states import ControllerState, OutcomeKind, RunOutcome, check_transition
@@ -159,8 +159,7 @@ class Controller:
         written by the same task (another task's checkpoints are refused). ``resume_from``: start
         from the newest committed checkpoint of this directory instead, whoever wrote it (another
         run's, or ``checkpoint_dir`` itself to accept another task's); new checkpoints go to
-        ``checkpoint_dir``, which must then hold none yet (or be ``resume_from`` itself).
-        """
+        ``checkpoint_dir``, which must then hold none yet (or be ``resume_from`` itself)."""
         if not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
         t_start, cfg = time.perf_counter(), self.config
@@ -250,6 +249,7 @@ class Controller:
         self._enter(S.RUNNING)
         world, start = self._formed(), self.worlds[-1].start_step
         streams = self._streams = self.backend.drive(world, self.gens.store, self.ledger)
+        self._stop = PlannedStop({})  # what this world's stop requests find
         self.ledger.start_world(world.plan.generation, streams.take_snapshot_steps)
         t0 = time.perf_counter()
         outcome = streams.run(start, num_steps, self._stop_request)
@@ -264,8 +264,7 @@ class Controller:
         return outcome
 
     def _stop_request(self) -> OutcomeKind | None:
-        """Asked between a running world's reads: stop at the next step boundary for slices that
-        should go to leave (warned ones, a straggler), or to grow once capacity returned."""
+        """Asked between a running world's reads: stop at the next step boundary, and why (``planned_stop``; or to grow)."""
         self._stop = planned_stop(self.notices.poll(), self._streams, self.gens, self.config, self.events)
         return self._stop.kind or (OutcomeKind.GROW if self.gens.capacity_returned() else None)
 
@@ -322,7 +321,8 @@ class Controller:
             self.events.emit(ev.CheckpointUnreadable(step=step, error=str(first)[:2000], set_aside_to=aside))
         verdict = decision.verdict
         self._check_owner()  # before asking for a replacement slice
-        survivors = self.gens.split(set(verdict.lost_slices), set(verdict.quarantined))
+        corrupt = self._stop.corrupt()  # out-voted replicas that a failure overtook: they go too
+        survivors = self.gens.split(set(verdict.lost_slices) | corrupt, set(verdict.quarantined) | corrupt)
         reason = verdict.reason if not chained else f"failure while forming a world: {first!r}"[:300]
         return WorldChange(
             outcome.kind,

@@ -128,6 +128,10 @@ class PlannedStop:
         self.leaving.update(other.leaving)
         self.rollback = self.rollback or other.rollback
 
+    def corrupt(self) -> set[str]:
+        """The slices out-voted by the other replicas."""
+        return {name for name, why in self.leaving.items() if isinstance(why, Mismatch)}
+
     @property
     def kind(self) -> OutcomeKind | None:
         return OutcomeKind.ROLLBACK if self.rollback else OutcomeKind.LEAVE if self.leaving else None
