@@ -233,6 +233,7 @@ class Controller:
         self.record = RunRecorder(self.events, self.ledger)
         self.record.started(cfg, num_steps, resume, run_checkpoints.start_dir)
         self.notices = NoticeWatch(self.backend.health, self.gens.member_nodes)
+        self._stop = PlannedStop({})  # what the running world's stop requests found
 
     def _add_observers(self, num_steps: int) -> None:
         self.events.listeners += run_observers(
@@ -249,7 +250,6 @@ class Controller:
         self._enter(S.RUNNING)
         world, start = self._formed(), self.worlds[-1].start_step
         streams = self._streams = self.backend.drive(world, self.gens.store, self.ledger)
-        self._stop = PlannedStop({})  # what this world's stop requests find
         self.ledger.start_world(world.plan.generation, streams.take_snapshot_steps)
         t0 = time.perf_counter()
         outcome = streams.run(start, num_steps, self._stop_request)
