@@ -12,6 +12,7 @@ from faults import FaultPlan, in_thread, max_rel_err, slice_name
 
 from ray_elastic import ElasticConfig, ElasticTrainer, FailureConfig
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
+from ray_elastic.observe.results import unexplained_rewinds
 
 SIM_CLUSTER = {"num_slices": 2, "hosts_per_slice": 2, "autoscaler": True, "pool_slices": 2}
 STEPS = 30
@@ -41,7 +42,10 @@ def test_a_slice_that_lost_one_host_is_replaced_whole_under_its_name(sim_cluster
     trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=plan.on_step)
     plan.trainer = trainer
     result = trainer.fit(STEPS)
-    assert result.steps == list(range(STEPS)) and result.summary["steps_rewound"] == 0
+    # Nothing rewound that a survivor held: a host killed inside a step's all-reduce can leave that
+    # step finished nowhere (its collective failed on every survivor), and then it runs again.
+    assert result.steps == list(range(STEPS)) and unexplained_rewinds(result.events, cfg.snapshot_replicas) == 0
+    assert result.summary["steps_rewound"] <= 1, result.summary
     ref = reference_losses(DigitsMLPTask(), global_batch_size=32, seed=1, num_steps=STEPS)
     assert max_rel_err(result.losses, ref) <= 1e-4
 
