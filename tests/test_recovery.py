@@ -576,6 +576,21 @@ def test_a_stop_is_agreed_past_the_newest_step_any_process_started(cluster):
         ray.kill(p)
 
 
+def flip_a_bit(cluster, flipped: dict):
+    """A fault that flips one bit of slice 1's replica, off the driver's thread (it waits until the
+    bit flipped): ``flipped`` gets the slice's ``name``, the ``thread`` and the step it flipped ``before``."""
+
+    def flip(t):
+        flipped["name"] = slice_name(t, 1)
+
+        def land(world):
+            flipped["before"] = cluster.flip_bit(world, flipped["name"])
+
+        flipped["thread"] = in_thread(land, t.world)
+
+    return flip
+
+
 def test_a_bit_flipped_in_one_replica_is_found_and_its_slice_evicted(cluster, tmp_path):
     """Silent data corruption: one bit of one slice's replica of the parameters flips while every
     process runs on. Within ``integrity_every`` steps the replicas' fingerprints disagree, the two
@@ -583,14 +598,7 @@ def test_a_bit_flipped_in_one_replica_is_found_and_its_slice_evicted(cluster, tm
     checkpoints saved since the replicas last agreed set aside): no failure, nothing rewound, and
     the two survivors' replicas agree again."""
     flipped: dict = {}
-
-    def flip(t):
-        flipped["name"] = slice_name(t, 1)
-
-        def land(world):  # off the driver's thread: it waits until the bit flipped
-            flipped["before"] = cluster.flip_bit(world, flipped["name"])
-
-        flipped["thread"] = in_thread(land, t.world)
+    flip = flip_a_bit(cluster, flipped)
 
     failure = FailureConfig(hang_timeout_min_s=3.0, integrity_every=5)
     ckpt = tmp_path / "ckpt"
@@ -623,14 +631,7 @@ def test_two_replicas_that_disagree_roll_back_to_the_checkpoint_before_it(cluste
     step they agreed on (here the checkpoint of it: the snapshots after it are not trusted, the
     checkpoints after it set aside) and replay: the replicas agree again and the run finishes."""
     flipped: dict = {}
-
-    def flip(t):
-        flipped["name"] = slice_name(t, 1)
-
-        def land(world):  # off the driver's thread: it waits until the bit flipped
-            flipped["before"] = cluster.flip_bit(world, flipped["name"])
-
-        flipped["thread"] = in_thread(land, t.world)
+    flip = flip_a_bit(cluster, flipped)
 
     plan = FaultPlan({22: flip})
     cfg = config(
