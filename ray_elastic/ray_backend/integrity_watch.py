@@ -21,8 +21,8 @@ logger = logging.getLogger(__name__)
 class IntegrityWatch:
     """Fingerprints of ``world``'s processes by step; a mismatch for the controller (:meth:`take`)."""
 
-    def __init__(self, world: Any):
-        self.world = world
+    def __init__(self, world: Any, every: int):
+        self.every = every  # ``integrity_every``: 0, no process fingerprints anything
         n, hosts = len(world.workers), world.plan.hosts_per_slice
         self._place = {p: (world.slice_of(p), p % hosts) for p in range(n)}
         self._seen: dict[int, dict[int, tuple[int, ...]]] = {}  # step -> process -> fingerprints
@@ -53,6 +53,8 @@ class IntegrityWatch:
         """The world stopped at a planned step boundary, every process fingerprinted that step (when
         fingerprints are on): compare them now, before the next world restores a replica of it. A
         bit flipped since the last check would otherwise travel on in the snapshot of a corrupt slice."""
+        if not self.every:
+            return
         try:
             self.add(ray.get([w.probe.remote() for w in workers], timeout=timeout_s))
         except Exception as e:  # noqa: BLE001 - a process died: the failure path sees it

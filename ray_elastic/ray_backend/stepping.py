@@ -89,7 +89,7 @@ class StepStreams:
         self._submitted = False  # a world's first chunk redoes an eval a failure lost
         self.hosts = HostWatch(world)
         self.watchdog = Watchdog(world, config, sink)
-        self.integrity = IntegrityWatch(world)
+        self.integrity = IntegrityWatch(world, config.failure.integrity_every)
         self.stragglers = StragglerWatch(world, config, also=self.integrity.add)  # one probe round for both
         self.keepers = KeeperSync(world, store, [ch[0] for ch, on in zip(self.channels, self.streaming) if on])
 
