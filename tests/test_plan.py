@@ -177,6 +177,22 @@ def test_snapshot_store_completes_per_slice_and_prunes():
     assert st.latest_complete(["a"]) == {}
 
 
+def test_snapshot_store_keeps_the_newest_step_the_replicas_agreed_on():
+    """With two replicas that disagree the run goes back to the newest step they agreed on: its
+    snapshot (or the newest complete one before it) outlives the newest few."""
+    st = SnapshotStore(hosts_per_slice=1, keep_steps=2)
+    st.trusted = 4
+    for step in range(3, 12):
+        st.add("a", 0, step, f"a-{step}")
+    assert sorted(st._refs["a"]) == [4, 10, 11]
+    st.trusted = 11  # a later check agreed: the old one goes at the next add
+    st.add("a", 0, 12, "a-12")
+    st.add("a", 0, 13, "a-13")
+    assert sorted(st._refs["a"]) == [11, 12, 13]
+    st.drop_after(11)  # the rollback
+    assert st.latest_complete(["a"]) == {"a": 11}
+
+
 def test_snapshot_store_never_completes_a_step_from_two_worlds():
     st = SnapshotStore(hosts_per_slice=2)
     st.add("a", 0, 5, "old-a0-5")
@@ -333,6 +349,9 @@ def test_a_keeper_keeps_every_snapshot_its_driver_may_know_of():
     # A new world has had nothing acknowledged yet: the last snapshot of the world before stays until it has.
     assert evictable([(6, 500), (7, 501), (7, 502), (7, 503)], 3, (7, -1)) == []
     assert evictable([(6, 500), (7, 501), (7, 502), (7, 503), (7, 504)], 3, (7, 501)) == [(6, 500)]
+    # The newest step the replicas agreed on (or the newest before it) stays too, of any world.
+    assert evictable(held, 3, (7, 859), trusted=853) == [(7, s) for s in range(850, 857) if s != 853]
+    assert evictable([(6, 500), (7, 501), (7, 502), (7, 503), (7, 504)], 3, (7, 504), trusted=500) == [(7, 501)]
 
 
 def test_chunks_grow_with_the_world_but_last_at_most_ten_seconds():

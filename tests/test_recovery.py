@@ -626,10 +626,11 @@ def test_a_bit_flipped_in_one_replica_is_found_and_its_slice_evicted(cluster, tm
     assert not [e for e in result.events if e["kind"] == "replica_mismatch" and e["step"] > event["step"]]
 
 
-def test_two_replicas_that_disagree_roll_back_to_the_checkpoint_before_it(cluster, tmp_path):
+def test_two_replicas_that_disagree_roll_back_to_the_snapshot_they_agreed_on(cluster, tmp_path):
     """Two replicas: no majority tells which one a flipped bit corrupted. Both go back to the newest
-    step they agreed on (here the checkpoint of it: the snapshots after it are not trusted, the
-    checkpoints after it set aside) and replay: the replicas agree again and the run finishes."""
+    step they agreed on, from its snapshot (the store and the holders' keepers keep it past the
+    newest few; the snapshots after it are not trusted, the checkpoints after it set aside) and
+    replay: the replicas agree again and the run finishes."""
     flipped: dict = {}
     flip = flip_a_bit(cluster, flipped)
 
@@ -639,7 +640,7 @@ def test_two_replicas_that_disagree_roll_back_to_the_checkpoint_before_it(cluste
         num_slices=2,
         checkpoint_dir=str(tmp_path / "ckpt"),
         checkpoint_every=5,
-        max_to_keep=None,  # the checkpoint of the agreed step must still be there (the default keeps 3)
+        snapshot_every=1,
         failure=FailureConfig(hang_timeout_min_s=3.0, integrity_every=5),
     )
     trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=plan.on_step)
@@ -649,11 +650,33 @@ def test_two_replicas_that_disagree_roll_back_to_the_checkpoint_before_it(cluste
     (event,) = [e for e in result.events if e["kind"] == "replica_mismatch"]
     assert (event["slices"], event["action"]) == ([], "rollback") and 19 <= event["agreed_step"] < event["step"], event
     (rec,) = result.recoveries
-    assert rec.restored_from_step <= event["agreed_step"] and rec.steps_rewound > 0, rec
-    assert result.summary["failures"] == 0
+    assert (rec.restored_from_step, rec.restore_source) == (event["agreed_step"], "snapshot"), rec
+    assert rec.steps_rewound > 0 and result.summary["failures"] == 0
     assert sorted(trainer.worlds[-1].slices) == sorted(trainer.worlds[0].slices)  # the same two slices
     assert unexplained_rewinds(result.events, cfg.snapshot_replicas) == 0
-    assert latest_checkpoint(str(tmp_path / "ckpt")).step == 60
+    ckpt = tmp_path / "ckpt"
+    assert any(".suspect-" in p.name for p in ckpt.iterdir())  # saved after the agreed step
+    assert latest_checkpoint(str(ckpt)).step == 60
+    assert not [e for e in result.events if e["kind"] == "replica_mismatch" and e["step"] > event["step"]]
+
+
+def test_two_replicas_that_disagree_before_any_check_start_again_from_the_first_state(cluster):
+    """Disagreeing at the first check of a fresh run, two replicas last agreed on the state both
+    began from: the run goes back to it (fresh parameters, the same seed), which is not the silent
+    restart from step 0 that a lost state is refused as."""
+    flipped: dict = {}
+    plan = FaultPlan({1: flip_a_bit(cluster, flipped)})
+    cfg = config(cluster, num_slices=2, failure=FailureConfig(hang_timeout_min_s=3.0, integrity_every=25))
+    trainer = ElasticTrainer(DigitsMLPTask(), cfg, progress=False, on_step=plan.on_step)
+    plan.trainer = trainer
+    result = trainer.fit(40)
+    assert result.steps == list(range(40))
+    flipped["thread"].join(10)
+    assert flipped["before"] is not None and flipped["before"] <= 24, flipped  # before the first check
+    (event,) = [e for e in result.events if e["kind"] == "replica_mismatch"]
+    assert (event["action"], event["agreed_step"]) == ("rollback", -1), event
+    (rec,) = result.recoveries
+    assert (rec.restored_from_step, rec.restore_source) == (-1, "fresh"), rec
 
 
 def test_two_slices_lost_at_once(cluster, baseline):

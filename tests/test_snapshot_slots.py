@@ -67,6 +67,25 @@ def test_the_acknowledged_and_the_streamed_steps_are_never_overwritten(ring):
     assert keeper.steps() == [12, 20, 21, 22]
 
 
+def test_the_trusted_and_the_checked_steps_are_kept_while_the_ring_has_room(ring):
+    """The newest step the replicas agreed on (the keeper's word) and the newest one fingerprinted
+    (the process's) stay while the steps a zero-rewind restore needs leave room; when they do not,
+    the fingerprinted one goes first."""
+    keeper, writer = ring
+    for step in range(6):
+        writer.write(0, step, fill(step))
+    keeper.trust(5)
+    for step in range(6, 18):
+        writer.write(0, step, fill(step), keep=(-1, 10 if step > 10 else -1))
+    assert keeper.steps() == [5, 10, 16, 17]
+    keeper.acknowledge(0, 16)  # with the acknowledged and the streamed steps, five to keep in four slots
+    writer.write(0, 18, fill(18), keep=(17, 10))
+    assert keeper.steps() == [5, 16, 17, 18]
+    writer.write(0, 19, fill(19), keep=(18, 10))  # nothing at or before 10 but the trusted 5 now
+    assert keeper.steps() == [5, 16, 18, 19]
+    assert np.all(keeper.read(5)["leaves"][0] == 5)
+
+
 def _die_mid_write(path: str) -> None:
     writer = SlotSegment.open(path, LAYOUT)
 

@@ -120,8 +120,7 @@ class Controller:
 
     @property
     def recoveries(self) -> list[RecoveryRecord]:
-        record = getattr(self, "record", None)
-        return record.recoveries if record else []
+        return self.record.recoveries if getattr(self, "record", None) else []
 
     @property
     def worlds(self) -> list[results.WorldRecord]:
@@ -345,6 +344,7 @@ class Controller:
         restore = self.gens.restore_plan(change.survivors, resume, last_step=self.ledger.last_step)
         # Trained, resumed, or trained by a lost driver of this run (its keepers did not answer).
         done = max(self.ledger.last_step + 1, self._first_step, self.gens.taken_over_step + 1, self._lost_steps)
+        done = done if change.steps_kept is None else min(done, change.steps_kept)  # a rollback drops the rest
         refuse_fresh_restart(restore, done, self.config.allow_restart_from_scratch, change.reason)
         before = self.worlds[-1] if self.worlds else None
         self._enter(S.FORMING_WORLD)

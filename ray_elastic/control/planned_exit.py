@@ -188,6 +188,7 @@ def roll_back(
         now,
         outcome.last_progress_at or now,
         teardown_s=time.perf_counter() - t0,
+        steps_kept=mismatch.agreed_step + 1,
     )
 
 

@@ -33,6 +33,7 @@ class WorldChange:
     last_progress_at: float
     classify_s: float = 0.0
     teardown_s: float = 0.0
+    steps_kept: int | None = None  # a rollback: the steps it keeps (before it, the replicas agreed)
 
 
 # The records a run keeps are the events it logs.

@@ -2,7 +2,8 @@
 
 Each process keeps its newest few fingerprinted steps (:class:`~ray_elastic.slice.integrity.Fingerprints`);
 once every process of the world has reported a step, :func:`~ray_elastic.decide.integrity.compare`
-judges it. The newest step at which all agreed is kept: with no majority the run goes back to it.
+judges it. The newest step at which all agreed is trusted: with no majority the run goes back to
+it, so the snapshot store and the holders' keepers keep a snapshot of it (or the newest before it).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import ray
 
 from ray_elastic.decide.integrity import Mismatch, compare
+from ray_elastic.state.snapshots import SnapshotStore
 
 logger = logging.getLogger(__name__)
 
@@ -21,14 +23,28 @@ logger = logging.getLogger(__name__)
 class IntegrityWatch:
     """Fingerprints of ``world``'s processes by step; a mismatch for the controller (:meth:`take`)."""
 
-    def __init__(self, world: Any, every: int):
+    def __init__(self, world: Any, every: int, store: SnapshotStore):
         self.every = every  # ``integrity_every``: 0, no process fingerprints anything
+        self.store = store
         n, hosts = len(world.workers), world.plan.hosts_per_slice
         self._place = {p: (world.slice_of(p), p % hosts) for p in range(n)}
         self._seen: dict[int, dict[int, tuple[int, ...]]] = {}  # step -> process -> fingerprints
         self.agreed = -1  # the newest step every replica agreed on
         self._found: Mismatch | None = None
         self._over = False  # a mismatch was found: the world stops for it, nothing after it counts
+
+    def starts_at(self, step: int) -> None:
+        """The world's first step: every replica loaded the same state, so they agree on the one before."""
+        self.agreed = step - 1
+        self._trust()
+
+    def trusted(self) -> int | None:
+        """The step the holders' keepers are told to keep a snapshot of (None: fingerprints are off)."""
+        return self.agreed if self.every else None
+
+    def _trust(self) -> None:
+        if self.every:
+            self.store.trusted = self.agreed
 
     def add(self, answers: list[dict[str, Any]]) -> None:
         """One probe round's answers (process order)."""
@@ -44,6 +60,7 @@ class IntegrityWatch:
             found = compare(step, self._seen.pop(step), self._place)
             if found is None:
                 self.agreed = max(self.agreed, step)
+                self._trust()
                 continue
             logger.warning("replicas disagree after step %d: %s", step, found)
             self._found, self._seen, self._over = dataclasses.replace(found, agreed_step=self.agreed), {}, True

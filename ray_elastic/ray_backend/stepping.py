@@ -89,7 +89,7 @@ class StepStreams:
         self._submitted = False  # a world's first chunk redoes an eval a failure lost
         self.hosts = HostWatch(world)
         self.watchdog = Watchdog(world, config, sink)
-        self.integrity = IntegrityWatch(world, config.failure.integrity_every)
+        self.integrity = IntegrityWatch(world, config.failure.integrity_every, store)
         self.stragglers = StragglerWatch(world, config, also=self.integrity.add)  # one probe round for both
         self.keepers = KeeperSync(world, store, [ch[0] for ch, on in zip(self.channels, self.streaming) if on])
 
@@ -132,6 +132,7 @@ class StepStreams:
         """Keep chunks queued and read what comes back until the steps are done, a check finds a
         failure, or a requested stop has drained the queues."""
         self._reported = self._snapshot_reported = start_step - 1
+        self.integrity.starts_at(start_step)
         run = _Progress(submitted=start_step)
         holders = [c for c in range(len(self.queues)) if self.streaming[c]]
         quiet = [c for c in range(len(self.queues)) if not self.streaming[c]]
@@ -315,7 +316,7 @@ class StepStreams:
         if item["kept"] and time.monotonic() - self._acked_at.get(p, 0.0) >= ACK_EVERY_S:
             self._acked_at[p] = time.monotonic()  # the keeper holds on to what we know of until we say newer
             acked = min(max(item["kept"]), self.sink.logged_step)  # keepers hear of a step once it is logged
-            self.world.keepers[p].ack.remote(plan.generation, acked, self.world.epoch)
+            self.world.keepers[p].ack.remote(plan.generation, acked, self.world.epoch, self.integrity.trusted())
         self.cadence.snapshot_seconds.extend(item["snapshot_s"])
         for step, why in item.get("not_kept", ()):
             self.not_kept_count += 1

@@ -40,11 +40,16 @@ MAX_UNACKED = 64  # per host: at most this many snapshots newer than the driver'
 
 
 def evictable(
-    keys: list[tuple[int, int]], keep_steps: int, acked: tuple[int, int], max_unacked: int = MAX_UNACKED
+    keys: list[tuple[int, int]],
+    keep_steps: int,
+    acked: tuple[int, int],
+    max_unacked: int = MAX_UNACKED,
+    trusted: int = -1,
 ) -> list[tuple[int, int]]:
     """Which of the held (generation, step) keys to let go: all but the newest ``keep_steps``, the
     newest key at or before ``acked`` (the newest step of this host the driver has said it
-    received), and every key after it (up to ``max_unacked``).
+    received), every key after it (up to ``max_unacked``), and the newest key of a step at or
+    before ``trusted`` (the newest step the replicas agreed on: with no majority, the run goes back to it).
 
     The driver restores only a step it has the metrics of, and it takes a step's metrics from
     whichever snapshot holder streams them first, each on its own clock: when one holder dies, the
@@ -56,7 +61,8 @@ def evictable(
     newest = set(sorted(keys)[-keep_steps:] if keep_steps > 0 else [])
     pinned = max((k for k in keys if k <= acked), default=None)
     unacked = set(sorted(k for k in keys if k > acked)[-max_unacked:])
-    return [k for k in keys if k not in newest and k != pinned and k not in unacked]
+    agreed = max((k for k in keys if k[1] <= trusted), default=None)
+    return [k for k in keys if k not in newest and k != pinned and k not in unacked and k != agreed]
 
 
 PREVIOUS_DRIVER = -1  # the generation a taken-over keeper files its snapshots under (the new run's start at 0)
@@ -94,6 +100,7 @@ class SnapshotKeeper:
         self._segments: list[tuple[int, SlotSegment]] = []  # (generation it is filed under, its ring)
         self._generation, self._start = -1, 0
         self._acked = (-1, -1)  # the newest (generation, step) of this host the driver has received
+        self._trusted = -1  # the newest step the driver saw the replicas agree on
         self.identity, self.epoch = identity, epoch  # whose snapshots these are; the driver that owns them
         self._secret = _digest(secret)  # who may take it over (None: anyone who finds it)
         self._released = False
@@ -227,20 +234,24 @@ class SnapshotKeeper:
         self._evict()
         return True
 
-    def ack(self, generation: int, step: int, epoch: int = 0) -> None:
-        """The driver has received the report that this host kept ``step`` (see :func:`evictable`)."""
+    def ack(self, generation: int, step: int, epoch: int = 0, trusted: int | None = None) -> None:
+        """The driver has received the report that this host kept ``step``, and (``trusted``) saw
+        the replicas agree on the state after that step (see :func:`evictable`). The driver's word
+        on ``trusted`` replaces the keeper's: a rollback goes back to an earlier step."""
         if epoch < self.epoch:
             return
         self._acked = max(self._acked, (generation, step))
+        self._trusted = self._trusted if trusted is None else trusted
         for gen, seg in self._segments:
             if gen == generation:
                 seg.acknowledge(*self._acked)
+                seg.trust(self._trusted)
         self._evict()
 
     def _evict(self) -> None:
         """What :func:`evictable` lets go, from calls' entries and sealed rings (a live ring's
         writer overwrites its own slots); a sealed ring left empty is removed."""
-        for key in evictable(self.held(), self.keep_steps, self._acked):
+        for key in evictable(self.held(), self.keep_steps, self._acked, trusted=self._trusted):
             self._entries.pop(key, None)
             for gen, seg in self._segments:
                 if gen == key[0]:

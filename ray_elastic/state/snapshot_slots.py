@@ -11,8 +11,10 @@ Each slot is guarded by a sequence number (odd while it is written): a reader ta
 when the number is even and the same before and after it read, so a slot a dying process left
 half-written, or one overwritten while it was read, is never taken. The segment's header holds
 what the writer needs from the keeper without a call: whether the world was sealed (a newer world
-began; its late writes do not count) and the newest step the driver acknowledged (see
-:func:`~ray_elastic.state.snapshot_keeper.evictable`), which the writer never overwrites.
+began; its late writes do not count), the newest step the driver acknowledged (see
+:func:`~ray_elastic.state.snapshot_keeper.evictable`), which the writer never overwrites, and the
+newest step the replicas were seen to agree on (:mod:`~ray_elastic.decide.integrity`), whose slot
+it keeps while it can: with no majority to tell a corrupt replica, the run goes back to it.
 No Ray and no JAX here.
 """
 
@@ -32,10 +34,11 @@ import psutil
 
 ALIGN = 64
 PREFIX = "ray-elastic-snap-"
-# header words: magic, slots, slot bytes, sealed, acked generation, acked step, generation, keeper pid
+# header words: magic, slots, slot bytes, sealed, acked generation, acked step, generation, keeper
+# pid, trusted step
 MAGIC = 0x72656C61_736E6170
-H_MAGIC, H_SLOTS, H_SLOT_BYTES, H_SEALED, H_ACK_GEN, H_ACK_STEP, H_GEN, H_PID = range(8)
-HEADER_WORDS = 8
+H_MAGIC, H_SLOTS, H_SLOT_BYTES, H_SEALED, H_ACK_GEN, H_ACK_STEP, H_GEN, H_PID, H_TRUSTED = range(9)
+HEADER_WORDS = 9
 SLOT_WORDS = 4  # seq, generation, step, spare
 SLOT_BUDGET_BYTES = 512 << 20  # per host: the ring takes at most this much, or MIN_SLOTS slots
 MIN_SLOTS, MAX_SLOTS = 4, 16
@@ -152,7 +155,7 @@ class SlotSegment:
             os.unlink(path)
             raise
         head = np.zeros(HEADER_WORDS, np.int64)
-        head[[H_MAGIC, H_SLOTS, H_SLOT_BYTES, H_ACK_GEN, H_ACK_STEP, H_GEN, H_PID]] = [
+        head[[H_MAGIC, H_SLOTS, H_SLOT_BYTES, H_ACK_GEN, H_ACK_STEP, H_GEN, H_PID, H_TRUSTED]] = [
             MAGIC,
             nslots,
             layout.slot_bytes,
@@ -160,6 +163,7 @@ class SlotSegment:
             -1,
             generation,
             os.getpid(),
+            -1,
         ]
         os.pwrite(fd, head.tobytes(), 0)
         seg = cls(path, layout, fd, created=True)
@@ -178,6 +182,10 @@ class SlotSegment:
     def acknowledge(self, generation: int, step: int) -> None:
         """The driver has the newest step ``step`` of this host: the writer keeps its slot."""
         self.header[H_ACK_GEN], self.header[H_ACK_STEP] = generation, step
+
+    def trust(self, step: int) -> None:
+        """The replicas agreed on the state after ``step``: the writer keeps the newest slot at or before it."""
+        self.header[H_TRUSTED] = step
 
     def steps(self) -> list[int]:
         """Steps whose slot is complete (and, once sealed, unchanged since)."""
@@ -234,8 +242,9 @@ class SlotSegment:
 
     def write(self, generation: int, step: int, fill: Callable[[list[np.ndarray]], None], keep: tuple = ()) -> bool:
         """Copy the state after ``step`` into a free slot (``fill`` writes the device buffers into
-        the slot's rows); False when the segment is sealed. The newest complete slot, the newest one
-        at or before the acknowledged step and the slots of ``keep`` (steps) are never overwritten."""
+        the slot's rows); False when the segment is sealed. See :meth:`_free_slot` for the slots
+        never overwritten; ``keep``: steps whose newest slot at or before each is kept, in order of
+        importance."""
         if self.sealed:
             return False
         slot = self._free_slot(keep)
@@ -247,22 +256,25 @@ class SlotSegment:
         return not self.sealed
 
     def _free_slot(self, keep: tuple) -> int:
+        """A slot to write: an empty one, else one no step needs. Kept, most needed first: the newest
+        complete slot, the newest at or before the acknowledged step, at or before the first step of
+        ``keep`` (the newest streamed), at or before the trusted step, then the rest of ``keep``.
+        A ring too small for all of them gives up the least needed: a zero-rewind restore needs the
+        first three, a rollback to agreed replicas the others (else it restores a checkpoint)."""
         complete = self._complete()
         if len(complete) < self.nslots:
             taken = {slot for slot, _, _ in complete}
             return next(i for i in range(self.nslots) if i not in taken)
         by_step = sorted(complete, key=lambda c: c[1])
         acked = int(self.header[H_ACK_STEP]) if int(self.header[H_ACK_GEN]) == int(self.header[H_GEN]) else -1
-        protected = {by_step[-1][0]}
-        pinned = [c for c in by_step if c[1] <= acked]
-        if pinned:
-            protected.add(pinned[-1][0])
-        for step in keep:
-            held = [c for c in by_step if c[1] <= step]
-            if held:
-                protected.add(held[-1][0])
-        free = [slot for slot, _, _ in by_step if slot not in protected]
-        return free[0] if free else by_step[0][0]
+        pins = [acked, *keep[:1], int(self.header[H_TRUSTED]), *keep[1:]]
+        kept = [by_step[-1][0]]
+        for pin in pins:
+            held = [c[0] for c in by_step if c[1] <= pin]
+            if held and held[-1] not in kept:
+                kept.append(held[-1])
+        free = [slot for slot, _, _ in by_step if slot not in kept]
+        return free[0] if free else kept[-1]
 
     # ------------------------------------------------------------------ both
     def views(self, slot: int) -> list[np.ndarray]:

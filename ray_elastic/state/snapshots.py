@@ -20,11 +20,13 @@ class SnapshotRef(NamedTuple):
 
 
 class SnapshotStore:
-    """Object refs of snapshots, keyed by slice, step and host; keeps the newest few steps."""
+    """Object refs of snapshots, keyed by slice, step and host; keeps the newest few steps, and the
+    newest complete one at or before ``trusted`` (the newest step the replicas agreed on)."""
 
     def __init__(self, hosts_per_slice: int, keep_steps: int = 2):
         self.hosts_per_slice = hosts_per_slice
         self.keep_steps = keep_steps
+        self.trusted = -1
         self._refs: dict[str, dict[int, dict[int, Any]]] = {}
 
     def add(self, slice_name: str, host: int, step: int, ref: Any) -> None:
@@ -34,7 +36,8 @@ class SnapshotStore:
         complete = sorted(s for s, h in steps.items() if len(h) == self.hosts_per_slice)
         if len(complete) >= self.keep_steps:
             cutoff = complete[-self.keep_steps]
-            for s in [s for s in steps if s < cutoff]:
+            agreed = max((s for s in complete if s <= self.trusted), default=None)
+            for s in [s for s in steps if s < cutoff and s != agreed]:
                 del steps[s]
 
     def latest_complete(self, slices) -> dict[str, int]:
