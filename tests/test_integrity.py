@@ -44,3 +44,15 @@ def test_a_fingerprint_is_the_same_for_the_same_bits_and_changes_with_one_flippe
     assert Fingerprints(every=5).dispatched(3, state) is None  # not a fingerprinted step
     changed = np.asarray(flip_one_bit(state, 2, 0)["w"])  # leaves in key order: h, k, w
     assert np.count_nonzero(changed != np.asarray(state["w"])) == 1
+
+
+def test_a_new_world_trusts_what_its_replicas_loaded_from_one_source_or_what_was_compared():
+    from ray_elastic.decide.integrity import trusted_at_start
+
+    assert trusted_at_start(0, False, None) == -1  # fresh parameters, the same seed on every replica
+    assert trusted_at_start(501, False, 200) == 500  # one checkpoint, loaded by every replica
+    assert trusted_at_start(501, True, None) == 500  # a takeover's first world: nothing compared before
+    # After a failure each holder loads its own snapshot, taken since the last check: back to that check.
+    assert trusted_at_start(531, True, 500) == 500
+    assert trusted_at_start(531, True, 530) == 530  # a planned stop compared its boundary
+    assert trusted_at_start(401, True, 500) == 400  # a rollback to before the newest check

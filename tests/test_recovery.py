@@ -827,7 +827,7 @@ def test_a_lost_nodes_keeper_does_not_shorten_the_wait_for_the_surviving_holders
 
     store, waited = _drain_after_process_1_died(late_keep_s=OTHER_HOLDERS_S + 0.5, node_lost=True)
     assert store.complete("slice-2", 10), waited
-    assert OTHER_HOLDERS_S + 0.5 < waited < 3.5, waited
+    assert OTHER_HOLDERS_S + 0.5 < waited < 5.0, waited  # bounded by newest_s (3 s), plus keepers answering under load
 
 
 def test_a_keeper_holds_the_newest_step_its_driver_acknowledged_however_far_the_process_ran(cluster):

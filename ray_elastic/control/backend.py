@@ -107,7 +107,13 @@ class Streams(Protocol):
     not_kept: list[Any]
     not_kept_count: int
 
-    def run(self, start_step: int, end_step: int, stop_requested: Callable[[], OutcomeKind | None]) -> RunOutcome: ...
+    def run(
+        self,
+        start_step: int,
+        end_step: int,
+        stop_requested: Callable[[], OutcomeKind | None],
+        from_snapshot: bool = False,
+    ) -> RunOutcome: ...
 
     def drain(self, timeout_s: float, errors: dict[Any, Any]) -> None: ...
 

@@ -251,7 +251,7 @@ class Controller:
         streams = self._streams = self.backend.drive(world, self.gens.store, self.ledger)
         self.ledger.start_world(world.plan.generation, streams.take_snapshot_steps)
         t0 = time.perf_counter()
-        outcome = streams.run(start, num_steps, self._stop_request)
+        outcome = streams.run(start, num_steps, self._stop_request, self.worlds[-1].restore_source == "snapshot")
         if outcome.kind in (OutcomeKind.FAILURE, OutcomeKind.HANG):  # what survivors streamed, and their keepers hold
             t_drain = time.perf_counter()
             streams.drain(DRAIN_S, outcome.errors)

@@ -47,3 +47,14 @@ def compare(step: int, fingerprints: dict[int, tuple[int, ...]], place: dict[int
     if not arrays and not corrupt and not split:
         return None
     return Mismatch(step, () if split else tuple(sorted(corrupt)), tuple(sorted(arrays)))
+
+
+def trusted_at_start(start_step: int, from_snapshot: bool, trusted_before: int | None) -> int:
+    """The newest step a new world's replicas are known to agree on. Loaded from one checkpoint or
+    fresh parameters, they agree on the state before its first step. Loaded from snapshots (each
+    holder its own, the others a donor's, taken since the last check), only what was compared
+    holds: the newest step the replicas agreed on before (``trusted_before``; None: none known,
+    the run's first world), the boundary itself after a planned stop (compared there)."""
+    if from_snapshot and trusted_before is not None:
+        return min(trusted_before, start_step - 1)
+    return start_step - 1

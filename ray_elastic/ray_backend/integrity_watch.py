@@ -14,7 +14,7 @@ from typing import Any
 
 import ray
 
-from ray_elastic.decide.integrity import Mismatch, compare
+from ray_elastic.decide.integrity import Mismatch, compare, trusted_at_start
 from ray_elastic.state.snapshots import SnapshotStore
 
 logger = logging.getLogger(__name__)
@@ -33,9 +33,9 @@ class IntegrityWatch:
         self._found: Mismatch | None = None
         self._over = False  # a mismatch was found: the world stops for it, nothing after it counts
 
-    def starts_at(self, step: int) -> None:
-        """The world's first step: every replica loaded the same state, so they agree on the one before."""
-        self.agreed = step - 1
+    def starts_at(self, step: int, from_snapshot: bool) -> None:
+        """The world's first step, and whether it restored snapshots (see :func:`trusted_at_start`)."""
+        self.agreed = trusted_at_start(step, from_snapshot, self.store.trusted)
         self._trust()
 
     def trusted(self) -> int | None:

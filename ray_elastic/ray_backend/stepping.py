@@ -85,6 +85,7 @@ class StepStreams:
         ] = []  # the first few a holder's keeper did not take: {"slice", "step", "why"}
         self.not_kept_count = 0  # and how many in all (a dead keeper misses every step)
         self._acked_at: dict[int, float] = {}  # process -> when its keeper was last told
+        self._trusted_told: dict[int, int | None] = {}  # ... and the trusted step it was told
         self._reported = self._snapshot_reported = -1
         self._submitted = False  # a world's first chunk redoes an eval a failure lost
         self.hosts = HostWatch(world)
@@ -106,9 +107,17 @@ class StepStreams:
         out, self._snapshot_steps = self._snapshot_steps, []
         return out
 
-    def run(self, start_step: int, end_step: int, stop_requested: Callable[[], OutcomeKind | None]) -> RunOutcome:
+    def run(
+        self,
+        start_step: int,
+        end_step: int,
+        stop_requested: Callable[[], OutcomeKind | None],
+        from_snapshot: bool = False,
+    ) -> RunOutcome:
         """Steps ``start_step .. end_step - 1``. ``stop_requested`` is asked between reads: a kind
-        (``GROW``, ``LEAVE``) stops the world at the next step boundary with that outcome."""
+        (``GROW``, ``LEAVE``) stops the world at the next step boundary with that outcome.
+        ``from_snapshot``: the world restored snapshots (its replicas may not agree at its start)."""
+        self.integrity.starts_at(start_step, from_snapshot)
         self.hosts.start()
         wake = threading.Event()
         waiters = FirstReady(wake), FirstReady(wake)  # snapshot holders' streams, the others' results
@@ -132,7 +141,6 @@ class StepStreams:
         """Keep chunks queued and read what comes back until the steps are done, a check finds a
         failure, or a requested stop has drained the queues."""
         self._reported = self._snapshot_reported = start_step - 1
-        self.integrity.starts_at(start_step)
         run = _Progress(submitted=start_step)
         holders = [c for c in range(len(self.queues)) if self.streaming[c]]
         quiet = [c for c in range(len(self.queues)) if not self.streaming[c]]
@@ -313,10 +321,12 @@ class StepStreams:
             if step > self._snapshot_reported:
                 self._snapshot_reported = step
                 self._snapshot_steps.append(step)
-        if item["kept"] and time.monotonic() - self._acked_at.get(p, 0.0) >= ACK_EVERY_S:
-            self._acked_at[p] = time.monotonic()  # the keeper holds on to what we know of until we say newer
+        trusted = self.integrity.trusted()  # told at once: its slot is kept from then on
+        due = time.monotonic() - self._acked_at.get(p, 0.0) >= ACK_EVERY_S or self._trusted_told.get(p) != trusted
+        if item["kept"] and due:
+            self._acked_at[p], self._trusted_told[p] = time.monotonic(), trusted  # held until we say newer
             acked = min(max(item["kept"]), self.sink.logged_step)  # keepers hear of a step once it is logged
-            self.world.keepers[p].ack.remote(plan.generation, acked, self.world.epoch, self.integrity.trusted())
+            self.world.keepers[p].ack.remote(plan.generation, acked, self.world.epoch, trusted)
         self.cadence.snapshot_seconds.extend(item["snapshot_s"])
         for step, why in item.get("not_kept", ()):
             self.not_kept_count += 1

@@ -53,7 +53,7 @@ class Fingerprints:
         self.every = every
         self._started: dict[int, list[list[jax.Array]]] = {}
         self.done: collections.OrderedDict[int, tuple[int, ...]] = collections.OrderedDict()
-        self.newest = -1  # the newest step fingerprinted (read by the snapshot writer's thread)
+        self.recent: tuple[int, ...] = ()  # the steps in ``done``, oldest first (for the snapshot writer's thread)
 
     def dispatched(self, step: int, state, now: bool = False) -> None:
         """``state``: the state after ``step``, fingerprinted when due (``now``: whenever fingerprints
@@ -67,9 +67,9 @@ class Fingerprints:
             return
         sums = jax.device_get(started)
         self.done[step] = tuple(_fold(int(v) for v in leaf) for leaf in sums)
-        self.newest = max(self.newest, step)
         while len(self.done) > KEEP:
             self.done.popitem(last=False)
+        self.recent = tuple(self.done)
 
 
 def _fold(values) -> int:

@@ -258,7 +258,8 @@ class SlotSegment:
     def _free_slot(self, keep: tuple) -> int:
         """A slot to write: an empty one, else one no step needs. Kept, most needed first: the newest
         complete slot, the newest at or before the acknowledged step, at or before the first step of
-        ``keep`` (the newest streamed), at or before the trusted step, then the rest of ``keep``.
+        ``keep`` (the newest streamed), at or before the trusted step, then at or before each of the
+        rest of ``keep`` after the trusted step (fingerprinted steps not yet known to agree).
         A ring too small for all of them gives up the least needed: a zero-rewind restore needs the
         first three, a rollback to agreed replicas the others (else it restores a checkpoint)."""
         complete = self._complete()
@@ -267,7 +268,8 @@ class SlotSegment:
             return next(i for i in range(self.nslots) if i not in taken)
         by_step = sorted(complete, key=lambda c: c[1])
         acked = int(self.header[H_ACK_STEP]) if int(self.header[H_ACK_GEN]) == int(self.header[H_GEN]) else -1
-        pins = [acked, *keep[:1], int(self.header[H_TRUSTED]), *keep[1:]]
+        trusted = int(self.header[H_TRUSTED])
+        pins = [acked, *keep[:1], trusted, *(step for step in keep[1:] if step > trusted)]
         kept = [by_step[-1][0]]
         for pin in pins:
             held = [c[0] for c in by_step if c[1] <= pin]

@@ -63,8 +63,8 @@ class SnapshotWriter:
     loop in ``submit``. The copy's wall time is not a cost: it runs beside the steps, and on
     busy cores it mostly measures waiting for one. ``streamed``: the newest step this process has streamed to
     the driver, whose slot is never overwritten (the driver may restore it before it acknowledges it).
-    ``checked``: the newest step fingerprinted, whose slot is kept while the ring has room (it is
-    the step the driver goes back to if the replicas agreed on it and disagree later).
+    ``checked``: the steps fingerprinted (oldest first), whose slots are kept while the ring has room
+    (the driver goes back to the newest one the replicas agreed on if they disagree later).
     """
 
     def __init__(
@@ -74,7 +74,7 @@ class SnapshotWriter:
         epoch: int | None,
         layout: SlotLayout,
         streamed: Callable[[], int] = lambda: -1,
-        checked: Callable[[], int] = lambda: -1,
+        checked: Callable[[], tuple[int, ...]] = tuple,
     ):
         self.keeper, self.generation, self.epoch, self.layout = keeper, generation, epoch, layout
         self._streamed, self._checked = streamed, checked
@@ -112,7 +112,7 @@ class SnapshotWriter:
             self.segment = None
         if self.segment is None:
             raise KeeperGone(self._gone)
-        return self.segment.write(self.generation, step, fill, keep=(self._streamed(), self._checked()))
+        return self.segment.write(self.generation, step, fill, keep=(self._streamed(), *self._checked()))
 
     @property
     def in_place(self) -> bool:

@@ -26,7 +26,7 @@ class SnapshotStore:
     def __init__(self, hosts_per_slice: int, keep_steps: int = 2):
         self.hosts_per_slice = hosts_per_slice
         self.keep_steps = keep_steps
-        self.trusted = -1
+        self.trusted: int | None = None  # None: the replicas were never compared
         self._refs: dict[str, dict[int, dict[int, Any]]] = {}
 
     def add(self, slice_name: str, host: int, step: int, ref: Any) -> None:
@@ -36,7 +36,8 @@ class SnapshotStore:
         complete = sorted(s for s, h in steps.items() if len(h) == self.hosts_per_slice)
         if len(complete) >= self.keep_steps:
             cutoff = complete[-self.keep_steps]
-            agreed = max((s for s in complete if s <= self.trusted), default=None)
+            trusted = -1 if self.trusted is None else self.trusted
+            agreed = max((s for s in complete if s <= trusted), default=None)
             for s in [s for s in steps if s < cutoff and s != agreed]:
                 del steps[s]
 
