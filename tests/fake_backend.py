@@ -109,7 +109,13 @@ class FakeStreams:
         self.not_kept: list = []
         self.not_kept_count = 0
 
-    def run(self, start_step: int, end_step: int, stop_requested: Callable[[], OutcomeKind | None]) -> RunOutcome:
+    def run(
+        self,
+        start_step: int,
+        end_step: int,
+        stop_requested: Callable[[], OutcomeKind | None],
+        from_snapshot: bool = False,
+    ) -> RunOutcome:
         for step in range(start_step, end_step):
             if self.backend.superseded:  # the real lease thread kills the world's processes
                 return RunOutcome(OutcomeKind.FAILURE, {0: ProcessDied("killed: a newer driver owns the run")})

@@ -12,6 +12,7 @@ driver compares them across replicas (:mod:`~ray_elastic.decide.integrity`).
 from __future__ import annotations
 
 import collections
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,14 @@ class Fingerprints:
         self.done: collections.OrderedDict[int, tuple[int, ...]] = collections.OrderedDict()
         self.recent: tuple[int, ...] = ()  # the steps in ``done``, oldest first (for the snapshot writer's thread)
 
+    def warm(self, state) -> None:
+        """Compile the program for this process's blocks now, on a thread, as the world forms: a
+        process that compiled it at its first check would fall behind the others for a second or
+        more (one program per block shape and device), which the watchdog takes for a stuck one."""
+        if self.every:  # zeros like each block: no reference to the state, which the next step donates
+            like = [(b.shape, b.dtype, b.sharding) for x in jax.tree.leaves(state) for b in _blocks(x)]
+            threading.Thread(target=_compile, args=(like,), name="fingerprint-compile", daemon=True).start()
+
     def dispatched(self, step: int, state, now: bool = False) -> None:
         """``state``: the state after ``step``, fingerprinted when due (``now``: whenever fingerprints
         are on, as at a planned stop)."""
@@ -70,6 +79,10 @@ class Fingerprints:
         while len(self.done) > KEEP:
             self.done.popitem(last=False)
         self.recent = tuple(self.done)
+
+
+def _compile(like: list) -> None:
+    jax.block_until_ready([_bits_sum(jax.device_put(np.zeros(shape, dtype), where)) for shape, dtype, where in like])
 
 
 def _fold(values) -> int:

@@ -322,4 +322,6 @@ class SliceWorker(ChunkRunning):
             except Exception as e:  # noqa: BLE001 - the world's own trace raises it where it counts
                 logger.warning("tracing ahead failed: %r", e)
         with world_errors("compiling the step"):
-            return self.loop.compile(step, traced)
+            phases = self.loop.compile(step, traced)
+        self.loop.fingerprints.warm(self.loop.state)
+        return phases
