@@ -62,8 +62,8 @@ class IntegrityWatch:
                 self.agreed = max(self.agreed, step)
                 self._trust()
                 continue
-            logger.warning("replicas disagree after step %d: %s", step, found)
             self._found, self._seen, self._over = dataclasses.replace(found, agreed_step=self.agreed), {}, True
+            logger.warning("replicas disagree after step %d: %s", step, self._found)
             return
 
     def verify(self, workers: list[Any], timeout_s: float = 5.0) -> None:
