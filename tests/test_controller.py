@@ -677,3 +677,9 @@ def test_a_process_behind_the_step_the_others_wait_in_is_stuck_and_one_step_for_
     assert health.stuck_processes(at) == {1: at[1]}
     assert health.stuck_processes([{"dispatched": 23}, {"dispatched": 23}]) == {}  # the world's hang, not one's
     assert health.stuck_processes([None, {"dispatched": 4}]) == {}  # silence is judged apart
+    # One process's rows never come: two more are a dispatch behind the front, waiting in a
+    # collective for it; only the one waiting for its rows is stuck.
+    at = [{"dispatched": 24, "reading": None}, {"dispatched": 23, "reading": None}, {"dispatched": 23, "reading": 24}]
+    assert health.stuck_processes(at) == {2: at[2]}
+    at = [{"dispatched": 24}, {"dispatched": 23, "reading": None}]  # behind, not reading (compiling, say)
+    assert health.stuck_processes(at) == {1: at[1]}

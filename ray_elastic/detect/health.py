@@ -224,10 +224,14 @@ def stuck_processes(answers: list) -> dict[int, dict]:
     """After the watchdog fired with the world not busy: the processes (by index) that never reached
     the step the others wait in (their newest dispatched step is behind the newest any dispatched),
     with their answer. Empty when every answering process is at the same step (a hang inside a
-    step is the world's, not one process's)."""
+    step is the world's, not one process's). When some of those behind wait for their own rows
+    (``reading``), only they are: the others behind the front are one dispatch short of it, waiting
+    in a step's collective for them like the rest."""
     answered = {p: a for p, a in enumerate(answers) if a is not None and "dispatched" in a}
     front = max((a["dispatched"] for a in answered.values()), default=-1)
-    return {p: a for p, a in answered.items() if a["dispatched"] < front}
+    behind = {p: a for p, a in answered.items() if a["dispatched"] < front}
+    reading = {p: a for p, a in behind.items() if a.get("reading") is not None}
+    return reading or behind
 
 
 def newest_step(answers: list) -> int:
