@@ -37,6 +37,28 @@ def reference_run(task, global_batch_size: int, seed: int, num_steps: int):
     return losses, nnx.to_pure_dict(nnx.state((model, optimizer)))
 
 
+def restore_in_this_process(directory: str, step: int):
+    """Load a checkpoint of :class:`DigitsMLPTask` written by a multi-process world into one local
+    device: its train state (a pure dict) and its metadata."""
+    import jax
+    from flax import nnx
+
+    from ray_elastic.examples.digits_mlp import DigitsMLPTask
+    from ray_elastic.state.checkpoints import Checkpointer
+
+    task = DigitsMLPTask()
+    model = task.create_model(nnx.Rngs(0))
+    state = nnx.state((model, nnx.Optimizer(model, task.create_optimizer(), wrt=nnx.Param)))
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), state)
+    ckpt = Checkpointer(directory, max_to_keep=None)
+    try:
+        restored, meta = ckpt.restore(step, target)
+    finally:
+        ckpt.close()
+    return nnx.to_pure_dict(restored), meta
+
+
 def reference_losses(task, global_batch_size: int, seed: int, num_steps: int) -> np.ndarray:
     return reference_run(task, global_batch_size, seed, num_steps)[0]
 

@@ -51,6 +51,7 @@ class FakeReservation:
     def release(self) -> None:
         self.released = True
         self.backend.reserved.discard(self.host)
+        self.backend.freed.append((self.host, len(self.backend.steps_run)))
 
 
 class FakeRequest:
@@ -114,7 +115,7 @@ class FakeStreams:
         start_step: int,
         end_step: int,
         stop_requested: Callable[[], OutcomeKind | None],
-        from_snapshot: bool = False,
+        donors: dict[str, str] | None = None,
     ) -> RunOutcome:
         for step in range(start_step, end_step):
             if self.backend.superseded:  # the real lease thread kills the world's processes
@@ -166,6 +167,7 @@ class FakeBackend:
         self.alive = set(self.hosts)
         self.hung: set[str] = set()
         self.reserved: set[str] = set()
+        self.freed: list[tuple[str, int]] = []  # (host, steps run by then) per reservation given back
         self.faults = dict(faults or {})
         self.form_script = list(form_script or [])  # per forming attempt: None (form) or fn(backend) that raises
         self.formed: list[FakeWorld] = []

@@ -167,6 +167,21 @@ def test_chaos_bench_handles_faults_that_kill_nothing():
     assert (out["attributed"], out["misattributed"], out["not_named"]) == (2, 0, 0), out
 
 
+@pytest.mark.bench
+def test_chaos_bench_never_keeps_wrong_numbers():
+    """A record that becomes inf (its step skipped, never kept) and a flipped bit (found for its
+    slice): nothing unrecovered, no bad step kept."""
+    out = _chaos(
+        [
+            "--faults", "2", "--multihost-faults", "0", "--steps", "300", "--gap", "100", "--no-noise",
+            "--kinds", "poisoned_record,bit_flip",
+        ],
+        timeout=900,
+    )  # fmt: skip
+    assert (out["unrecovered"], out["bad_kept"], out["poison_kept"], out["flips_not_found"]) == (0, 0, [], 0), out
+    assert out["poisoned"] == out["skipped"] + out["poison_unread"] == 1 and out["flips_misnamed"] == 0, out
+
+
 @pytest.mark.soak
 def test_chaos_bench_soak():
     """Every kind, one-host and two-host slices: what the README reports, at a tenth of the length."""

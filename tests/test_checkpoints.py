@@ -14,12 +14,12 @@ import jax
 import numpy as np
 import pytest
 import ray
-from conftest import reference_run
+from conftest import reference_run, restore_in_this_process
 from faults import FaultPlan, ensure_slices, kill_process_of_slice, max_rel_err
 
 from ray_elastic import ElasticConfig, ElasticTrainer, FailureConfig
 from ray_elastic.examples.digits_mlp import DigitsMLPTask
-from ray_elastic.state.checkpoints import Checkpointer, latest_checkpoint
+from ray_elastic.state.checkpoints import latest_checkpoint
 
 SIM_CLUSTER = {"num_slices": 4}
 SHARE_CLUSTER = True  # conftest.py: one cluster for the modules of plain 1-host slices
@@ -66,23 +66,6 @@ def _steps_in_bucket(gcs, bucket: str, prefix: str) -> dict[int, bool]:
     return out
 
 
-def _restore_in_this_process(directory: str, step: int):
-    """Load a checkpoint written by a multi-process world into one local device."""
-    from flax import nnx
-
-    task = DigitsMLPTask()
-    model = task.create_model(nnx.Rngs(0))
-    state = nnx.state((model, nnx.Optimizer(model, task.create_optimizer(), wrt=nnx.Param)))
-    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), state)
-    ckpt = Checkpointer(directory, max_to_keep=None)
-    try:
-        restored, meta = ckpt.restore(step, target)
-    finally:
-        ckpt.close()
-    return nnx.to_pure_dict(restored), meta
-
-
 @pytest.fixture(scope="module")
 def reference():
     """Single-process losses for 40 steps and the train state after 20."""
@@ -107,7 +90,7 @@ def test_round_trip_values_equal_and_resume_on_another_world_size(
     assert info.metadata["world"]["mesh"] == {"replica": 3, "fsdp": 2, "tensor": 1}
 
     # Saved values are the training state: equal to a single-process run of the same 20 steps.
-    saved, meta = _restore_in_this_process(directory, 20)
+    saved, meta = restore_in_this_process(directory, 20)
     assert meta["step"] == 20
     got, want = jax.tree.leaves(saved), jax.tree.leaves(ref_state20)
     assert len(got) == len(want)

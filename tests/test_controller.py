@@ -682,4 +682,16 @@ def test_a_process_behind_the_step_the_others_wait_in_is_stuck_and_one_step_for_
     at = [{"dispatched": 24, "reading": None}, {"dispatched": 23, "reading": None}, {"dispatched": 23, "reading": 24}]
     assert health.stuck_processes(at) == {2: at[2]}
     at = [{"dispatched": 24}, {"dispatched": 23, "reading": None}]  # behind, not reading (compiling, say)
-    assert health.stuck_processes(at) == {1: at[1]}
+    assert health.stuck_processes(at) == {1: at[1]} == health.stuck_early(at)
+    # While a process compiles ahead beside its steps, before the hang bound only a process
+    # waiting for its own rows is named (the hang bound still names the others).
+    aside = [{"dispatched": 24, "background": (3, 1)}, {"dispatched": 23, "reading": None, "background": (2, 0)}]
+    assert health.working_aside(aside) and health.stuck_early(aside) == {} and health.stuck_processes(aside)
+    aside[1]["reading"] = 24
+    assert health.stuck_early(aside) == {1: aside[1]}
+    assert not health.working_aside([{"background": (3, 0)}, None, {}])
+    # The straggler windows: which processes worked aside since the previous round.
+    now = [{"background": (3, 0)}, {"background": (2, 1)}, None, {"background": (4, 0)}]
+    assert health.worked_aside(now, [3, 2, 0, 3]) == {1, 3} and health.background_started(now) == [3, 2, 0, 4]
+    assert health.worked_aside(now, None) == {0, 1, 3}  # a world's first round: since it began
+    assert health.worked_aside([{"background": (0, 0)}, {}], None) == set()

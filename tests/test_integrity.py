@@ -21,6 +21,24 @@ def test_the_slice_out_voted_at_any_host_position_is_corrupt():
     assert compare(9, {**same, 4: (4, 5, 7), 5: (4, 0, 6)}, PLACE) == Mismatch(9, (), (1, 2))
 
 
+def test_copies_of_a_donor_follow_its_vote_until_the_restored_state_is_compared():
+    """After a failure, holders a and b restored their own snapshots and c a copy of a's, taken
+    since the last check. A bit flipped in a before its snapshot is in c too: counted one by one,
+    a and c would out-vote the clean b. A copy follows its donor's vote instead: a against b, no
+    majority (back to the step last compared)."""
+    place = {0: ("a", 0), 1: ("b", 0), 2: ("c", 0)}
+    corrupt, clean = (1, 9), (1, 2)
+    donors = {"a": "a", "b": "b", "c": "a"}
+    assert compare(9, {0: corrupt, 1: clean, 2: corrupt}, place) == Mismatch(9, ("b",), (1,))
+    assert compare(9, {0: corrupt, 1: clean, 2: corrupt}, place, donors) == Mismatch(9, (), (1,))
+    # A copy that drifted from its donor since is out-voted as before.
+    assert compare(9, {0: clean, 1: clean, 2: corrupt}, place, donors) == Mismatch(9, ("c",), (1,))
+    assert compare(9, {0: clean, 1: clean, 2: clean}, place, donors) is None
+    # With a third holder, the majority holds: the corrupt donor and its copy both go.
+    place4, donors4 = {**place, 3: ("d", 0)}, {**donors, "d": "d"}
+    assert compare(9, {0: corrupt, 1: clean, 2: corrupt, 3: clean}, place4, donors4) == Mismatch(9, ("a", "c"), (1,))
+
+
 @pytest.mark.cluster  # runs JAX programs
 def test_a_fingerprint_is_the_same_for_the_same_bits_and_changes_with_one_flipped_bit():
     import jax
@@ -44,6 +62,38 @@ def test_a_fingerprint_is_the_same_for_the_same_bits_and_changes_with_one_flippe
     assert Fingerprints(every=5).dispatched(3, state) is None  # not a fingerprinted step
     changed = np.asarray(flip_one_bit(state, 2, 0)["w"])  # leaves in key order: h, k, w
     assert np.count_nonzero(changed != np.asarray(state["w"])) == 1
+
+
+@pytest.mark.cluster  # runs JAX programs
+def test_a_periodic_fingerprint_due_while_its_programs_compile_is_skipped_and_a_boundary_s_is_not():
+    """A world's first check can come before the programs ``warm`` compiles on a thread are ready:
+    compiling them again in the step loop held one process for seconds (the others waiting, the
+    watchdog naming it stuck). That step is skipped (the next due one is compared); at a planned
+    stop or the run's end (``now``) the fingerprint is always taken."""
+    import threading
+
+    import jax.numpy as jnp
+
+    from ray_elastic.slice.integrity import Fingerprints
+
+    state = {"w": jnp.arange(12, dtype=jnp.float32)}
+    f = Fingerprints(every=5)
+    release = threading.Event()
+    f._warming = threading.Thread(target=release.wait, daemon=True)  # a compile that has not finished
+    f._warming.start()
+    try:
+        f.dispatched(4, state)
+        f.finished(4)
+        assert f.warming and 4 not in f.done
+        f.dispatched(6, state, now=True)
+        f.finished(6)
+        assert 6 in f.done
+    finally:
+        release.set()
+    f._warming.join()
+    f.dispatched(9, state)
+    f.finished(9)
+    assert not f.warming and list(f.done) == [6, 9]
 
 
 def test_a_new_world_trusts_what_its_replicas_loaded_from_one_source_or_what_was_compared():

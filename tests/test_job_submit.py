@@ -130,12 +130,24 @@ class RayStartCluster:
             _kill_tree(self.slices[name])
         raise TimeoutError(f"slice host {name} did not join the cluster")
 
-    def alive_tpu_nodes(self) -> int:
+    def ensure_slices(self, n: int) -> None:
+        """At least ``n`` live slice hosts: what an earlier test killed (or Ray declared dead) is added back."""
+        spec = SliceSpec("v4", "2x2x1", devices_per_host=2)
+        while self.alive_tpu_nodes() < n:
+            self.add_slice(f"job-slice-{len(self.slices)}", spec)
+
+    def _nodes(self) -> list:
         from ray.util.state import list_nodes
 
         # Filtered in Python: with a dead node in the table, a state filter reads as truncated output.
-        nodes = list_nodes(address=self.dashboard, detail=True)
-        return sum(1 for n in nodes if n.state == "ALIVE" and "TPU" in (n.resources_total or {}))
+        return list_nodes(address=self.dashboard, detail=True)
+
+    def alive_tpu_nodes(self) -> int:
+        return sum(1 for n in self._nodes() if n.state == "ALIVE" and "TPU" in (n.resources_total or {}))
+
+    def dead_nodes(self) -> list[str]:
+        """Why each dead node died, as Ray says (for a failed assertion's message)."""
+        return [f"{n.node_name}: {n.state_message}" for n in self._nodes() if n.state != "ALIVE"]
 
     def kill_slice(self, name: str) -> None:
         _kill_tree(self.slices[name])
@@ -154,6 +166,8 @@ class RayStartCluster:
                 got = fn()
                 if got:
                     return got
+            except AssertionError:  # what the test checks while it waits (the job has not failed)
+                raise
             except Exception:  # noqa: BLE001 - not up yet
                 pass
             if time.monotonic() > deadline:
@@ -173,6 +187,15 @@ def cluster():
         c.shutdown()
 
 
+def _assert_not_ended_badly(client, job_id: str) -> None:
+    """Checked while a test waits for a job's steps: a failed or stopped job fails the test at once, with its logs."""
+    from ray.job_submission import JobStatus
+
+    assert client.get_job_status(job_id) not in (JobStatus.FAILED, JobStatus.STOPPED), client.get_job_logs(job_id)[
+        -3000:
+    ]
+
+
 def _events(run_dir: str) -> list[dict]:
     path = os.path.join(run_dir, "events.jsonl")
     if not os.path.exists(path):
@@ -184,6 +207,7 @@ def _events(run_dir: str) -> list[dict]:
 def test_ray_job_submit_recovers_from_a_killed_slice(cluster, tmp_path):
     from ray.job_submission import JobStatus, JobSubmissionClient
 
+    cluster.ensure_slices(3)
     run_dir = str(tmp_path / "job-run")
     job_id = f"ray-elastic-{int(time.time())}"
     submit = subprocess.run(
@@ -227,8 +251,7 @@ def test_ray_job_submit_recovers_from_a_killed_slice(cluster, tmp_path):
 
     def trained_past_kill_point():
         done = [s for e in _events(run_dir) if e["kind"] == "steps" for s in e["steps"]]
-        status = client.get_job_status(job_id)
-        assert status not in (JobStatus.FAILED, JobStatus.STOPPED), client.get_job_logs(job_id)[-3000:]
+        _assert_not_ended_badly(client, job_id)
         return done and max(done) >= KILL_AFTER
 
     cluster._wait(trained_past_kill_point, 180, "the job's first steps")
@@ -241,7 +264,8 @@ def test_ray_job_submit_recovers_from_a_killed_slice(cluster, tmp_path):
     assert client.get_job_status(job_id) == JobStatus.SUCCEEDED, logs[-4000:]
 
     summary = json.loads([ln for ln in logs.splitlines() if ln.startswith("{")][-1])
-    assert summary["steps"] == STEPS and summary["recoveries"] == 1
+    failures = [e for e in _events(run_dir) if e["kind"] == "failure"]
+    assert summary["steps"] == STEPS and summary["recoveries"] == 1, (summary, failures, cluster.dead_nodes())
     assert summary["steps_rewound"] <= summary["max_rewind_steps"]  # the default AutoInterval: bounded
     assert summary["slices"] == 2  # replica-resize: continued on the survivors
     events = _events(run_dir)
@@ -271,10 +295,12 @@ def test_a_resubmitted_job_resumes_from_the_lost_driver_s_keepers(cluster, tmp_p
         "--snapshot-every", "1", "--standby-workers", "0", "--run-id", "job-r1", "--run-dir", run_dir, "--json",
     ]  # fmt: skip
     client = JobSubmissionClient(cluster.dashboard)
+    cluster.ensure_slices(2)
     first = f"ray-elastic-first-{int(time.time())}"
     _submit(cluster, first, entrypoint)
 
     def driver():
+        _assert_not_ended_badly(client, first)
         steps = [s for e in _events(run_dir) if e["kind"] == "steps" for s in e["steps"]]
         if not steps or max(steps) < KILL_AFTER:
             return None
@@ -304,9 +330,7 @@ def test_a_sigtermed_slice_host_drains_and_the_job_moves_off_it_without_a_failur
     nothing rewound, the job succeeds on the other slices."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    spec = SliceSpec("v4", "2x2x1", devices_per_host=2)
-    while cluster.alive_tpu_nodes() < 3:
-        cluster.add_slice(f"job-slice-{len(cluster.slices)}", spec)
+    cluster.ensure_slices(3)
     run_dir = str(tmp_path / "job-run")
     job_id = f"ray-elastic-drained-{int(time.time())}"
     _submit(
@@ -322,7 +346,7 @@ def test_a_sigtermed_slice_host_drains_and_the_job_moves_off_it_without_a_failur
 
     def past_kill_point():
         done = [s for e in _events(run_dir) if e["kind"] == "steps" for s in e["steps"]]
-        assert client.get_job_status(job_id) not in (JobStatus.FAILED, JobStatus.STOPPED)
+        _assert_not_ended_badly(client, job_id)
         return done and max(done) >= KILL_AFTER
 
     cluster._wait(past_kill_point, 180, "the job's first steps")

@@ -84,9 +84,11 @@ def test_a_slice_that_lost_one_host_while_training_is_lost(sim_cluster):
     # refusing connections: node_died; or just before it: process_died, and then no raylet vouched
     # for the host), or by the raylet refusing once the steps stalled; not when Ray's health checks
     # got round to marking the node dead (no call of ours fails before that, and the survivors wait
-    # in their collective).
+    # in their collective). A survivor's process may die in the aftermath (its collective with the
+    # lost host broken): collateral, its slice stays.
     kinds = {k: v.value for k, v in failure["kinds"].items()}
-    assert kinds in ({victim["name"]: "node_died"}, {victim["name"]: "process_died"}), failure
+    assert kinds.pop(victim["name"]) in ("node_died", "process_died"), failure
+    assert set(kinds.values()) <= {"process_died"}, failure
     assert "refuses connections" in failure["error"] or "liveness connection" in failure["error"], failure
     assert victim["name"] not in failure["vouched_slices"], failure
     assert trainer.worlds[-1].slices == [slice_name(trainer, 0)] and result.summary["mesh"] == {

@@ -148,7 +148,8 @@ def test_provisioner_adds_a_slice_for_a_pending_reservation(sim_cluster):
 
 def test_a_failed_slice_launch_is_retried(sim_cluster, monkeypatch):
     """A node that fails to start (Ray's own error when a raylet does not register in time on loaded
-    cores) costs one launch, not the provisioner: the pending reservation is still served."""
+    cores) costs one try, not the launch nor the provisioner: ``add_slice`` starts a new slice in its
+    place (a test's ``ensure_slices`` and the demo call it too), and the pending reservation is served."""
     from ray.cluster_utils import Cluster
 
     real_add_node, calls = Cluster.add_node, []
@@ -172,8 +173,9 @@ def test_a_failed_slice_launch_is_retried(sim_cluster, monkeypatch):
         prov.stop()
         for r in held + [pending]:
             r.release()
-    assert len(prov.failed_launches) == 1 and "timed out during startup" in prov.failed_launches[0]
-    # One launch failed and was tried again (a launch more is demand the provisioner saw before it stopped).
+    assert prov.failed_launches == []
+    # One node start failed and its slice was started again (a launch more is demand the provisioner
+    # saw before it stopped).
     assert len(prov.added) >= 1 and len(calls) == len(prov.added) + 1
 
 

@@ -86,6 +86,36 @@ def test_the_trusted_and_the_checked_steps_are_kept_while_the_ring_has_room(ring
     assert np.all(keeper.read(5)["leaves"][0] == 5)
 
 
+def test_a_ring_sized_for_compared_replicas_keeps_the_agreed_step_and_the_next_one_whatever_the_lag():
+    """With the replicas compared, the fewest slots a ring gets leave room for the step they agreed
+    on and the next one fingerprinted beside the newest, acknowledged and streamed ones, all five
+    apart: the agreed step's snapshot is never given up, and the one compared next is there when
+    the driver trusts it (then the older agreed step goes)."""
+    big = SlotLayout.of([(1 << 28,)], ["float32"], [((0, 1 << 28),)], ("['w']",))
+    assert (big.slots(), big.slots(compared=True)) == (4, 6)
+    keeper = SlotSegment.create(0, LAYOUT, big.slots(compared=True))
+    writer = SlotSegment.open(keeper.path, LAYOUT)
+    try:
+        for step in range(6):
+            writer.write(0, step, fill(step))
+        keeper.trust(5)
+        for step in range(6, 40):  # the driver hears of a step 4 steps late and acknowledges it 8 late
+            keeper.acknowledge(0, max(step - 9, -1))
+            writer.write(0, step, fill(step), keep=(step - 5, *([10] if step > 10 else [])))
+            assert 5 in keeper.steps() and (step < 10 or 10 in keeper.steps()), (step, keeper.steps())
+        held = keeper.steps()
+        assert held[:2] == [5, 10] and held[-1] == 39 and len(held) == 6, held  # and the acked, the streamed
+        keeper.trust(10)  # the driver compared step 10's fingerprints: the replicas agree
+        for step in range(40, 44):
+            keeper.acknowledge(0, step - 9)
+            writer.write(0, step, fill(step), keep=(step - 5,))
+        assert 5 not in keeper.steps() and 10 in keeper.steps(), keeper.steps()
+        assert np.all(keeper.read(10)["leaves"][0] == 10)
+    finally:
+        writer.close()
+        keeper.close(unlink=True)
+
+
 def _die_mid_write(path: str) -> None:
     writer = SlotSegment.open(path, LAYOUT)
 

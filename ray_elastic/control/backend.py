@@ -112,7 +112,7 @@ class Streams(Protocol):
         start_step: int,
         end_step: int,
         stop_requested: Callable[[], OutcomeKind | None],
-        from_snapshot: bool = False,
+        donors: dict[str, str] | None = None,
     ) -> RunOutcome: ...
 
     def drain(self, timeout_s: float, errors: dict[Any, Any]) -> None: ...

@@ -251,7 +251,7 @@ class Controller:
         streams = self._streams = self.backend.drive(world, self.gens.store, self.ledger)
         self.ledger.start_world(world.plan.generation, streams.take_snapshot_steps)
         t0 = time.perf_counter()
-        outcome = streams.run(start, num_steps, self._stop_request, self.worlds[-1].restore_source == "snapshot")
+        outcome = streams.run(start, num_steps, self._stop_request, self.worlds[-1].snapshot_donors)
         if outcome.kind in (OutcomeKind.FAILURE, OutcomeKind.HANG):  # what survivors streamed, and their keepers hold
             t_drain = time.perf_counter()
             streams.drain(DRAIN_S, outcome.errors)
@@ -275,7 +275,7 @@ class Controller:
         if kind is OutcomeKind.ROLLBACK and self._stop.rollback is not None:
             self._enter(S.RECOVERING)
             wait = TEARDOWN_CONFIRM_S if self.config.checkpoint_dir else 0.0  # its processes gone first
-            return roll_back(self.checkpoints, world, self.gens, self._stop.rollback, outcome, wait)
+            return roll_back(self.checkpoints, world, self.gens, self.ledger, self._stop.rollback, outcome, wait)
         self._enter(S.RESIZING)
         self._check_owner()
         if kind is OutcomeKind.GROW:

@@ -61,6 +61,7 @@ class Generations:
         self.members: list[Any] = []  # slice reservations of the current/next world, replica order
         self.replacements: list[Any] = []  # pending replacement requests (the autoscaler's demand)
         self.quarantined: list[Any] = []  # reservations of slices that kept failing: held until the run ends
+        self.left: list[Any] = []  # warned slices that left alive: freed once the next world stepped
         self.last_restore: RestorePlan | None = None  # what the newest world loaded (or tried to)
         self.store = SnapshotStore(config.slice.num_hosts)
         self.worlds: list[WorldRecord] = []
@@ -152,28 +153,37 @@ class Generations:
             self.replacements.remove(req)
         return list(self.members), added
 
-    def drop(self, res: Any, *, replace: bool = True, quarantine: bool = False) -> None:
+    def drop(self, res: Any, *, replace: bool = True, quarantine: bool = False, alive: bool = False) -> None:
         """A slice left for good: free it (or, ``quarantine``, keep holding it until the run ends, so
         nothing of this run is placed there again), forget its snapshots, and (by default) ask for a
-        replacement."""
+        replacement. A slice that leaves ``alive`` (warned) is freed once the next world has
+        stepped (:meth:`replenish`): stopping its processes competes for the CPUs forming needs."""
         if res.slice_name:
             self.store.forget(res.slice_name)
+        if alive:
+            self.left.append(res)
+        else:
+            self._free(res, quarantine)
+        if replace:
+            # A pending slice placement group is what makes the autoscaler provision a new slice.
+            self.replacements.append(self.backend.request_replacement())
+
+    def _free(self, res: Any, quarantine: bool = False) -> None:
         if quarantine:
             self.quarantined.append(res)
         else:
             res.release()
         self.backend.discard(res)
-        if replace:
-            # A pending slice placement group is what makes the autoscaler provision a new slice.
-            self.replacements.append(self.backend.request_replacement())
 
-    def split(self, lost: set[str], quarantined: frozenset[str] | set[str] = frozenset()) -> list[Any]:
-        """After a failure of the current world: drop the ``lost`` slices (holding the ``quarantined``
-        ones), return the others (replica order)."""
+    def split(
+        self, lost: set[str], quarantined: frozenset[str] | set[str] = frozenset(), alive: frozenset[str] = frozenset()
+    ) -> list[Any]:
+        """After the current world: drop the ``lost`` slices (holding the ``quarantined`` ones,
+        freeing the ``alive`` ones later: :meth:`drop`), return the others (replica order)."""
         survivors = []
         for i, res in enumerate(self.members):
             if _name(res, i) in lost:
-                self.drop(res, quarantine=_name(res, i) in quarantined)
+                self.drop(res, quarantine=_name(res, i) in quarantined, alive=_name(res, i) in alive)
             else:
                 survivors.append(res)
         return survivors
@@ -342,7 +352,11 @@ class Generations:
         return record
 
     def replenish(self) -> bool:
-        """Start warm standby processes on member hosts that lack some; True once none lacks any."""
+        """Once a world has stepped: free the slices that left alive, and start warm standby
+        processes on member hosts that lack some; True once none lacks any."""
+        left, self.left = self.left, []
+        for res in left:
+            self._free(res)
         return self.backend.replenish(self.members)
 
     def donors_released(self) -> bool:
@@ -366,7 +380,7 @@ class Generations:
         for req in self.replacements:
             req.cancel()
         self.replacements = []
-        for r in self.members + self.quarantined:
+        for r in self.members + self.quarantined + self.left:
             try:
                 r.release()
             except Exception as e:  # noqa: BLE001

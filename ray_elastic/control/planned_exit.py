@@ -21,7 +21,7 @@ from ray_elastic.control.backend import ClusterHealth, WorldHandle
 from ray_elastic.control.final_checkpoint import finish_checkpoints
 from ray_elastic.control.run_checkpoints import RunCheckpoints
 from ray_elastic.control.states import OutcomeKind, RunOutcome
-from ray_elastic.decide import Notice, plan_exit, warned_slices
+from ray_elastic.decide import Notice, leave_now, plan_exit, warned_slices
 from ray_elastic.decide.integrity import Mismatch
 from ray_elastic.decide.stragglers import Straggler, straggler_action
 from ray_elastic.errors import ProcessFailed
@@ -140,9 +140,14 @@ class PlannedStop:
 def planned_stop(
     warned: dict[str, Notice], streams: Any, gens: Any, config: ElasticConfig, events: EventLog
 ) -> PlannedStop:
-    """What should stop the world now: the ``warned`` slices, a straggler the backend confirmed that
-    is to leave, and replicas found to disagree (a ``replica_mismatch`` event: the out-voted slices
-    leave; with no majority, a rollback)."""
+    """What should stop the world now: the ``warned`` slices (once the staying slices' standbys have
+    started, or their deadline is near: :func:`~ray_elastic.decide.notices.leave_now`), a straggler
+    the backend confirmed that is to leave, and replicas found to disagree (a ``replica_mismatch``
+    event: the out-voted slices leave; with no majority, a rollback)."""
+    if warned:
+        staying = [r for r in gens.members if r.slice_name not in warned]
+        if not leave_now(list(warned.values()), time.time(), gens.backend.warm(staying, every=True)):
+            warned = {}  # the world trains on while they start; asked again at the next read
     stop = PlannedStop(dict(warned))
     found = streams.take_straggler()
     if found is not None and straggler_leaves(found, gens, config, events):
@@ -168,6 +173,7 @@ def roll_back(
     checkpoints: RunCheckpoints,
     world: WorldHandle,
     gens: Any,
+    ledger: StepLedger,
     mismatch: Mismatch,
     outcome: RunOutcome,
     confirm_s: float,
@@ -180,7 +186,7 @@ def roll_back(
     now, t0 = time.time(), time.perf_counter()
     world.teardown(confirm_s=confirm_s)
     gens.store.drop_after(mismatch.agreed_step)
-    _set_aside_suspect(checkpoints, [mismatch.agreed_step])
+    _set_aside_suspect(checkpoints, ledger, [mismatch.agreed_step])
     return WorldChange(
         OutcomeKind.ROLLBACK,
         list(gens.members),
@@ -214,7 +220,7 @@ def leave(
     )
     if failed is not None:
         return failed
-    _set_aside_suspect(checkpoints, [r.agreed_step for r in leaving.values() if isinstance(r, Mismatch)])
+    _set_aside_suspect(checkpoints, ledger, [r.agreed_step for r in leaving.values() if isinstance(r, Mismatch)])
     out_at = time.time()
     for name in plan.leaving:
         why = leaving[name]
@@ -237,7 +243,8 @@ def leave(
             list(plan.leaving),
         )
     held = {n for n in plan.leaving if not isinstance(leaving[n], Notice)}  # its hosts are not to be used again
-    survivors = gens.split(set(plan.leaving), held)  # and its snapshots forgotten
+    warned = frozenset(plan.leaving) - held  # alive until the deadline: freed after the next world's first step
+    survivors = gens.split(set(plan.leaving), held, warned)  # and its snapshots forgotten
     what = ", ".join(f"{n} ({_why(leaving[n])})" for n in plan.leaving)
     return WorldChange(
         OutcomeKind.LEAVE,
@@ -249,12 +256,13 @@ def leave(
     )
 
 
-def _set_aside_suspect(checkpoints: RunCheckpoints, agreed: list[int]) -> None:
+def _set_aside_suspect(checkpoints: RunCheckpoints, ledger: StepLedger, agreed: list[int]) -> None:
     """The run's own checkpoints saved since the replicas last agreed may hold a corrupt replica's
     blocks (a replicated array is written from one replica): set aside (kept, never restored)."""
     if agreed:
         directory, step = checkpoints.newest()
         checkpoints.set_aside_newer(directory, step, min(agreed), why="suspect")
+        ledger.set_aside(min(agreed) + 1)  # checkpoint n holds the state after step n - 1
 
 
 def _why(reason: Notice | Straggler | Mismatch) -> str:

@@ -27,7 +27,7 @@ from ray_elastic.decide.layout import (
     resolve_slice_mesh,
     spec_sizes,
 )
-from ray_elastic.decide.notices import ExitPlan, Notice, plan_exit, warned_slices
+from ray_elastic.decide.notices import ExitPlan, Notice, leave_now, plan_exit, warned_slices
 from ray_elastic.decide.restore import RestorePlan, RestoreSource, choose_restore, refuse_fresh_restart
 from ray_elastic.decide.schedule import (
     MAX_CHUNK_S,
@@ -82,6 +82,7 @@ __all__ = [
     "is_checkpoint_step",
     "is_eval_step",
     "is_snapshot_step",
+    "leave_now",
     "lr_scale",
     "newest_due_snapshot",
     "newest_snapshot_step",

@@ -8,14 +8,15 @@ window or its newest ``QUICK_STEPS`` steps), and at least every ``MAX_BACKOFF_WI
 slow device does not always slow the world: on a host whose cores every process shares, the others
 take the cores it leaves). A check that finds nothing holds the next ones back for twice as many
 windows each time (up to ``MAX_BACKOFF_WINDOWS``): on a noisy host the step period wanders, and
-every check costs each process its program's time. A process slower than the other slices' median
-by ``1 + straggler_factor / 2`` in one check and by ``1 + straggler_factor`` in the next one (asked
-at once), or the other way round, is a straggler: a duty-cycled host's timings wander around its
-slowdown, so either check may be the one under the whole factor.
+every check costs each process its program's time. A process slower than the other slices (their
+median and their slowest) by ``1 + straggler_factor / 2`` in one check and by ``1 + straggler_factor``
+in the next one (asked at once), or the other way round, is a straggler: a duty-cycled host's
+timings wander around its slowdown, so either check may be the one under the whole factor.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 from collections.abc import Callable
@@ -35,6 +36,7 @@ class DeviceChecks:
         self.check_at: int | None = None  # the step at which every process is asked to time its devices
         self.suspect: str | None = None  # the slowest by half the factor in one check: the next one confirms it
         self._suspect_full = False  # ... and by the whole factor in it
+        self._suspect_timings: dict[int, float] = {}  # ... the seconds of the check that named it
         self.slowed = False  # the world's steps slowed and its devices are being timed
         self._periods: list[float] = []  # the world's window periods
         self._period = 0.0  # the period that asked for the check
@@ -81,9 +83,11 @@ class DeviceChecks:
         self._sent = True
         return self.check_at
 
-    def answered(self, done: list[tuple[int, float | None]]) -> Straggler | None:
+    def answered(self, done: list[tuple[int, float | None]], aside: frozenset[int] = frozenset()) -> Straggler | None:
         """Every process's newest check (step, seconds; None: its program was not compiled yet, the
-        round is dropped); a confirmed straggler, once all have checked."""
+        round is dropped); a confirmed straggler, once all have checked. ``aside``: processes that
+        worked beside their steps meanwhile (compiling ahead): the slowest among them timed its
+        devices sharing its CPUs with that work, so the round is dropped too."""
         if self.check_at is None or not all(step >= self.check_at for step, _ in done):
             return None
         if any(s is None for _, s in done):
@@ -92,17 +96,20 @@ class DeviceChecks:
         seconds = {p: float(s) for p, (_, s) in enumerate(done) if s is not None}
         self._judged = True
         found = find_slow_device(seconds, {p: self.slice_of(p) for p in seconds}, self._period, self.factor / 2)
-        logger.debug("speed check at step %d: %s -> %s", self.check_at, seconds, found)
+        logger.debug("speed check at step %d: %s -> %s (worked aside: %s)", self.check_at, seconds, found, aside)
+        if found is not None and found.process in aside:
+            self.check_at, self.slowed = None, False
+            return None
         front, self.check_at = max(step for step, _ in done), None
         full = found is not None and found.ratio > self.factor
         if found is not None and self.suspect == found.slice_name and (full or self._suspect_full):
             logger.info("speed check: %s's devices %.1fx slower than the others'", found.slice_name, found.slowdown)
             self.suspect, self.slowed, self._hold = None, False, MAX_BACKOFF_WINDOWS  # no checks while it leaves
-            return found
+            return dataclasses.replace(found, timings=(self._suspect_timings, seconds))
         if found is None or self.suspect is not None:  # clean, another slice now, or twice only half as slow
             self.suspect, self.slowed = None, False
             self._hold, self._backoff = self._backoff, min(2 * self._backoff, MAX_BACKOFF_WINDOWS)
             return None
-        self.suspect, self._suspect_full = found.slice_name, full
+        self.suspect, self._suspect_full, self._suspect_timings = found.slice_name, full, seconds
         self._ask(self._period, front)  # confirmed, or not, by a second check at once
         return None

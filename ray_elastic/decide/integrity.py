@@ -25,9 +25,16 @@ class Mismatch:
     agreed_step: int = -1
 
 
-def compare(step: int, fingerprints: dict[int, tuple[int, ...]], place: dict[int, tuple[str, int]]) -> Mismatch | None:
+def compare(
+    step: int,
+    fingerprints: dict[int, tuple[int, ...]],
+    place: dict[int, tuple[str, int]],
+    donors: dict[str, str] | None = None,
+) -> Mismatch | None:
     """``fingerprints`` per process of ``step``; ``place``: process -> (slice, host in slice).
-    None when every replica agrees."""
+    None when every replica agrees. ``donors`` (slice -> the slice whose snapshot it restored),
+    while the state a world restored from snapshots is not yet compared: a copy follows its donor's
+    vote instead of adding to it, or a corrupt donor's copies would out-vote the clean holders."""
     by_host: dict[int, dict[str, tuple[int, ...]]] = {}
     for p, fp in fingerprints.items():
         name, host = place[p]
@@ -36,17 +43,24 @@ def compare(step: int, fingerprints: dict[int, tuple[int, ...]], place: dict[int
     arrays: set[int] = set()
     split = False
     for fps in by_host.values():
-        best, votes = collections.Counter(fps.values()).most_common(1)[0]
-        if votes == len(fps):
+        ballots = _ballots(fps, donors or {})
+        best, votes = collections.Counter(ballots).most_common(1)[0]
+        if all(fp == best for fp in fps.values()):
             continue
         arrays |= {i for fp in fps.values() for i, (a, b) in enumerate(zip(fp, best)) if a != b}
-        if 2 * votes > len(fps):
+        if 2 * votes > len(ballots):
             corrupt |= {name for name, fp in fps.items() if fp != best}
         else:
             split = True
     if not arrays and not corrupt and not split:
         return None
     return Mismatch(step, () if split else tuple(sorted(corrupt)), tuple(sorted(arrays)))
+
+
+def _ballots(fps: dict[str, tuple[int, ...]], donors: dict[str, str]) -> list[tuple[int, ...]]:
+    """One vote per source of the state: each slice's own, except copies of a donor that is here
+    (the donor votes for them)."""
+    return [fp for name, fp in fps.items() if donors.get(name, name) == name or donors[name] not in fps]
 
 
 def trusted_at_start(start_step: int, from_snapshot: bool, trusted_before: int | None) -> int:

@@ -40,6 +40,21 @@ def warned_slices(
     return out
 
 
+# A warned slice waiting for the staying slices' standbys leaves at the latest this long before its deadline.
+LEAVE_MARGIN_S = 5.0
+
+
+def leave_now(notices: list[Notice], now: float, standbys_idle: bool, margin_s: float = LEAVE_MARGIN_S) -> bool:
+    """Whether warned slices leave at this step boundary. While a standby process of the staying
+    slices is still starting (right after a recovery, say) the world trains on: the start-up would
+    compete with the next world's forming for the hosts' CPUs (as a grow-back, which waits for its
+    standbys too), and the slices still train until then, so waiting costs no step. Never past
+    ``margin_s`` before the earliest deadline; a notice with no deadline does not wait."""
+    if standbys_idle:
+        return True
+    return any(left is None or left <= margin_s for left in (n.seconds_left(now) for n in notices))
+
+
 @dataclasses.dataclass(frozen=True)
 class ExitPlan:
     """How warned slices leave: ``leaving`` (replica order kept for the rest), and whether the

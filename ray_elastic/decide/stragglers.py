@@ -31,6 +31,7 @@ class Straggler:
     data_bound: bool  # it waited for its own rows for most of the excess (a slow data source)
     steps: int
     seen_by: str = "release"  # "release": its calls returned late; "speed_check": its devices computed slowly
+    timings: tuple[dict[int, float], ...] = ()  # a speed check's: each process's seconds, per check that named it
 
     @property
     def slowdown(self) -> float:
@@ -38,7 +39,9 @@ class Straggler:
         return self.period_s / _own_step(self.period_s, self.excess_s)
 
     def evidence(self) -> dict[str, object]:
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
+        out = {k: round(v, 4) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
+        out["timings"] = [{str(p): round(s, 5) for p, s in t.items()} for t in self.timings]
+        return out
 
 
 def find_straggler(
@@ -60,6 +63,16 @@ def find_straggler(
     excess = max(0.0, late[p] - statistics.median(others))
     ratio = excess / _own_step(period, excess)
     return Straggler(slice_of[p], p, period, excess, ratio, data_s.get(p, 0.0) > excess / 2, len(steps))
+
+
+CONFIRM_MIN_STEPS = 4  # the shortest window that confirms a suspect
+
+
+def window_steps(window: int, suspected: bool) -> int:
+    """Steps a window needs before it is judged: ``straggler_window_steps``, or half of it (at least
+    ``CONFIRM_MIN_STEPS``) to confirm the slice the previous window named, which then leaves a
+    window's worth of slow steps sooner (the first window still needs every step)."""
+    return max(CONFIRM_MIN_STEPS, window // 2) if suspected else window
 
 
 MAX_SLOWDOWN = 100.0  # a process late by about a whole period (stuck for part of the window) reads as this
@@ -105,17 +118,20 @@ def find_slow_device(
     seconds: dict[int, float], slice_of: dict[int, str], period_s: float, factor: float
 ) -> Straggler | None:
     """The process whose devices took longest on the fixed program (``seconds``: per process), when
-    over ``1 + factor`` x the other slices' median: the world steps at its pace, so without it the
-    others' step would be that many times shorter (for a world bound by its compute)."""
+    over ``1 + factor`` x the slowest of the other slices (so over their median too): where two
+    slices are both that slow, the processes were sharing starved CPUs (every process of a
+    simulated cluster shares one machine's cores), not one slow device. Its slowdown is measured
+    against the others' median: the world steps at its pace, so without it the others' step would
+    be that many times shorter (for a world bound by its compute)."""
     if not seconds:
         return None
     p = max(seconds, key=lambda q: seconds[q])
     others = [x for q, x in seconds.items() if slice_of[q] != slice_of[p]]
     if not others:
         return None
-    slowdown = seconds[p] / max(statistics.median(others), 1e-9)
-    if slowdown - 1 <= factor:
+    if seconds[p] / max(max(others), 1e-9) - 1 <= factor:
         return None
+    slowdown = seconds[p] / max(statistics.median(others), 1e-9)
     excess = period_s * (1 - 1 / slowdown)
     return Straggler(slice_of[p], p, period_s, excess, slowdown - 1, False, 0, "speed_check")
 

@@ -175,10 +175,10 @@ def draining_nodes(timeout_s: float = 2.0) -> dict[str, tuple[float | None, str]
     }
 
 
-def probe(workers: list, timeout_s: float) -> list:
+def probe(workers: list, timeout_s: float, where: bool = False) -> list:
     """Each worker's answer to a health probe (its own concurrency group), or None when it did not
-    answer within ``timeout_s`` (hung, stopped or dead)."""
-    refs = [w.probe.remote() for w in workers]
+    answer within ``timeout_s`` (hung, stopped or dead); ``where``: with where its step loop is."""
+    refs = [w.probe.remote(where=where) for w in workers]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     ready = set(ready)
     answers = []
@@ -232,6 +232,42 @@ def stuck_processes(answers: list) -> dict[int, dict]:
     behind = {p: a for p, a in answered.items() if a["dispatched"] < front}
     reading = {p: a for p, a in behind.items() if a.get("reading") is not None}
     return reading or behind
+
+
+def working_aside(answers: list) -> bool:
+    """Some process runs work beside its steps (compiling the next world's step ahead:
+    :mod:`~ray_elastic.slice.background`): on a host's shared CPUs any process may fall behind the
+    others meanwhile, neither stuck nor a straggler."""
+    return any(_background(a)[1] for a in answers)
+
+
+def worked_aside(answers: list, started_before: list[int] | None) -> set[int]:
+    """The processes (by index) that run work beside their steps now, or started some since the
+    previous round (``started_before``: each one's count of such jobs then; None: the world's
+    first round, none before it)."""
+    started, before = background_started(answers), started_before or [0] * len(answers)
+    return {p for p, a in enumerate(answers) if a is not None and (_background(a)[1] or started[p] != before[p])}
+
+
+def background_started(answers: list) -> list[int]:
+    """Each process's count of jobs started beside its steps so far (0 when it did not answer)."""
+    return [_background(a)[0] for a in answers]
+
+
+def _background(answer: dict | None) -> tuple[int, int]:
+    """A probe answer's (jobs started beside the steps, running now); (0, 0) when it did not answer."""
+    started, running = (answer or {}).get("background") or (0, 0)
+    return started, running
+
+
+def stuck_early(answers: list) -> dict[int, dict]:
+    """For the stuck bound, before the hang bound: :func:`stuck_processes`, but while some process
+    works aside (:func:`working_aside`) only those waiting for their own rows (the others may be
+    behind for that while; the hang bound still judges them)."""
+    behind = stuck_processes(answers)
+    if working_aside(answers):
+        return {p: a for p, a in behind.items() if a.get("reading") is not None}
+    return behind
 
 
 def newest_step(answers: list) -> int:

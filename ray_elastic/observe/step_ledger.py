@@ -103,6 +103,12 @@ class StepLedger:
                 self.save_seconds.append(total_s)
             self.events.emit(ev.CheckpointCommitted(step=step, total_s=total_s))
 
+    def set_aside(self, after: int) -> None:
+        """The run's checkpoints newer than ``after`` were set aside: they no longer count as
+        committed (the run's last one is saved again, not taken as done)."""
+        self._committed = {s for s in self._committed if s <= after}
+        self.committed_step = min(self.committed_step, after)
+
     def snapshot_interval(self, step: int, every: int) -> None:
         """The snapshot interval from ``step`` on (the snapshot policy picks it as the run goes)."""
         self.events.emit(ev.SnapshotInterval(step=step, every=every, max_rewind_steps=max(0, every - 1)))

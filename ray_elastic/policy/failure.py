@@ -40,7 +40,8 @@ class FailureConfig:
             before deciding the slice itself is healthy (match Ray's health-check period x threshold).
         straggler_factor, straggler_window_steps: a slice that makes every step wait for it longer
             than ``straggler_factor`` x the others' own step time, over two windows in a row of at
-            least ``straggler_window_steps`` steps, is a straggler (always a ``straggler`` event).
+            least ``straggler_window_steps`` steps (the second: half that, at least 4), is a
+            straggler (always a ``straggler`` event).
         on_straggler: ``"auto"``: replace a straggler when a spare slice is ready, evict it when the
             world is faster without it, else report it; ``"report"``: only report.
         on_bad_step: ``"skip"``: a step whose loss (or ``grad_norm`` metric) is not finite, or a spike, is not

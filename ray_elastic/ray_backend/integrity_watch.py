@@ -2,7 +2,8 @@
 
 Each process keeps its newest few fingerprinted steps (:class:`~ray_elastic.slice.integrity.Fingerprints`);
 once every process of the world has reported a step, :func:`~ray_elastic.decide.integrity.compare`
-judges it. The newest step at which all agreed is trusted: with no majority the run goes back to
+judges it (a step some process skipped, its programs still compiling, is never judged). The
+newest step at which all agreed is trusted: with no majority the run goes back to
 it, so the snapshot store and the holders' keepers keep a snapshot of it (or the newest before it).
 """
 
@@ -32,10 +33,15 @@ class IntegrityWatch:
         self.agreed = -1  # the newest step every replica agreed on
         self._found: Mismatch | None = None
         self._over = False  # a mismatch was found: the world stops for it, nothing after it counts
+        self._donors: dict[str, str] = {}  # slice -> whose snapshot it restored
+        self._start = 0  # the world's first step
 
-    def starts_at(self, step: int, from_snapshot: bool) -> None:
-        """The world's first step, and whether it restored snapshots (see :func:`trusted_at_start`)."""
-        self.agreed = trusted_at_start(step, from_snapshot, self.store.trusted)
+    def starts_at(self, step: int, donors: dict[str, str]) -> None:
+        """The world's first step, and whose snapshot each slice restored (empty: not from snapshots;
+        see :func:`trusted_at_start`). Until the restored state is compared, copies of a donor
+        follow its vote (:func:`compare`)."""
+        self.agreed = trusted_at_start(step, bool(donors), self.store.trusted)
+        self._start, self._donors = step, donors
         self._trust()
 
     def trusted(self) -> int | None:
@@ -57,25 +63,31 @@ class IntegrityWatch:
         complete = sorted(s for s, got in self._seen.items() if len(got) == len(answers))
         logger.debug("fingerprints: %s complete of %s", complete, sorted(self._seen))
         for step in complete:
-            found = compare(step, self._seen.pop(step), self._place)
+            # Until the state it restored is compared, the newest agreed step is before the world's start.
+            unchecked = self.agreed < self._start - 1
+            found = compare(step, self._seen.pop(step), self._place, self._donors if unchecked else None)
             if found is None:
                 self.agreed = max(self.agreed, step)
                 self._trust()
+                self._seen = {s: got for s, got in self._seen.items() if s > self.agreed}  # (some skipped one)
                 continue
             self._found, self._seen, self._over = dataclasses.replace(found, agreed_step=self.agreed), {}, True
             logger.warning("replicas disagree after step %d: %s", step, self._found)
             return
 
-    def verify(self, workers: list[Any], timeout_s: float = 5.0) -> None:
-        """The world stopped at a planned step boundary, every process fingerprinted that step (when
-        fingerprints are on): compare them now, before the next world restores a replica of it. A
-        bit flipped since the last check would otherwise travel on in the snapshot of a corrupt slice."""
+    def verify(self, workers: list[Any], timeout_s: float = 5.0) -> bool:
+        """The world stopped at a planned step boundary or at the run's end, and every process
+        fingerprinted that step (when fingerprints are on): compare them now, before the next world
+        restores a replica of it or the run's last checkpoint is trusted. A bit flipped since the
+        last check would otherwise travel on. True when the replicas were found to disagree in this
+        world, now or by an earlier round (:meth:`take` says how, once)."""
         if not self.every:
-            return
+            return False
         try:
             self.add(ray.get([w.probe.remote() for w in workers], timeout=timeout_s))
         except Exception as e:  # noqa: BLE001 - a process died: the failure path sees it
             logger.debug("integrity: the boundary's fingerprints were not read: %r", e)
+        return self._over
 
     def take(self) -> Mismatch | None:
         """The replicas' first disagreement, once."""

@@ -80,9 +80,7 @@ class StepStreams:
         self.queues: list[collections.deque[Any]] = [collections.deque() for _ in self.channels]
         self.streaming = [len(ch) == 1 and world.plan.takes_snapshots(ch[0]) for ch in self.channels]
         self._snapshot_steps: list[int] = []  # steps newly kept by some holder, not yet reported
-        self.not_kept: list[
-            dict[Any, Any]
-        ] = []  # the first few a holder's keeper did not take: {"slice", "step", "why"}
+        self.not_kept: list[dict[Any, Any]] = []  # the first few a keeper did not take: {"slice", "step", "why"}
         self.not_kept_count = 0  # and how many in all (a dead keeper misses every step)
         self._acked_at: dict[int, float] = {}  # process -> when its keeper was last told
         self._trusted_told: dict[int, int | None] = {}  # ... and the trusted step it was told
@@ -112,12 +110,12 @@ class StepStreams:
         start_step: int,
         end_step: int,
         stop_requested: Callable[[], OutcomeKind | None],
-        from_snapshot: bool = False,
+        donors: dict[str, str] | None = None,
     ) -> RunOutcome:
         """Steps ``start_step .. end_step - 1``. ``stop_requested`` is asked between reads: a kind
         (``GROW``, ``LEAVE``) stops the world at the next step boundary with that outcome.
-        ``from_snapshot``: the world restored snapshots (its replicas may not agree at its start)."""
-        self.integrity.starts_at(start_step, from_snapshot)
+        ``donors``: whose snapshot each slice restored (:meth:`IntegrityWatch.starts_at`)."""
+        self.integrity.starts_at(start_step, donors or {})
         self.hosts.start()
         wake = threading.Event()
         waiters = FirstReady(wake), FirstReady(wake)  # snapshot holders' streams, the others' results
@@ -153,9 +151,11 @@ class StepStreams:
                 # after some point are not to be trusted (a rollback): then they run again.
                 late = run.submitted >= end_step and run.draining is not OutcomeKind.ROLLBACK
                 kind = run.draining if run.draining and not late else OutcomeKind.DONE
+                # The replicas are compared before the next world restores one, or the last checkpoint counts.
+                if self.integrity.verify(self.world.workers) and kind is OutcomeKind.DONE:
+                    kind = OutcomeKind.LEAVE  # disagreeing replicas, found now or late: the out-voted go, or back
                 if kind is not OutcomeKind.DONE:
                     self.sync_with_keepers()  # the next world restores from what they hold
-                    self.integrity.verify(self.world.workers)  # ... once the replicas agree on it
                 return RunOutcome(kind, {}, run.wall)
             suspect = watchdog_timeout(self.step_times, SUSPECT_FACTOR, SUSPECT_MIN_S)
             wake.wait(min(POLL_S, max(0.0, max(run.at + suspect, run.next_node_check) - time.monotonic())))

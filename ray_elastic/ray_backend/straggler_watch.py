@@ -6,8 +6,10 @@ during a step) for when its recent steps' calls returned and for its step counte
 answers (they are read at a later turn of the step loop). Once ``straggler_window_steps`` steps
 that every process released have come in, the window is judged
 (:func:`~ray_elastic.decide.stragglers.find_straggler`); a slice that makes the world wait more than
-``straggler_factor`` x the others' own step time in two windows in a row is a straggler, handed to
-the controller (:meth:`take`), which decides what to do.
+``straggler_factor`` x the others' own step time in two windows in a row (the second half as long)
+is a straggler, handed to the controller (:meth:`take`), which decides what to do. A world's
+first window is not judged (it measures the world's start), nor does a window (or a speed check)
+name a slice whose process compiled ahead beside its steps during it: it fell behind for that.
 
 A slow device makes every process wait inside the step's collectives, so no process returns late:
 :class:`~ray_elastic.decide.device_checks.DeviceChecks` decides when the probe asks every
@@ -25,7 +27,8 @@ import ray
 
 from ray_elastic.config import ElasticConfig
 from ray_elastic.decide.device_checks import QUICK_STEPS, DeviceChecks
-from ray_elastic.decide.stragglers import Straggler, common_steps, find_straggler, window_period
+from ray_elastic.decide.stragglers import Straggler, common_steps, find_straggler, window_period, window_steps
+from ray_elastic.detect.health import background_started, worked_aside
 
 logger = logging.getLogger(__name__)
 PROBE_EVERY_S = 1.0
@@ -48,6 +51,9 @@ class StragglerWatch:
         self._found: Straggler | None = None
         self.devices = DeviceChecks(config.failure.straggler_factor, world.slice_of)
         self._handed: set[str] = set()  # slices handed to the controller (kept, when it only reports them)
+        self._aside: set[int] = set()  # processes that worked beside their steps in this window
+        self._started: list[int] | None = None  # ... the count of such jobs each had started, last round
+        self._first = True  # the world's first window is not judged
 
     @property
     def suspicious(self) -> bool:
@@ -86,15 +92,18 @@ class StragglerWatch:
 
     def _add(self, answers: list[dict[str, Any]]) -> None:
         front = max(a.get("dispatched", -1) for a in answers)
-        slow = self.devices.answered([(a.get("timing") or {}).get("speed") or (-1, 0.0) for a in answers])
+        self._aside |= worked_aside(answers, self._started)  # since the last window
+        self._started = background_started(answers)
+        checks = [(a.get("timing") or {}).get("speed") or (-1, 0.0) for a in answers]
+        slow = self.devices.answered(checks, frozenset(self._aside))
         self._found = slow or self._found
         for p, a in enumerate(answers):
             self._released.setdefault(p, {}).update((s, t) for s, t in a.get("released", ()) if s > self._judged)
         common = common_steps(self._released)
-        if len(common) >= QUICK_STEPS:
+        if len(common) >= QUICK_STEPS and not self._aside:
             recent = common[-QUICK_STEPS:]
             self.devices.recent(window_period({p: {s: r[s] for s in recent} for p, r in self._released.items()}), front)
-        window = self.config.failure.straggler_window_steps
+        window = window_steps(self.config.failure.straggler_window_steps, self._suspect is not None)
         if len(common) < window:
             return
         timing = {p: a.get("timing") or {} for p, a in enumerate(answers)}
@@ -108,10 +117,17 @@ class StragglerWatch:
         self._released = {p: {s: t for s, t in r.items() if s > self._judged} for p, r in self._released.items()}
         self._data = {p: (t.get("steps", 0), t.get("data_s", 0.0)) for p, t in timing.items()}
         found = find_straggler(released, data, {p: self.world.slice_of(p) for p in released}, window)
-        logger.debug("straggler window to step %d: %s", self._judged, found)
+        aside, self._aside = self._aside, set()
+        logger.debug("straggler window to step %d: %s (worked aside: %s)", self._judged, found, sorted(aside))
+        first, self._first = self._first, False
+        if first:  # the world's start: newcomers restoring copies, standbys replenished, programs loaded
+            return
+        if found is not None and any(self.world.slice_of(p) == found.slice_name for p in aside):
+            return  # it compiled ahead meanwhile: behind for that, which says nothing of its host
         if found is None or found.ratio <= self.config.failure.straggler_factor:
             self._suspect = None
-            self.devices.window(window_period(released), front)
+            if not aside:  # (a device timed while a compile shares its host's CPUs is no measure)
+                self.devices.window(window_period(released), front)
             return
         if self._suspect == found.slice_name:  # named twice in a row: handed to the controller
             self._found = found

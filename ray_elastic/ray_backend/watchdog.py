@@ -10,7 +10,8 @@ Two bounds, both from the run's step times (:func:`~ray_elastic.decide.watchdog_
   the others wait in, at the same step two probes in a row, is stuck (its data source blocked,
   say): named, and its slice alone blamed. A save or an eval is never this (the probe says so),
   nor a world's first step: until one of its steps is back, processes still compiling (a slow
-  host compiles slowly) are behind the others, so only the hang bound judges it.
+  host compiles slowly) are behind the others, so only the hang bound judges it. While a process
+  compiles ahead beside its steps, only a process waiting for its own rows is.
 """
 
 from __future__ import annotations
@@ -61,13 +62,13 @@ class Watchdog:
         if time.monotonic() < self._next_stuck_probe:
             return None
         self._next_stuck_probe = time.monotonic() + STUCK_PROBE_EVERY_S
-        answers = health.probe(self.world.workers, f.probe_timeout_s)
+        answers = health.probe(self.world.workers, f.probe_timeout_s, where=True)
         if any(a is None or a.get("saving") or a.get("evaluating") for a in answers):
             self._behind = {}
             return None  # silence is the hang bound's to judge; a save or an eval is not stuck
         # Stuck: behind the others at the same step as at the last probe, while no process of the
         # world finished a step in between (steps still reaching the driver do not count).
-        newest, behind = health.newest_step(answers), health.stuck_processes(answers)
+        newest, behind = health.newest_step(answers), health.stuck_early(answers)
         still = {p: a for p, a in behind.items() if self._behind.get(p) == (a["dispatched"], newest)}
         self._behind = {p: (a["dispatched"], newest) for p, a in behind.items()}
         return RunOutcome(OutcomeKind.HANG, self._named(answers, still), stall.wall) if still else None
@@ -75,7 +76,7 @@ class Watchdog:
     def _hang(self, stall: Stall, reported: int) -> RunOutcome | None:
         """Past the hang bound: a save past its bound is a failed save, silence with nothing busy a
         hang (the processes behind the others named); a slow but busy world is watched again."""
-        answers = health.probe(self.world.workers, self.config.failure.probe_timeout_s)
+        answers = health.probe(self.world.workers, self.config.failure.probe_timeout_s, where=True)
         save_limit = self.sink.save_limit_s()
         saves = health.stuck_saves(answers, save_limit)
         if saves:
@@ -108,6 +109,7 @@ class Watchdog:
                 f"process {p} (slice {self.world.slice_of(p)}) never reached step {front}, which the others wait "
                 f"in: it is at step {a['dispatched']}"
                 + (f", waiting for its rows of step {a['reading']}" if a.get("reading") is not None else "")
+                + (f"; its step loop is in {a['where']}" if a.get("where") else "")
             )
             for p, a in stuck.items()
         }

@@ -16,6 +16,7 @@ import ray
 from ray_elastic.decide import WorldPlan, is_checkpoint_step, is_eval_step, is_snapshot_step
 from ray_elastic.slice.process import world_errors
 from ray_elastic.slice.settings import SliceSettings
+from ray_elastic.slice.stack import StepThread
 from ray_elastic.slice.step_reports import StepReports
 from ray_elastic.slice.stop_gate import StopGate
 from ray_elastic.state.checkpoints import checkpoint_metadata
@@ -43,6 +44,7 @@ class ChunkRunning:
     _snapshot_step: int
     _compiled_ahead: bool
     gate: StopGate
+    stepping: StepThread
 
     @ray.method(num_returns="streaming")
     def run_chunk(
@@ -71,6 +73,7 @@ class ChunkRunning:
         (``eval_before`` redoes the eval of ``start_step - 1`` first, when a failure lost it).
         """
         c = self.settings
+        self.stepping.enter()  # a stuck process is named with where this thread is
         every = snapshot_every if snapshot_every is not None else c.snapshot_every
         streams = self.plan.takes_snapshots(self.process_id)
         end = start_step + num_steps
@@ -89,7 +92,7 @@ class ChunkRunning:
                 if item:
                     yield item
         if num_steps == 0 or end - 1 >= final_step:
-            self._finish_all(end - 1, planned_stop=num_steps == 0 and start_step <= final_step)
+            self._finish_all(end - 1, final_step, planned_stop=num_steps == 0 and start_step <= final_step)
         if num_steps and not self._compiled_ahead:
             self._compile_ahead()
         yield self.reports.take(self.writer)
@@ -112,7 +115,7 @@ class ChunkRunning:
             while self.loop.in_flight() > IN_FLIGHT:
                 self._finish_one()
 
-    def _finish_all(self, step: int, planned_stop: bool) -> None:
+    def _finish_all(self, step: int, final_step: int, planned_stop: bool) -> None:
         """Finish every step in flight and let the writer hand over what it holds. At a planned stop
         (the world grows at this boundary) the newest step is snapshotted too: the bigger world
         starts from this very step, not from the interval's last snapshot."""
@@ -121,7 +124,8 @@ class ChunkRunning:
                 self._finish_one()
             if planned_stop and self.writer is not None and self.last_step > self._snapshot_step:
                 self._snapshot(self.last_step)
-            if planned_stop:  # the replicas are compared at the boundary before the next world restores one
+            if planned_stop or step >= final_step:  # the replicas are compared at the boundary (before the
+                # next world restores one) and at the run's end (before its last checkpoint is trusted)
                 self.loop.fingerprints.dispatched(self.last_step, self.loop.state, now=True)
                 self.loop.fingerprints.finished(self.last_step)
             if self.writer is not None:

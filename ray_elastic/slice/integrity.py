@@ -55,20 +55,34 @@ class Fingerprints:
         self._started: dict[int, list[list[jax.Array]]] = {}
         self.done: collections.OrderedDict[int, tuple[int, ...]] = collections.OrderedDict()
         self.recent: tuple[int, ...] = ()  # the steps in ``done``, oldest first (for the snapshot writer's thread)
+        self._warming: threading.Thread | None = None
 
     def warm(self, state) -> None:
         """Compile the program for this process's blocks now, on a thread, as the world forms: a
         process that compiled it at its first check would fall behind the others for a second or
-        more (one program per block shape and device), which the watchdog takes for a stuck one."""
+        more (one program per block shape and device), which the watchdog takes for a stuck one
+        (a check due before they are ready is skipped: :meth:`dispatched`)."""
         if self.every:  # zeros like each block: no reference to the state, which the next step donates
             like = [(b.shape, b.dtype, b.sharding) for x in jax.tree.leaves(state) for b in _blocks(x)]
-            threading.Thread(target=_compile, args=(like,), name="fingerprint-compile", daemon=True).start()
+            self._warming = threading.Thread(target=_compile, args=(like,), name="fingerprint-compile", daemon=True)
+            self._warming.start()
+
+    @property
+    def warming(self) -> bool:
+        """The programs are still compiling (:meth:`warm`)."""
+        return self._warming is not None and self._warming.is_alive()
 
     def dispatched(self, step: int, state, now: bool = False) -> None:
         """``state``: the state after ``step``, fingerprinted when due (``now``: whenever fingerprints
-        are on, as at a planned stop)."""
-        if self.every and ((step + 1) % self.every == 0 or now):
-            self._started[step] = [[_bits_sum(b) for b in _blocks(x)] for x in jax.tree.leaves(state)]
+        are on, as at a planned stop, where it waits for the programs). A periodic one due while
+        the programs still compile is skipped: it would compile them again in the step loop (seconds
+        on a loaded host, the whole world waiting, and the watchdog naming this process stuck); that
+        step is never compared, the next due one is."""
+        if not self.every or not ((step + 1) % self.every == 0 or now):
+            return
+        if self.warming and not now:
+            return
+        self._started[step] = [[_bits_sum(b) for b in _blocks(x)] for x in jax.tree.leaves(state)]
 
     def finished(self, step: int) -> None:
         started = self._started.pop(step, None)

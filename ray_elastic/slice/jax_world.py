@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 
 import jax
@@ -27,6 +26,7 @@ from ray_elastic.decide.bad_steps import (
 )
 from ray_elastic.errors import StorageError, TrainingCodeError
 from ray_elastic.slice import step_program as sp
+from ray_elastic.slice.background import run_in_background
 from ray_elastic.slice.compile_cache import cache_hits, compile_ahead, lower_and_compile
 from ray_elastic.slice.data import BatchPrefetcher, StepBatches
 from ray_elastic.slice.host_blocks import block_range, host_blocks, leaf_paths
@@ -116,7 +116,7 @@ def compile_smaller_in_background(task, settings: SliceSettings, plan: WorldPlan
         except Exception as e:  # noqa: BLE001 - an optimisation: the world that needs it compiles it
             logger.warning("compiling ahead for %d slices failed: %r", smaller, e)
 
-    threading.Thread(target=run, name="compile-ahead", daemon=True).start()
+    run_in_background(run, "compile-ahead")
 
 
 class NonFiniteLossError(TrainingCodeError):

@@ -19,7 +19,15 @@ class Snapshots:
 
     def __init__(self, keeper, generation: int, epoch: int | None, loop, streamed: Callable[[], int]):
         self.layout = snapshot_pack.layout(jax.tree.leaves(loop.state), loop.leaf_paths)
-        self.writer = SnapshotWriter(keeper, generation, epoch, self.layout, streamed, lambda: loop.fingerprints.recent)
+        self.writer = SnapshotWriter(
+            keeper,
+            generation,
+            epoch,
+            self.layout,
+            streamed,
+            lambda: loop.fingerprints.recent,
+            compared=bool(loop.fingerprints.every),
+        )
         self._packer: Callable | None = None
 
     def submit(self, loop, step: int) -> None:

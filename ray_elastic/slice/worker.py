@@ -21,9 +21,11 @@ import ray
 
 from ray_elastic.decide import WorldPlan
 from ray_elastic.detect.liveness import Beacon
+from ray_elastic.slice import background
 from ray_elastic.slice.chunk_running import ChunkRunning
 from ray_elastic.slice.process import set_niceness, world_errors
 from ray_elastic.slice.settings import SliceSettings
+from ray_elastic.slice.stack import StepThread
 from ray_elastic.slice.step_reports import StepReports
 from ray_elastic.slice.stop_gate import StopGate
 from ray_elastic.slice.tpu_env import clear_stale_lock, megascale_env, set_world_env, wait_until_gone
@@ -70,6 +72,7 @@ class SliceWorker(ChunkRunning):
         self._snapshot_step = -1  # the newest step handed to the writer
         self._compiled_ahead = False  # once per world, after its first chunk (process 0)
         self.gate = StopGate()  # a stop at a step boundary the controller proposes (one world per process)
+        self.stepping = StepThread()  # where the step loop is: named with a stuck process
 
     def prepare(self, for_world: int | None = None) -> dict:
         """Everything that does not need the world: import JAX, load the task's data. Then, in the
@@ -126,9 +129,10 @@ class SliceWorker(ChunkRunning):
         }
 
     @ray.method(concurrency_group="health")
-    def probe(self, speed_check_at: int | None = None) -> dict:
+    def probe(self, speed_check_at: int | None = None, where: bool = False) -> dict:
         """Answered on its own thread even while a step is blocked in a collective. With
-        ``speed_check_at``, the step loop times its devices before that step (or its next one)."""
+        ``speed_check_at``, the step loop times its devices before that step (or its next one);
+        with ``where``, the answer says where the step loop is (the watchdog's, to name a stuck one)."""
         since = self.saving_since
         loop = self.loop
         if loop is not None and speed_check_at is not None:
@@ -145,6 +149,8 @@ class SliceWorker(ChunkRunning):
             "saving": since is not None,
             "saving_s": time.monotonic() - since if since is not None else 0.0,
             "evaluating": self.evaluating,
+            "background": background.activity(),  # compiling ahead: behind the others, not stuck or slow
+            "where": self.stepping.where() if where else None,
         }
 
     @ray.method(concurrency_group="health")

@@ -208,15 +208,18 @@ class SnapshotKeeper:
                     seg.seal()
         return self.held()
 
-    def open_segment(self, generation: int, layout: SlotLayout, epoch: int | None = None) -> str | None:
+    def open_segment(
+        self, generation: int, layout: SlotLayout, epoch: int | None = None, compared: bool = False
+    ) -> str | None:
         """A ring for ``generation``'s process to write its snapshots into (the file's path); None
-        when refused (a late world, or a driver that was taken over)."""
+        when refused (a late world, or a driver that was taken over). ``compared``: the replicas'
+        fingerprints are compared, and the ring keeps room for the agreed step (``SlotLayout.slots``)."""
         if generation < self._generation or (epoch is not None and epoch != self.epoch):
             return None
         for _gen, seg in [x for x in self._segments if x[0] == generation]:
             seg.close(unlink=True)
         self._segments = [x for x in self._segments if x[0] != generation]
-        seg = SlotSegment.create(generation, layout, layout.slots())
+        seg = SlotSegment.create(generation, layout, layout.slots(compared=compared))
         self._segments.append((generation, seg))
         return seg.path
 

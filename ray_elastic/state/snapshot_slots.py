@@ -40,8 +40,9 @@ MAGIC = 0x72656C61_736E6170
 H_MAGIC, H_SLOTS, H_SLOT_BYTES, H_SEALED, H_ACK_GEN, H_ACK_STEP, H_GEN, H_PID, H_TRUSTED = range(9)
 HEADER_WORDS = 9
 SLOT_WORDS = 4  # seq, generation, step, spare
-SLOT_BUDGET_BYTES = 512 << 20  # per host: the ring takes at most this much, or MIN_SLOTS slots
-MIN_SLOTS, MAX_SLOTS = 4, 16
+SLOT_BUDGET_BYTES = 512 << 20  # per host: the ring takes at most this much, or its fewest slots
+MIN_SLOTS, MAX_SLOTS = 4, 16  # the fewest: the newest, the acknowledged, the streamed, one to write
+COMPARED_SLOTS = 2  # with integrity checks, besides: the step last agreed on, the next one compared
 
 
 def shm_dir() -> str:
@@ -106,10 +107,15 @@ class SlotLayout:
         (replicated within the process) adds nothing, and its row need not be copied."""
         return frozenset(p.row for p in self.pieces)
 
-    def slots(self, budget_bytes: int = SLOT_BUDGET_BYTES) -> int:
+    def slots(self, budget_bytes: int = SLOT_BUDGET_BYTES, compared: bool = False) -> int:
         """How many slots the ring gets: as many as fit ``budget_bytes``, within MIN_SLOTS..MAX_SLOTS.
-        More slots cover a longer lag between a step kept and the driver's acknowledgement."""
-        return int(min(MAX_SLOTS, max(MIN_SLOTS, budget_bytes // max(self.slot_bytes, 1))))
+        More slots cover a longer lag between a step kept and the driver's acknowledgement.
+        ``compared`` (the replicas' fingerprints are compared): COMPARED_SLOTS more at least, so
+        that whatever the state's size the step the replicas last agreed on (where two replicas
+        that disagree go back to) and the next one fingerprinted (which the driver has yet to
+        compare, and which becomes the agreed step) are never given up for newer steps."""
+        fewest = MIN_SLOTS + (COMPARED_SLOTS if compared else 0)
+        return int(min(max(MAX_SLOTS, fewest), max(fewest, budget_bytes // max(self.slot_bytes, 1))))
 
 
 def unpack(layout: SlotLayout, rows: list[np.ndarray]) -> list[np.ndarray]:
@@ -261,7 +267,9 @@ class SlotSegment:
         ``keep`` (the newest streamed), at or before the trusted step, then at or before each of the
         rest of ``keep`` after the trusted step (fingerprinted steps not yet known to agree).
         A ring too small for all of them gives up the least needed: a zero-rewind restore needs the
-        first three, a rollback to agreed replicas the others (else it restores a checkpoint)."""
+        first three, a rollback to agreed replicas the others (else it restores a checkpoint); a
+        ring sized for compared replicas (:meth:`SlotLayout.slots`) keeps the trusted step and the
+        oldest fingerprinted step after it too."""
         complete = self._complete()
         if len(complete) < self.nslots:
             taken = {slot for slot, _, _ in complete}

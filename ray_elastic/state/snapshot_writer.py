@@ -64,7 +64,8 @@ class SnapshotWriter:
     busy cores it mostly measures waiting for one. ``streamed``: the newest step this process has streamed to
     the driver, whose slot is never overwritten (the driver may restore it before it acknowledges it).
     ``checked``: the steps fingerprinted (oldest first), whose slots are kept while the ring has room
-    (the driver goes back to the newest one the replicas agreed on if they disagree later).
+    (the driver goes back to the newest one the replicas agreed on if they disagree later); with
+    ``compared`` (fingerprints on) the ring has room for the agreed one and the next.
     """
 
     def __init__(
@@ -75,9 +76,10 @@ class SnapshotWriter:
         layout: SlotLayout,
         streamed: Callable[[], int] = lambda: -1,
         checked: Callable[[], tuple[int, ...]] = tuple,
+        compared: bool = False,
     ):
         self.keeper, self.generation, self.epoch, self.layout = keeper, generation, epoch, layout
-        self._streamed, self._checked = streamed, checked
+        self._streamed, self._checked, self._compared = streamed, checked, compared
         self._keeper_exit: _ExitWatch | None = None
         self._gone = ""  # why the ring was let go (its keeper exited)
         self.segment = self._open_ring()
@@ -94,7 +96,9 @@ class SnapshotWriter:
         """The keeper's ring for this world; None (snapshots go by call) when it refused or the
         ring is not on this host."""
         try:
-            path = ray.get(self.keeper.open_segment.remote(self.generation, self.layout, self.epoch))
+            path = ray.get(
+                self.keeper.open_segment.remote(self.generation, self.layout, self.epoch, compared=self._compared)
+            )
             seg = SlotSegment.open(path, self.layout) if path else None
         except (OSError, ValueError) as e:
             logger.warning("snapshots go to the keeper by call: its ring cannot be mapped here (%r)", e)
