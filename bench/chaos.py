@@ -21,8 +21,9 @@ slice, checkpoints every ``--checkpoint-every`` steps. ``--faults N`` faults fir
   it). Each straggler and stuck process must be attributed to the right slice (``misattributed``:
   0); ``steps_to_named`` is how many steps the run made between the fault and the naming (a slowed
   slice lost to another fault first is ``moot``, not counted);
-- wrong numbers: ``poisoned_record`` (the next row any process reads becomes inf: the step that
-  reads it must be skipped, ``bad_kept``: 0) and ``bit_flip`` (one bit of one slice's replica of
+- wrong numbers: ``poisoned_record`` (a record that a step some 30 steps on reads, and no step
+  before it, becomes inf until that step is reported, replays included: the step must be skipped,
+  ``poison_kept``: 0, ``bad_kept``: 0) and ``bit_flip`` (one bit of one slice's replica of
   the state flipped: found by the replicas' fingerprints, every 10 steps here, for that slice;
   ``flips_not_found``, ``flips_misnamed``: 0; ``flips_found_after``: steps from the step the bit
   flipped before to the step whose fingerprints disagreed; ``flips_missed``: flips whose world
@@ -36,16 +37,18 @@ Each phase is compared, step by step, with the failure-free run of the same leng
 Float32 rounding makes any change of world size drift the losses a little (the drift grows with
 the steps after it), so the failure-free run is also made at ``min_slices``: its distance from the
 full-size run is the noise floor, ``world_size_noise``. Steps trained before the world first
-changed shape must match exactly (``same_shape_max_diff``). ``--no-noise`` skips the run at
-``min_slices`` (both noise figures null): a quick check of recovery alone. Last line, one JSON object:
+changed shape (or skipped a batch, or had a bit flipped) must match exactly
+(``same_shape_max_diff``). ``--no-noise`` skips the run at ``min_slices`` (both noise figures
+null): a quick check of recovery alone. Last line, one JSON object:
 
     {"faults": N, "planned": ..., "unrecovered": ..., "steps_rewound": ..., "unexplained_rewound": ...,
      "max_rel_loss_diff": ...,
      "world_size_noise": ..., "loss_diff_over_noise": ..., "same_shape_max_diff": ..., "uncommitted_restored": ...,
      "final_checkpoint_committed": ..., "goodput": ..., "goodput_breakdown": {seconds per category},
      "by_kind": {...}, "attributed": ..., "misattributed": ..., "not_named": ..., "moot": ...,
-     "steps_to_named": {kind: {"median", "worst", "n"}}, "steps_to_pace": {"slow_host": {...}},
-     "steps_to_throughput": {"slow_host": {...}}}
+     "steps_to_named": {kind: {"median", "worst", "n"}}, "steps_to_out": {kind: {...}} (to the first step
+     of a world without the named slice), "steps_to_pace": {"slow_host": {...}}, "steps_to_pace_after_out":
+     {"slow_host": {...}} (from that first step), "steps_to_throughput": {"slow_host": {...}}}
 
     .venv/bin/python bench/chaos.py [--faults 100] [--every-s 30 --steps 3000] [--multihost-faults 10] [--run-dir DIR]
 """
@@ -81,14 +84,15 @@ KINDS = (
     "poisoned_record",
     "bit_flip",
 )
+POISON_AHEAD = 30  # a poisoned record's step: this many steps on or more (more than two chunks ahead)
 GBS, SEED = 48, 0  # 48 splits evenly over 2, 3 and 4 slices of 2 devices (and 2 or 3 slices of 4)
 
 
 def chaos_task(marker_dir: str):
     """The digits MLP whose rows a fault can slow or block on one slice: a file ``slow_data-<slice>``
     in ``marker_dir`` makes each of that slice's rows take its seconds; ``stuck_data-<slice>``
-    blocks them while it exists (the slice is the host's ``TPU_NAME``); ``poison`` makes the next
-    row any process reads infinite (the process that renames it away first)."""
+    blocks them while it exists (the slice is the host's ``TPU_NAME``); ``poison-<i>`` makes
+    record ``i`` infinite while it exists."""
     import dataclasses
 
     from ray_elastic.examples.digits_mlp import DigitsMLPTask
@@ -109,12 +113,9 @@ def chaos_task(marker_dir: str):
                     while os.path.exists(os.path.join(where, f"stuck_data-{me}")):
                         time.sleep(0.05)
                     row = list.__getitem__(self, i)
-                    poison = os.path.join(where, "poison")
-                    try:
-                        os.rename(poison, f"{poison}-{me}-{os.getpid()}-{i}")  # one reader takes it
-                    except OSError:
-                        return row
-                    return dict(row, x=row["x"] * float("inf"))
+                    if os.path.exists(os.path.join(where, f"poison-{i}")):
+                        return dict(row, x=row["x"] * float("inf"))
+                    return row
 
             return Rows(super().dataset())
 
@@ -134,11 +135,16 @@ class Chaos:
         self.culprits: dict[str, dict] = {}  # slice -> the fault that should be named for it
         self.attributed = self.misattributed = self.moot = 0
         self.last_step = -1  # the newest step the run reported
-        self.poisoned = 0  # records made inf (each step that reads one must be skipped)
+        self.poisoned: dict[int, str] = {}  # step -> the marker of the record made inf that it reads
+        self.poison_reported: set[int] = set()  # ... those steps reported (a step past the run's end never is)
+        self.poison_skipped: set[int] = set()  # ... and reported skipped (each must be)
+        self._batches = None  # the run's data order, to find a record only a coming step reads
         self.flips: dict[str, dict] = {}  # slice -> its bit_flip fault, until a replica_mismatch names it
         self.flips_found: list[int] = []  # steps from a flip to the replica_mismatch that named it
         self.flips_misnamed = self.flips_missed = self.mismatches = 0
         self.steps_to_named: dict[str, list[int]] = {}  # fault kind -> steps between the fault and its naming
+        self.steps_to_out: dict[str, list[int]] = {}  # ... and the first step of a world without its slice
+        self._leaving: list[dict] = []  # faults named whose slice is still in the world
         self.finished_at: dict[int, float] = {}  # step -> when it finished (the newest run of it)
 
     # ----------------------------------------------------------------- victims
@@ -203,8 +209,10 @@ class Chaos:
         elif kind in ("slow_data", "stuck_data", "slow_host"):
             self._slow(kind, self._pick()[0])
         elif kind == "poisoned_record":  # a record that becomes inf: its step must be skipped, not kept
-            open(os.path.join(self.marker_dir, "poison"), "w").close()
-            self.poisoned += 1
+            target, record = self._poison_target(step)
+            self.poisoned[target] = os.path.join(self.marker_dir, f"poison-{record}")
+            self.fired[-1]["target"] = target
+            open(self.poisoned[target], "w").close()
         elif kind == "bit_flip":  # one bit of one slice's replica: found within integrity_every steps
             victim = self._pick()[0]
             self.fired[-1]["victim"] = victim
@@ -245,15 +253,21 @@ class Chaos:
             f.write("0.03" if kind == "slow_data" else "")
         fault["marker"] = marker
 
-    def _named(self, name: str, how: str) -> None:
-        """The controller named ``name`` (a straggler, a stuck process): right if a fault made it so."""
+    def _named(self, name: str, how: str, evidence=None, leaves: bool = False) -> None:
+        """The controller named ``name`` (a straggler, a stuck process): right if a fault made it so.
+        A wrong naming is printed with its evidence and how old the world was (in steps)."""
         fault = self.culprits.pop(name, None)
         if fault is None:
             self.misattributed += 1
+            world = self.trainer.worlds[-1] if self.trainer.worlds else None
+            age = self.last_step - world.start_step + 1 if world is not None else None
             print(f"    MISATTRIBUTED: {name} named {how}, no fault made it so", flush=True)
+            print(f"      {age} steps into its world ({world and world.slices}): {evidence}", flush=True)
             return
         self.attributed += 1
         self.steps_to_named.setdefault(fault["kind"], []).append(self.last_step - fault["step"])
+        if leaves:
+            self._leaving.append(fault)
         self._undo(fault)
 
     @staticmethod
@@ -294,7 +308,42 @@ class Chaos:
                 return
             time.sleep(0.05)
 
+    def _poison_target(self, step: int, ahead: int = POISON_AHEAD) -> tuple[int, int]:
+        """A step ``ahead`` steps or more on (not read yet, two chunks queued) and one record of
+        its batch that no step between reads (a record recurs every epoch)."""
+        from ray_elastic.examples.digits_mlp import DigitsMLPTask
+        from ray_elastic.slice.data import StepBatches
+
+        if self._batches is None:
+            data = DigitsMLPTask().dataset()
+            self._batches = (StepBatches(data, GBS, SEED), len(data))
+        batches, n = self._batches
+        target = step + ahead
+        while True:
+            between = {batches._index(target * GBS - j) % n for j in range(1, (target - step) * GBS + 1)}
+            free = [k for r in range(GBS) if (k := batches._index(target * GBS + r) % n) not in between]
+            if free:
+                return target, free[0]
+            target += 1
+
+    def step_reported(self, m: dict) -> None:
+        """A poisoned step reported (skipped or, wrongly, kept): its record is clean again (it
+        recurs an epoch later)."""
+        marker = self.poisoned.get(m["step"])
+        if marker is None:
+            return
+        if os.path.exists(marker):
+            os.remove(marker)
+        self.poison_reported.add(m["step"])
+        if m.get("skipped"):
+            self.poison_skipped.add(m["step"])
+
     def on_event(self, e: dict) -> None:
+        if e["kind"] == "slice_left":  # the named slices that were to leave are out: the next world's first step
+            for fault in self._leaving:
+                fault["out_step"] = e["restored_from_step"] + 1
+                self.steps_to_out.setdefault(fault["kind"], []).append(fault["out_step"] - fault["step"])
+            self._leaving.clear()
         if e["kind"] == "replica_mismatch":
             self.mismatches += 1
             print(f"    replica_mismatch: step {e['step']}, {e['slices']}, {e['action']}", flush=True)
@@ -307,10 +356,10 @@ class Chaos:
                     self.flips_found.append(e["step"] - fault.get("landed", fault["step"]))
         if e["kind"] == "straggler":
             print(f"    straggler: {e['slice']} {e['slowdown']}x, {e['action']}", flush=True)
-            self._named(e["slice"], "a straggler")
+            self._named(e["slice"], "a straggler", e.get("evidence"), leaves=e["action"] != "report")
         elif e["kind"] == "failure" and e["cause"] == "hang" and "never reached step" in (e.get("error") or ""):
             for name in e["kinds"]:
-                self._named(name, "stuck")
+                self._named(name, "stuck", e.get("error"))
         elif e["kind"] in ("failure", "preemption_notice"):  # a slowed slice lost or warned first: moot
             gone = {e["slice"]} if e["kind"] == "preemption_notice" else set(e.get("lost_slices") or ())
             for name in gone | set(e.get("crashed_slices") or ()):
@@ -422,6 +471,7 @@ def run_phase(
             schedule.setdefault(s, kind)
 
     def on_step(m: dict) -> None:
+        chaos.step_reported(m)
         chaos.last_step = max(chaos.last_step, m["step"])
         chaos.finished_at[m["step"]] = m.get("finished_at") or time.time()
         kind = schedule.pop(m["step"], None)
@@ -491,14 +541,22 @@ def run_phase(
         "not_named": len(chaos.culprits),
         "moot": chaos.moot,
         "steps_to_named": _spread(chaos.steps_to_named),
+        # ... and to the first step of a world without the named slice (what the controller decides)
+        "steps_to_out": _spread(chaos.steps_to_out),
         # slow_host: steps from the fault until the world steps at >= 0.8x its pace before it again
         # (10 steps in a row by their median), and until 10 steps' whole time is (pauses counted)
         "steps_to_pace": _spread(steps_to_pace(chaos.fired, chaos.finished_at, ("slow_host",))),
+        # slow_host: from that first step without it to the same pace (what the machine adds after)
+        "steps_to_pace_after_out": _spread(
+            steps_to_pace(chaos.fired, chaos.finished_at, ("slow_host",), after_out=True)
+        ),
         "steps_to_throughput": _spread(steps_to_pace(chaos.fired, chaos.finished_at, ("slow_host",), strict=True)),
         # processes that broke a rule of the TPU runtime (sim/tpu_runtime.py): must be 0
         "tpu_breaches": len(tpu_runtime.breaches()) - breaches_before,
         # poisoned records (each step reading one skipped) and flipped bits (each found, for its slice)
-        "poisoned": chaos.poisoned,
+        "poisoned": len(chaos.poisoned),
+        "poison_kept": sorted(chaos.poison_reported - chaos.poison_skipped),  # reported, not skipped: must be []
+        "poison_unread": len(set(chaos.poisoned) - chaos.poison_reported),  # its step past the run's end
         "flips": sum(1 for f in chaos.fired if f["kind"] == "bit_flip"),
         "flips_found_after": _spread({"bit_flip": chaos.flips_found}),
         "flips_not_found": len(chaos.flips),
@@ -515,11 +573,13 @@ def run_phase(
         )
         # a skipped step's loss is the bad batch's: compared as the failure-free run's
         result.losses = [full[s] if s in skipped else loss for s, loss in enumerate(result.losses)]
-        # Steps before the world first changed shape trained exactly as the failure-free run did.
-        resized = [r.restored_from_step for r in result.recoveries if r.slices != num_slices] + [
-            e["restored_from_step"] for e in events if e["kind"] == "slice_left"
-        ]
-        prefix = min(resized) + 1 if resized else steps
+        # Steps before the world first changed shape, skipped a batch (the data differs after it)
+        # or had a bit flipped (a corrupt replica's gradients count until it leaves) trained
+        # exactly as the failure-free run did.
+        changed = [r.restored_from_step for r in result.recoveries if r.slices != num_slices]
+        changed += [e["restored_from_step"] for e in events if e["kind"] == "slice_left"]
+        changed += [s - 1 for s in skipped] + [f["step"] for f in chaos.fired if f["kind"] == "bit_flip"]
+        prefix = min(changed) + 1 if changed else steps
         out.update(
             steps_rewound=result.summary["steps_rewound"],
             unexplained_rewound=unexplained_rewinds(events, trainer.config.snapshot_replicas),
@@ -544,17 +604,23 @@ def _spread(by_kind: dict[str, list[int]]) -> dict[str, dict]:
 
 
 def steps_to_pace(
-    fired: list[dict], finished_at: dict[int, float], kinds, window: int = 10, strict: bool = False
+    fired: list[dict],
+    finished_at: dict[int, float],
+    kinds,
+    window: int = 10,
+    strict: bool = False,
+    after_out: bool = False,
 ) -> dict[str, list[int]]:
     """Per slowing fault of ``kinds``: steps after it until the world steps at >= 0.8x its pace
     before it again (at most 1/0.8 x the median step of the 30 steps before the fault): the first
     step after which ``window`` steps in a row keep that pace, by their median (a one-off pause
     among them, a checkpoint save or a grow-back, is not a slower pace). ``strict``: by the
     ``window`` steps' whole time instead (every pause counts), counted to the window's end: the
-    throughput of those steps, not their pace."""
+    throughput of those steps, not their pace. ``after_out``: counted from the first step of the
+    world without the named slice (the pace before the fault still the reference)."""
     out: dict[str, list[int]] = {}
     for f in fired:
-        if f["kind"] not in kinds:
+        if f["kind"] not in kinds or (after_out and "out_step" not in f):
             continue
         s0 = f["step"]
         took = {s: finished_at[s] - finished_at[s - 1] for s in finished_at if s - 1 in finished_at}
@@ -562,6 +628,8 @@ def steps_to_pace(
         if len(before) < 10:
             continue
         pace = statistics.median(before) / 0.8
+        if after_out:
+            s0 = f["out_step"] - 1
         for s in range(s0 + 1, max(finished_at) - window + 1):
             span = [took.get(t) for t in range(s, s + window)]
             if None in span:
@@ -724,13 +792,17 @@ def main() -> int:
         "not_named": sum(p["not_named"] for p in ps),
         "moot": sum(p["moot"] for p in ps),
         "steps_to_named": phases["one_host_slices"].get("steps_to_named"),
+        "steps_to_out": phases["one_host_slices"].get("steps_to_out"),
         "steps_to_pace": phases["one_host_slices"].get("steps_to_pace"),
+        "steps_to_pace_after_out": phases["one_host_slices"].get("steps_to_pace_after_out"),
         "steps_to_throughput": phases["one_host_slices"].get("steps_to_throughput"),
+        "poison_kept": [s for p in ps for s in p.get("poison_kept", [])],
         **{
             k: sum(p.get(k, 0) for p in ps)
             for k in (
                 "poisoned",
                 "skipped",
+                "poison_unread",
                 "bad_kept",
                 "flips",
                 "flips_not_found",

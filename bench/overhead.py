@@ -22,7 +22,11 @@ guard that skips bad steps costs: ``bad_step_guard_cost_large``, the default aga
 ``on_bad_step="raise"`` (``--only no_snapshots_large,no_snapshots_raise_large``; the bare loop runs
 without the guard); what fingerprinting the replicas costs: ``integrity_cost_large`` and
 ``_llm``, the default ``integrity_every`` against none
-(``--only no_snapshots_large,no_snapshots_no_integrity_large,no_snapshots_llm,no_snapshots_no_integrity_llm``):
+(``--only no_snapshots_large,no_snapshots_no_integrity_large,no_snapshots_llm,no_snapshots_no_integrity_llm``),
+and, since that difference is below this machine's noise, magnified: a check after every step
+against none (``integrity_per_check_large`` and ``_llm``, runs made only when ``--only`` names them:
+``no_snapshots_integrity_every_step_large``, ``_llm``) and that divided by the default interval
+(``integrity_cost_from_per_check_large``, ``_llm``, the goal's figure: 0.5%);
 ``--only every_step,no_snapshots,every_step_llm,no_snapshots_llm --reps 5``. Beside each wall-clock
 cost, ``every_step_cost_cpu`` (``_large``, ``_llm``): the CPU time per steady step of every process
 of the run (driver, slices, keepers, Ray's own), median over the repetitions, every step against
@@ -163,6 +167,9 @@ def run_bare(
         return json.load(f)
 
 
+# Runs made only when --only names them: a fingerprint after every step, which magnifies what one
+# check costs a hundredfold, so that it shows above this machine's run-to-run noise.
+OPT_IN = ("no_snapshots_integrity_every_step_large", "no_snapshots_integrity_every_step_llm")
 SETTLE = 4  # steps at the start of a chunk that an A/B run leaves out: the previous chunk's copies may still run
 
 
@@ -322,6 +329,14 @@ def main() -> None:
             "large",
             lambda c, n: run_ray(n, c.slice_spec, "large", snapshot_every=0, failure=_failure(integrity_every=0)),
         ),
+        "no_snapshots_integrity_every_step_large": (  # a check after every step (opt-in: integrity_per_check_large)
+            "large",
+            lambda c, n: run_ray(n, c.slice_spec, "large", snapshot_every=0, failure=_failure(integrity_every=1)),
+        ),
+        "no_snapshots_integrity_every_step_llm": (
+            "llm",
+            lambda c, n: run_ray(n, c.slice_spec, "llm", snapshot_every=0, failure=_failure(integrity_every=1)),
+        ),
         "no_snapshots_raise_large": (  # bad steps stop the run: no guard on the state (bad_step_guard_cost)
             "large",
             lambda c, n: run_ray(n, c.slice_spec, "large", snapshot_every=0, failure=_failure(on_bad_step="raise")),
@@ -352,6 +367,8 @@ def main() -> None:
         if only - set(runs):
             ap.error(f"--only: no run named {sorted(only - set(runs))}; the runs are {', '.join(runs)}")
         runs = {k: v for k, v in runs.items() if k in only}
+    else:
+        runs = {k: v for k, v in runs.items() if k not in OPT_IN}
     got: dict[str, list[dict]] = {k: [] for k in runs}
     names = list(runs)
     with SimulatedTPUCluster(num_slices=NUM_SLICES, devices_per_host=DEVICES, log_to_driver=False) as cluster:
@@ -399,6 +416,9 @@ def main() -> None:
         # the replicas' fingerprints every integrity_every steps (default) against never
         "integrity_cost_large": ("no_snapshots_large", "no_snapshots_no_integrity_large"),
         "integrity_cost_llm": ("no_snapshots_llm", "no_snapshots_no_integrity_llm"),
+        # a check after every step against none: what one check costs, as a fraction of a step
+        "integrity_per_check_large": ("no_snapshots_integrity_every_step_large", "no_snapshots_no_integrity_large"),
+        "integrity_per_check_llm": ("no_snapshots_integrity_every_step_llm", "no_snapshots_no_integrity_llm"),
     }
     ratios = {
         "overhead_ratio": ("default", "bare"),
@@ -417,6 +437,11 @@ def main() -> None:
         json.dumps(
             {
                 **{out: round(r - 1, 4) for out, (k, base) in costs.items() if (r := ratio(k, base)) is not None},
+                **{  # one check's cost, at the default's one check every integrity_every steps
+                    f"integrity_cost_from_per_check_{m}": round((r - 1) / _failure().integrity_every, 5)
+                    for m in ("large", "llm")
+                    if (r := ratio(*costs[f"integrity_per_check_{m}"])) is not None
+                },
                 **{out: r for out, (k, base) in ratios.items() if (r := ratio(k, base)) is not None},
                 **{f"{out}_cpu": c for out, (k, base) in costs.items() if (c := cpu_cost(k, base)) is not None},
                 **{

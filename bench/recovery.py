@@ -34,6 +34,8 @@ worst, and the grow-back pauses. The last line is one JSON object:
      "pause_resume_recovery_after_arrival_s": ..., "replica_resize_tpu_model_median_s": ... (with the
      modelled TPU start-up), "replica_resize_tpu_model_worst_s": ..., "chips_wait_worst_s": ... (a new
      process waiting for its host's previous chip owner to exit), "steps_rewound_max": ...,
+     "preempt_pause_s": ... (replica-resize: the leave's stop -> ready), "preempt_pause_worst_s": ...,
+     "grow_ready_s": ... (a grow-back's stop -> ready; grow_pause_s and preempt_stall_s are step -> step),
      "preempt_stall_s": ... (median over notices), "preempt_stall_worst_s": ..., "preempt_failures": ... (failures
      counted from the notice to 3 s after the kill: 0), "preempt_seconds_left_min": ...}
 
@@ -107,6 +109,18 @@ def model(name: str) -> tuple:
     )
 
 
+# A world_formed event's times, printed on the timeline: where a formation's seconds went.
+FORMING_PHASES = (
+    "start_actors_s",
+    "chips_wait_s",
+    "jax_init_s",
+    "state_load_s",
+    "compile_s",
+    "total_s",
+    "processes_starting",
+)
+
+
 def run_mode(
     cluster,
     mode: str,
@@ -119,6 +133,7 @@ def run_mode(
     snapshot_every="auto",
     model_name: str = "mlp",
     notice_s: float = 10.0,
+    all_standbys: bool = False,
 ) -> dict:
     """One run that fires ``faults`` in order; returns per-fault rows, grow pauses and rewinds."""
     from ray_elastic import AutoInterval, ElasticConfig, ElasticTrainer
@@ -156,7 +171,9 @@ def run_mode(
         if todo and todo[0][2]:  # cold: at the first step of a new full-size world
             settled = full and m["step"] >= box.get("cold_from", 0) and box.get("cold_world") != t.world
         else:
-            settled = full and quiet and t.backend.warm(t.gens.members)
+            settled = full and quiet and t.backend.warm(t.gens.members, every=all_standbys)
+        # a warned slice may train on a few seconds before it leaves: nothing fires (or ends) before
+        settled = settled and box.get("notices", 0) >= sum(1 for r in fired if r["kind"] == "preempt")
         if not todo:
             if settled:
                 box["done_at"] = time.time()  # what the run does from here is the bench stopping it
@@ -202,6 +219,8 @@ def run_mode(
             threading.Thread(target=second_loss, daemon=True).start()
         elif row is not None:
             box["cascade"] = row
+        if e["kind"] == "preemption_notice":
+            box["notices"] = box.get("notices", 0) + 1
         if e["kind"] in ("recovered", "scale_up", "slice_left"):
             box["cold_from"] = box.get("last_step", 0) + 1
             box["quiet_from"] = max(box["quiet_from"], box.get("last_step", 0) + gap)
@@ -270,9 +289,10 @@ def run_mode(
                 "slices_after": rec.slices,
             }
         )
-    pauses = []
+    pauses, ready = [], []  # step -> step, and stop -> next world ready (the event's pause_s)
     for e in events:
         if e["kind"] == "scale_up":
+            ready.append(e["pause_s"])
             stopped = e["ts"] - e["resize_s"]
             before = [a for a in arrivals if a <= stopped]
             after = [a for a in arrivals if a > e["ts"]]
@@ -289,12 +309,28 @@ def run_mode(
             print(f"--- {row['kind']} {row['position']}{late}")
             for e in events:
                 if t_kill - 0.1 < e["ts"] < t_kill + 12 and e["kind"] not in ("steps",):
-                    detail = {k: e[k] for k in ("lost_slices", "restore_source", "steps_rewound", "reason") if k in e}
+                    keys = ("lost_slices", "restore_source", "steps_rewound", "reason", "teardown_s", "pause_s")
+                    keys += FORMING_PHASES if e["kind"] == "world_formed" else ()
+                    detail = {k: round(e[k], 3) if isinstance(e[k], float) else e[k] for k in keys if k in e}
                     print(f"   {e['ts'] - t_kill:7.3f} {e['kind']} {detail}")
+        formed = [e for e in events if e["kind"] == "world_formed"]
+        for e in events:  # and each grow-back's formation, to compare with a leave's
+            if e["kind"] == "scale_up":
+                world = max((f for f in formed if f["ts"] <= e["ts"]), key=lambda f: f["ts"], default={})
+                print(
+                    f"--- grow-back: pause {e['pause_s']:.3f} s; "
+                    + ", ".join(f"{k}={world.get(k)}" for k in FORMING_PHASES)
+                )
     preempts = preempt_rows(
         [r for r in fired if r["kind"] == "preempt"], events, arrivals, box.get("done_at", float("inf"))
     )
-    return {"rows": rows, "grow_pauses": pauses, "preempts": preempts, "skipped": box.get("skipped", [])}
+    return {
+        "rows": rows,
+        "grow_pauses": pauses,
+        "grow_ready": ready,
+        "preempts": preempts,
+        "skipped": box.get("skipped", []),
+    }
 
 
 def preempt_rows(fired: list[dict], events: list, arrivals: list[float], done_at: float) -> list[dict]:
@@ -306,7 +342,16 @@ def preempt_rows(fired: list[dict], events: list, arrivals: list[float], done_at
         left = next((e for e in events if e["kind"] == "slice_left" and e["ts"] > row["at"]), None)
         notice = next((e for e in events if e["kind"] == "preemption_notice" and e["ts"] > row["at"]), None)
         if left is None or notice is None:
-            out.append({**row, "stall_s": float("nan"), "seconds_left": None, "rewound": None, "failures": None})
+            out.append(
+                {
+                    **row,
+                    "stall_s": float("nan"),
+                    "pause_s": None,
+                    "seconds_left": None,
+                    "rewound": None,
+                    "failures": None,
+                }
+            )
             continue
         last_step = left["ready_at"] - left["pause_s"]
         before = [a for a in arrivals if a <= last_step + 1e-3]
@@ -320,6 +365,7 @@ def preempt_rows(fired: list[dict], events: list, arrivals: list[float], done_at
             {
                 **row,
                 "stall_s": after[0] - before[-1] if before and after else float("nan"),
+                "pause_s": left["pause_s"],  # stop -> next world ready (as a grow-back's stop -> ready)
                 "seconds_left": notice["seconds_left"],
                 "rewound": left["steps_rewound"],
                 "failures": len(failures),
@@ -366,10 +412,15 @@ def report(title: str, out: dict) -> None:
         )
     if out["grow_pauses"]:
         p = out["grow_pauses"]
-        print(f"  grow-back pause: median {statistics.median(p):.3f}s  worst {max(p):.3f}s  ({len(p)} grows)")
+        r = out.get("grow_ready") or [float("nan")]
+        print(
+            f"  grow-back pause: median {statistics.median(p):.3f}s  worst {max(p):.3f}s  ({len(p)} grows; "
+            f"stop -> ready: median {statistics.median(r):.3f}s  worst {max(r):.3f}s)"
+        )
     for r in out.get("preempts", []):
         print(
-            f"  preempt position {r['position']} {'cold' if r['cold'] else 'warm'}: stall {r['stall_s']:.3f}s, "
+            f"  preempt position {r['position']} {'cold' if r['cold'] else 'warm'}: stall {r['stall_s']:.3f}s "
+            f"(pause {r['pause_s'] if r['pause_s'] is None else round(r['pause_s'], 3)}s), "
             f"{r['seconds_left']}s of the notice left, {r['rewound']} rewound, {r['failures']} failures counted"
             + "".join(f"\n    failure (from the deadline) {f}" for f in r.get("failure_errors", []))
         )
@@ -403,6 +454,12 @@ def main() -> None:
         help="seconds to wait for the world to be back at full size before giving up on the rest",
     )
     ap.add_argument("--timeline", action="store_true", help="print the events around each fault")
+    ap.add_argument(
+        "--all-standbys",
+        action="store_true",
+        help="a warm fault waits until every standby process has started, not only the next one per host "
+        "(none still starting beside the recovery, as before a grow-back)",
+    )
     ap.add_argument("--multihost", type=int, default=1, help="also run the 2-host-slice variant (replica-resize)")
     ap.add_argument("--gap", type=int, default=10, help="steps at full size between faults")
     ap.add_argument(
@@ -456,6 +513,7 @@ def main() -> None:
             snapshot_every=args.snapshot_every,
             model_name=args.model,
             notice_s=args.notice_s,
+            all_standbys=args.all_standbys,
         )
 
     probes = [cpu_probe_s()]
@@ -506,6 +564,8 @@ def main() -> None:
     dead = [r["node_dead_s"] for r in everything if r["node_dead_s"] == r["node_dead_s"]]  # not NaN
     preempts = [r for out in results.values() for r in out.get("preempts", [])]
     stalls = [r["stall_s"] for r in preempts if r["stall_s"] == r["stall_s"]]
+    leaves = [r["pause_s"] for r in results.get("replica-resize", {}).get("preempts", []) if r["pause_s"] is not None]
+    ready = results.get("replica-resize", {}).get("grow_ready", [])
     summary = {
         "replica_resize_recovery_s": round(statistics.median(rr), 3) if rr else None,
         "replica_resize_worst_s": round(max(rr), 3) if rr else None,
@@ -540,6 +600,10 @@ def main() -> None:
         "replica_resize_tpu_model_worst_s": round(max(tpu), 3) if tpu else None,
         "chips_wait_worst_s": round(max((r["chips_wait_s"] for r in everything), default=0.0), 3),
         "steps_rewound_max": max((r["steps_rewound"] for r in everything), default=0),
+        # replica-resize, stop -> next world ready: the warned slice's leave against a grow-back's
+        "preempt_pause_s": round(statistics.median(leaves), 3) if leaves else None,
+        "preempt_pause_worst_s": round(max(leaves), 3) if leaves else None,
+        "grow_ready_s": round(statistics.median(ready), 3) if ready else None,
         "preempt_stall_s": round(statistics.median(stalls), 3) if stalls else None,
         "preempt_stall_worst_s": round(max(stalls), 3) if stalls else None,
         "preempt_failures": sum(r["failures"] or 0 for r in preempts),
