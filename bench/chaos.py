@@ -48,7 +48,8 @@ null): a quick check of recovery alone. Last line, one JSON object:
      "by_kind": {...}, "attributed": ..., "misattributed": ..., "not_named": ..., "moot": ...,
      "steps_to_named": {kind: {"median", "worst", "n"}}, "steps_to_out": {kind: {...}} (to the first step
      of a world without the named slice), "steps_to_pace": {"slow_host": {...}}, "steps_to_pace_after_out":
-     {"slow_host": {...}} (from that first step), "steps_to_throughput": {"slow_host": {...}}}
+     {"slow_host": {...}} (from that first step), "steps_to_throughput": {"slow_host": {...}},
+     "recovery_worst_s": ..., "slowest_formation": {its phases' seconds, "faults_before": [...]}}
 
     .venv/bin/python bench/chaos.py [--faults 100] [--every-s 30 --steps 3000] [--multihost-faults 10] [--run-dir DIR]
 """
@@ -418,6 +419,7 @@ def run_phase(
     rng: random.Random,
     ckpt_dir: str,
     run_dir: str | None = None,
+    replace_delay_s: float = 1.0,
     noise: bool = True,
 ) -> dict:
     from ray_elastic import ElasticConfig, ElasticTrainer, FailureConfig
@@ -501,7 +503,7 @@ def run_phase(
     )
     chaos.trainer = trainer
     trainer.callbacks.on_state = chaos.on_state  # the controller calls its listeners at every transition
-    prov = cluster.provisioner(delay_s=1.0)
+    prov = cluster.provisioner(delay_s=replace_delay_s)
     timer = threading.Thread(target=every, daemon=True) if every_s else None
     error, result = None, None
     t0 = time.time()
@@ -595,7 +597,27 @@ def run_phase(
             if result.recoveries
             else None,
             recovery_worst_s=round(max((r.recovery_s for r in result.recoveries), default=0.0), 3),
+            slowest_formation=slowest_formation(events, chaos.fired),
         )
+    return out
+
+
+def slowest_formation(events: list[dict], fired: list[dict]) -> dict | None:
+    """The world formation that took longest, with its phases and the faults fired in the 10 s
+    before it began: where a long recovery's seconds went, read from the run itself."""
+    from ray_elastic.observe.event_types import WorldFormed
+
+    formed = [e for e in events if e["kind"] == "world_formed"][1:]  # the first world is the run's start
+    if not formed:
+        return None
+    e = max(formed, key=lambda f: f.get("total_s", 0.0))
+    began = e["ts"] - e.get("total_s", 0.0)
+    out = {k: round(e[k], 3) if isinstance(e[k], float) else e[k] for k in WorldFormed.TIMES if k in e}
+    out.update(
+        generation=e["generation"],
+        restored_from_step=e["restored_from_step"],
+        faults_before=[f"{f['kind']}@{f['step']}" for f in fired if began - 10.0 <= f["at"] <= e["ts"]],
+    )
     return out
 
 
@@ -693,6 +715,14 @@ def main() -> int:
         help="keep each phase's event log here (<dir>/<phase>/events.jsonl; see `ray-elastic report`)",
     )
     ap.add_argument(
+        "--replace-delay-s",
+        type=float,
+        default=1.0,
+        help="a lost or evicted slice's replacement is started this long after its reservation is "
+        "pending (the provisioner standing in for the autoscaler); longer than a slow host's pace "
+        "window shows that window without the replacement's start-up on this machine's cores",
+    )
+    ap.add_argument(
         "--tpu-startup",
         type=float,
         nargs=2,
@@ -738,6 +768,7 @@ def main() -> int:
                 rng=rng,
                 ckpt_dir=os.path.join(tmp, "one-host"),
                 run_dir=_phase_dir(args.run_dir, "one_host_slices"),
+                replace_delay_s=args.replace_delay_s,
                 noise=not args.no_noise,
             )
         print(json.dumps(phases["one_host_slices"]), flush=True)
@@ -760,6 +791,7 @@ def main() -> int:
                     rng=rng,
                     ckpt_dir=os.path.join(tmp, "two-host"),
                     run_dir=_phase_dir(args.run_dir, "two_host_slices"),
+                    replace_delay_s=args.replace_delay_s,
                     noise=not args.no_noise,
                 )
             print(json.dumps(phases["two_host_slices"]), flush=True)
@@ -812,6 +844,12 @@ def main() -> int:
             )
         },
         "flips_found_after": phases["one_host_slices"].get("flips_found_after"),
+        "recovery_worst_s": max(p.get("recovery_worst_s", 0.0) for p in ps),
+        "slowest_formation": max(
+            (p["slowest_formation"] for p in ps if p.get("slowest_formation")),
+            key=lambda f: f.get("total_s", 0.0),
+            default=None,
+        ),
     }
     print(json.dumps(total))
     return 0 if total["unrecovered"] == 0 else 1

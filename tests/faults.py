@@ -11,10 +11,14 @@ import numpy as np
 
 
 def ensure_slices(cluster, n: int) -> None:
-    """Exactly ``n`` live, running slices (add new ones; kill surplus and hung ones)."""
+    """Exactly ``n`` live, running slices (add new ones; kill surplus and hung ones), the killed ones
+    already marked dead by Ray (nothing the test starts next is placed on them)."""
     cluster.reap_dead_slices()
+    killed = []
     for sl in cluster.alive_slices()[n:]:
+        killed += sl.node_ids
         cluster.kill_slice(sl.name)
+    cluster.await_declared_dead(killed)
     while len(cluster.alive_slices()) < n:
         cluster.add_slice()
 

@@ -146,6 +146,8 @@ def test_chaos_bench_recovers_every_fault():
         timeout=900,
     )
     assert out["faults"] == 4 and out["max_rel_loss_diff"] <= 1e-4, out
+    slowest = out["slowest_formation"]  # where the longest recovery's seconds went, and after what
+    assert slowest["total_s"] >= slowest["compile_s"] > 0 and "chips_wait_s" in slowest, slowest
     gp = out["goodput_breakdown"]  # where the badput went: the seconds add up to the run's wall time
     assert gp["goodput"] == out["goodput"] and gp["productive_s"] > 0, gp
     assert (

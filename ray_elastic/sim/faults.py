@@ -70,6 +70,18 @@ class SliceFaults:
                 self._cluster.worker_nodes.discard(host.node)
         return killed_at
 
+    def await_declared_dead(self, node_ids: list[str], timeout_s: float = 30.0) -> None:
+        """Until Ray's node table marks these (killed) hosts' nodes dead: a killed node stays in the
+        table, alive, until its health checks have failed (~0.6 s here), and what is placed on it
+        meanwhile (a new driver's actor, a reservation) dies with it when it is marked."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        while set(node_ids) & {n["NodeID"] for n in ray.nodes() if n["Alive"]}:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Ray still lists killed nodes alive after {timeout_s:.0f}s: {node_ids}")
+            time.sleep(0.1)
+
     def reap_dead_slices(self) -> list[str]:
         """Kill and remove slices that Ray has declared dead (for example hung ones); returns their names."""
         import ray
