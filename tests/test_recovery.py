@@ -405,9 +405,15 @@ def test_every_slice_preempted_commits_the_boundary_step_and_the_run_goes_on_els
 
 
 def test_slice_hung_by_sigstop(cluster, baseline):
+    """A whole host stopped: whoever sees it first (the watchdog, or Ray's health checks, ~15 s
+    here), the slice is lost at once, never tried again in the next world (whose forming would wait
+    for Ray's verdict on a host that accepts connections and never replies)."""
     _trainer, result = run(cluster, {20: lambda t: cluster.hang_slice(slice_name(t, 2))})
     (rec,) = result.recoveries
     assert rec.slices == 2
+    (failure,) = [e for e in result.events if e["kind"] == "failure"]
+    hung = next(e for e in result.events if e["kind"] == "world_formed")["slices"][2]
+    assert hung in failure["lost_slices"], failure
     assert max_rel_err(result.losses, baseline) <= RESIZED
 
 

@@ -43,6 +43,7 @@ class Evidence:
     vouched: set[str]  # slices whose hosts answered after their process died
     origin: str | None = None  # the slice whose error came first (None: unknown, or the whole world)
     unreadable_checkpoints: frozenset[Any] = frozenset()  # checkpoint steps a process failed to restore
+    silent: frozenset[str] = frozenset()  # hung slices whose hosts do not answer either: lost, as dead ones
 
     @property
     def suspects(self) -> set[str]:
@@ -232,6 +233,14 @@ class Generations:
                 kinds[name] = ErrorKind.ACTOR_DIED
         # A process named stuck answered the watchdog's probe a moment ago: its host lives.
         answered = {world.slice_of(p) for p, e in outcome.errors.items() if isinstance(e, StuckProcess)}
+        # A hung process whose host's raylet does not answer either: the host hangs (or is gone). A
+        # new process there would hang too, and Ray's own verdict on a host that accepts connections
+        # but never replies waits for its health checks' timeouts: the slice is lost now.
+        silent = frozenset(
+            name
+            for name, res in zip(names, world.reservations)
+            if kinds.get(name) is ErrorKind.HANG and name not in answered and not self.backend.health.hosts_answer(res)
+        )
         return Evidence(
             kinds,
             world.slice_node_ids(),
@@ -240,6 +249,7 @@ class Generations:
             self._vouched(kinds, world.reservations) | answered,
             origin=origin,
             unreadable_checkpoints=self._unreadable(outcome),
+            silent=silent,
         )
 
     def _unreadable(self, outcome: RunOutcome) -> frozenset[Any]:
@@ -259,9 +269,8 @@ class Generations:
         """What the failure policy decides from: the world's evidence, node health, the run's progress."""
         return FailureEvidence(
             kinds=seen.kinds,
-            dead_slices=self.backend.health.dead_slices(
-                seen.slice_nodes, seen.suspects
-            ),  # node health first: then blame code
+            dead_slices=self.backend.health.dead_slices(seen.slice_nodes, seen.suspects)
+            | seen.silent,  # node health first: then blame code
             world_slices=seen.slices,
             error_text=self.backend.health.error_text(first),
             origin=seen.origin,

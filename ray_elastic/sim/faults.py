@@ -197,9 +197,10 @@ class SliceFaults:
         for p in psutil.process_iter(["pid"]):
             try:
                 env = p.environ()
+                exited = p.status() == psutil.STATUS_ZOMBIE  # gone, only not reaped yet by its parent
             except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
                 continue
-            if p.pid != os.getpid() and env.get("RAY_TMPDIR") == self.temp_dir and "TPU_NAME" in env:
+            if p.pid != os.getpid() and not exited and env.get("RAY_TMPDIR") == self.temp_dir and "TPU_NAME" in env:
                 out.append(p)
         return out
 
