@@ -641,11 +641,11 @@ def steps_to_pace(
     throughput of those steps, not their pace. ``after_out``: counted from the first step of the
     world without the named slice (the pace before the fault still the reference)."""
     out: dict[str, list[int]] = {}
+    took = {s: finished_at[s] - finished_at[s - 1] for s in finished_at if s - 1 in finished_at}
     for f in fired:
         if f["kind"] not in kinds or (after_out and "out_step" not in f):
             continue
         s0 = f["step"]
-        took = {s: finished_at[s] - finished_at[s - 1] for s in finished_at if s - 1 in finished_at}
         before = [took[s] for s in range(s0 - 29, s0 + 1) if s in took]
         if len(before) < 10:
             continue

@@ -25,6 +25,13 @@ def _cmdline(p: psutil.Process) -> list[str]:
         return []
 
 
+def _alive_node_ids() -> set[str]:
+    """The nodes Ray's node table lists alive."""
+    import ray
+
+    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+
 class SliceFaults:
     """Mixed into :class:`~ray_elastic.sim.cluster.SimulatedTPUCluster` (its ``_cluster``, ``temp_dir``,
     ``slice_by_name`` and ``alive_slices``)."""
@@ -74,19 +81,15 @@ class SliceFaults:
         """Until Ray's node table marks these (killed) hosts' nodes dead: a killed node stays in the
         table, alive, until its health checks have failed (~0.6 s here), and what is placed on it
         meanwhile (a new driver's actor, a reservation) dies with it when it is marked."""
-        import ray
-
         deadline = time.monotonic() + timeout_s
-        while set(node_ids) & {n["NodeID"] for n in ray.nodes() if n["Alive"]}:
+        while set(node_ids) & _alive_node_ids():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"Ray still lists killed nodes alive after {timeout_s:.0f}s: {node_ids}")
             time.sleep(0.1)
 
     def reap_dead_slices(self) -> list[str]:
         """Kill and remove slices that Ray has declared dead (for example hung ones); returns their names."""
-        import ray
-
-        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        alive = _alive_node_ids()
         dead = [s.name for s in self.alive_slices() if any(nid not in alive for nid in s.node_ids)]
         for name in dead:
             self.kill_slice(name)
