@@ -13,7 +13,7 @@ from fake_backend import FakeBackend, add_capacity, straggle, warn_slice
 from ray_elastic import ElasticConfig, ElasticTrainer, FailureConfig, SliceSpec
 from ray_elastic.control import planned_exit
 from ray_elastic.decide import Notice, leave_now, plan_exit, warned_slices
-from ray_elastic.decide.device_checks import DeviceChecks
+from ray_elastic.decide.device_checks import DeviceChecks, later_steps
 from ray_elastic.decide.notices import LEAVE_MARGIN_S
 from ray_elastic.decide.stragglers import (
     Straggler,
@@ -131,7 +131,7 @@ def test_a_world_slowed_with_no_late_process_has_its_devices_timed_and_the_slow_
     even = {p: {s: 0.5 * s for s in steps} for p in range(4)}
     assert find_straggler(even, {}, {0: "a", 1: "a", 2: "b", 3: "c"}, min_steps=10).ratio == 0.0
     assert window_period(even) == pytest.approx(0.5) and window_period({0: {3: 1.0}}) == 0.0
-    assert speed_check_due(0.16, 0.1, factor=1.0) and not speed_check_due(0.14, 0.1, factor=1.0)  # 1 + factor / 2
+    assert speed_check_due(0.13, 0.1, factor=1.0) and not speed_check_due(0.12, 0.1, factor=1.0)  # 1 + factor / 4
     assert not speed_check_due(0.5, 0.0, factor=1.0)  # no window judged yet
     slice_of = {0: "a", 1: "a", 2: "b", 3: "c"}
     found = find_slow_device({0: 0.004, 1: 0.021, 2: 0.0042, 3: 0.0039}, slice_of, 0.5, factor=1.0)
@@ -157,18 +157,25 @@ def test_device_checks_are_asked_when_the_world_slows_backed_off_when_clean_and_
     checks.window(0.1, front=18)  # asked again
     assert checks.take_ask() == 19
     assert checks.answered([(19, 0.004), (19, 0.0041), (20, 0.0039)]) is None and checks.check_at is None
-    # Nothing found: the next check waits a window, then two, ... (the period wanders on a busy host).
-    checks.recent(0.5, front=20)
-    checks.window(0.1, front=24)
+    # Nothing found: the next check waits a window, then two, ... (the period wanders on a busy host),
+    # unless the world is slower than when that check found nothing.
+    checks.recent(0.12, front=20)
+    checks.window(0.12, front=24)
     assert checks.check_at is None  # held back one window
     checks.window(0.1, front=30)  # not slowed: no check
-    checks.recent(0.5, front=34)  # the newest steps slowed past (1 + factor) x the median window: asked at once
+    checks.recent(0.5, front=34)  # the newest steps slowed past (1 + factor / 4) x the median window: asked at once
     assert checks.take_ask() == 35
-    assert checks.answered([(35, 0.004), (35, 0.021), (36, 0.0042)]) is None
-    assert checks.suspect == "b" and checks.take_ask() == 37  # named once: checked again at once
-    found = checks.answered([(37, 0.004), (37, 0.02), (37, 0.0041)])
+    assert checks.answered([(35, 0.004), (35, 0.0041), (35, 0.0042)]) is None  # clean at 0.5 s: held 2 windows
+    checks.recent(0.6, front=36)
+    checks.window(0.6, front=40)
+    assert checks.check_at is None  # slowed against the median, but not past the clean check's 0.5 s
+    checks.recent(0.7, front=41)  # past 1.25 x 0.5 s: the hold yields
+    assert checks.take_ask() == 42
+    assert checks.answered([(42, 0.004), (42, 0.021), (43, 0.0042)]) is None
+    assert checks.suspect == "b" and checks.take_ask() == 44  # named once: checked again at once
+    found = checks.answered([(44, 0.004), (44, 0.02), (44, 0.0041)])
     assert (found.slice_name, found.process, found.seen_by) == ("b", 1, "speed_check") and checks.suspect is None
-    assert found.slowdown == pytest.approx(0.02 / 0.00405) and found.period_s == 0.5
+    assert found.slowdown == pytest.approx(0.02 / 0.00405) and found.period_s == 0.7
     assert found.evidence()["timings"] == [{"0": 0.004, "1": 0.021, "2": 0.0042}, {"0": 0.004, "1": 0.02, "2": 0.0041}]
     # The slowest timed its devices while it compiled ahead beside its steps: the round says nothing.
     for aside, suspect in ((frozenset({1}), None), (frozenset({0}), "b")):
@@ -208,6 +215,30 @@ def test_device_checks_are_asked_when_the_world_slows_backed_off_when_clean_and_
     checks.window(0.1, front=12)
     checks.answered([(13, 0.004), (13, 0.0055), (13, 0.0042)])  # 1.36x: under half the factor
     assert checks.suspect is None and checks.check_at is None
+
+
+def test_in_a_world_of_two_slices_a_slow_device_is_named_only_when_a_later_check_agrees():
+    # Two slices: no third one to show the cores were not starved for a moment (a chaos run named a
+    # newcomer whose process was, 9x then 3.5x, in a world stepping at its usual pace). The pair of
+    # checks asks a third one SECOND_LOOK_S later at the world's period: it names, or clears.
+    assert later_steps(0.1) == 49 and later_steps(2.0) == 2 and later_steps(10.0) == 0
+    for third, named in (
+        ([0.004, 0.0099], "b"),
+        ([0.004, 0.0066], "b"),
+        ([0.004, 0.0041], None),
+        ([0.0099, 0.004], None),
+    ):
+        checks = DeviceChecks(factor=1.0, slice_of=lambda p: "ab"[p])
+        checks.window(0.1, front=12)
+        assert checks.answered([(13, 0.004), (13, 0.0866)]) is None and checks.check_at == 14
+        assert checks.answered([(14, 0.004), (14, 0.0475)]) is None
+        assert checks.suspect == "b" and checks.check_at == 14 + 49 + 1 and checks.slowed is False
+        checks.recent(0.5, front=20)  # the world slowing meanwhile asks no other check
+        assert checks.answered([(30, 0.004), (30, 0.03)]) is None and checks.check_at == 64  # not there yet
+        found = checks.answered([(64, t) for t in third])
+        assert (found.slice_name if found else None) == named and checks.suspect is None
+        if found:
+            assert [t["1"] for t in found.evidence()["timings"]] == [0.0866, 0.0475, third[1]]
 
 
 def test_a_straggler_is_replaced_by_a_spare_evicted_when_the_world_is_faster_without_it_else_reported():

@@ -8,16 +8,21 @@ window or its newest ``QUICK_STEPS`` steps), and at least every ``MAX_BACKOFF_WI
 slow device does not always slow the world: on a host whose cores every process shares, the others
 take the cores it leaves). A check that finds nothing holds the next ones back for twice as many
 windows each time (up to ``MAX_BACKOFF_WINDOWS``): on a noisy host the step period wanders, and
-every check costs each process its program's time. A process slower than the other slices (their
+every check costs each process its program's time; but not a world slowed past the period at which
+that check found nothing: a device that turned slow during a hold is timed at once. A process slower than the other slices (their
 median and their slowest) by ``1 + straggler_factor / 2`` in one check and by ``1 + straggler_factor``
 in the next one (asked at once), or the other way round, is a straggler: a duty-cycled host's
-timings wander around its slowdown, so either check may be the one under the whole factor.
+timings wander around its slowdown, so either check may be the one under the whole factor. In a
+world of two slices there is no third slice to show that the cores were not simply starved for a
+moment (every process of a simulated cluster shares one machine's cores; a starting neighbour takes
+them for seconds): a third check ``SECOND_LOOK_S`` later must name it too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import statistics
 from collections.abc import Callable
 
@@ -26,6 +31,7 @@ from ray_elastic.decide.stragglers import Straggler, find_slow_device, speed_che
 logger = logging.getLogger(__name__)
 QUICK_STEPS = 4
 MAX_BACKOFF_WINDOWS = 8
+SECOND_LOOK_S = 5.0
 
 
 class DeviceChecks:
@@ -36,10 +42,11 @@ class DeviceChecks:
         self.check_at: int | None = None  # the step at which every process is asked to time its devices
         self.suspect: str | None = None  # the slowest by half the factor in one check: the next one confirms it
         self._suspect_full = False  # ... and by the whole factor in it
-        self._suspect_timings: dict[int, float] = {}  # ... the seconds of the check that named it
+        self._suspect_timings: tuple[dict[int, float], ...] = ()  # ... the seconds of the checks that named it
         self.slowed = False  # the world's steps slowed and its devices are being timed
         self._periods: list[float] = []  # the world's window periods
         self._period = 0.0  # the period that asked for the check
+        self._clean_period = 0.0  # ... of the last check that found nothing: a hold yields to a world slower than it
         self._sent = False  # the ask went out in a probe round
         self._quick_done = False  # one quick check per window
         self._hold, self._backoff = 0, 1  # windows to skip before the next check; the next hold
@@ -53,19 +60,23 @@ class DeviceChecks:
         self._periods.append(period)
         self._quick_done = False
         self._since_check += 1
-        if self._hold:
-            self._hold -= 1
-        elif (first or slowed or self._since_check >= MAX_BACKOFF_WINDOWS) and period > 0:
+        held = self._held(period)
+        self._hold = max(0, self._hold - 1)
+        if not held and (first or slowed or self._since_check >= MAX_BACKOFF_WINDOWS) and period > 0:
             self.slowed = slowed
             self._ask(period, front)
 
     def recent(self, period: float, front: int) -> None:
         """The world's newest ``QUICK_STEPS`` steps took ``period`` each: slowed, a check now."""
-        if self._quick_done or self._hold or not self._periods:
+        if self._quick_done or self._held(period) or not self._periods:
             return
         if speed_check_due(period, statistics.median(self._periods), self.factor):
             self._quick_done = self.slowed = True
             self._ask(period, front)
+
+    def _held(self, period: float) -> bool:
+        """Checks are held back, and the world is no slower than when the last one found nothing."""
+        return self._hold > 0 and not speed_check_due(period, self._clean_period, self.factor)
 
     def _ask(self, period: float, front: int) -> None:
         if self.check_at is None:
@@ -103,13 +114,22 @@ class DeviceChecks:
         front, self.check_at = max(step for step, _ in done), None
         full = found is not None and found.ratio > self.factor
         if found is not None and self.suspect == found.slice_name and (full or self._suspect_full):
+            self._suspect_timings += (seconds,)
+            if len({self.slice_of(p) for p in seconds}) < 3 and len(self._suspect_timings) < 3:
+                self._ask(self._period, front + later_steps(self._period))  # no third opinion: a later look
+                return None
             logger.info("speed check: %s's devices %.1fx slower than the others'", found.slice_name, found.slowdown)
             self.suspect, self.slowed, self._hold = None, False, MAX_BACKOFF_WINDOWS  # no checks while it leaves
-            return dataclasses.replace(found, timings=(self._suspect_timings, seconds))
+            return dataclasses.replace(found, timings=self._suspect_timings)
         if found is None or self.suspect is not None:  # clean, another slice now, or twice only half as slow
-            self.suspect, self.slowed = None, False
+            self.suspect, self.slowed, self._clean_period = None, False, self._period
             self._hold, self._backoff = self._backoff, min(2 * self._backoff, MAX_BACKOFF_WINDOWS)
             return None
-        self.suspect, self._suspect_full, self._suspect_timings = found.slice_name, full, seconds
+        self.suspect, self._suspect_full, self._suspect_timings = found.slice_name, full, (seconds,)
         self._ask(self._period, front)  # confirmed, or not, by a second check at once
         return None
+
+
+def later_steps(period_s: float) -> int:
+    """Steps from now to a check ``SECOND_LOOK_S`` later, at the world's period."""
+    return max(0, math.ceil(SECOND_LOOK_S / max(period_s, 1e-3)) - 1)
