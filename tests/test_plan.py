@@ -123,6 +123,22 @@ def test_decide_next_world_pause_and_resume():
     assert d.action == "fail" and "fewer than min_slices=2" in d.reason
 
 
+def test_a_recovery_takes_a_replacement_still_starting_only_when_no_world_forms_without_it():
+    # A ready replacement whose processes have not started (no warm standby) kept a chaos run's
+    # recovery waiting 20 s for Python and JAX to start on a loaded host: where the survivors may
+    # form a world without it, they do, and it joins through a grow-back once warm.
+    resize, pause = scaling_policy("replica-resize", 4, 2), scaling_policy("pause-and-resume", 4, 2)
+    d = resize.next_world_warm_first(["a", "b"], 0, 1, timed_out=False)
+    assert (d.action, d.size) == ("form", 2)
+    d = resize.next_world_warm_first(["a", "b"], 1, 1, timed_out=False)
+    assert (d.action, d.replacements) == ("form", 1)  # the warm one joins at once
+    d = resize.next_world_warm_first(["a"], 0, 2, timed_out=False)  # below min_slices without the cold ones
+    assert (d.action, d.replacements) == ("form", 2)
+    d = pause.next_world_warm_first(["a", "b", "c"], 0, 1, timed_out=False)  # full size or nothing: wait for it
+    assert (d.action, d.size) == ("form", 4)
+    assert pause.next_world_warm_first(["a", "b"], 0, 1, timed_out=False).action == "wait"
+
+
 def test_batch_policies_and_lr_rules():
     assert batch_for_world(2, 3, 48, "constant") == 48
     assert batch_for_world(2, 3, 48, "scale") == 32

@@ -556,6 +556,46 @@ def test_a_slow_host_is_found_by_timing_its_devices_and_evicted(cluster):
     assert slowed["name"] not in trainer.worlds[-1].slices and len(trainer.worlds[-1].slices) == 2
 
 
+def test_a_process_timing_its_devices_is_behind_the_others_but_not_stuck(cluster):
+    """The watchdog's stuck bound names a process behind the step the others wait in at two probes
+    in a row. A process inside a speed check (asked by the driver; slow on a starved host) is
+    behind for that: a 100-fault chaos run named one stuck. Real actors answer the watchdog's
+    probes: named without ``checking``, left alone with it."""
+    import types
+
+    from ray_elastic.control.states import OutcomeKind
+    from ray_elastic.ray_backend.watchdog import Stall, Watchdog
+
+    @ray.remote(num_cpus=0)
+    class Answers:
+        def __init__(self, answer):
+            self.answer = answer
+
+        def probe(self, where=False):
+            return self.answer
+
+    sink = types.SimpleNamespace(step_times=[0.1] * 20, save_limit_s=lambda: 300.0)
+    for checking in (False, True):
+        behind = {"dispatched": 9, "last_step": 9, "checking": checking, "where": "seconds (speed_check.py:70)"}
+        workers = [Answers.remote({"dispatched": 10, "last_step": 9}), Answers.remote(behind)]
+        world = types.SimpleNamespace(workers=workers, slice_of=lambda p: f"s{p}")
+        dog, stall = Watchdog(world, ElasticConfig(num_slices=2, min_slices=1, global_batch_size=8), sink), Stall()
+        assert dog.check(stall, reported=8) is None  # the world's first steps back: nobody is stuck yet
+        stall.at -= 2.0  # past the stuck bound (5 x the 0.1 s median step, at least 1 s), short of the hang bound
+        outcomes = []
+        for _ in range(4):
+            outcomes.append(dog.check(stall, reported=9))
+            time.sleep(0.6)  # STUCK_PROBE_EVERY_S apart
+        found = [o for o in outcomes if o is not None]
+        if checking:
+            assert not found, found
+        else:
+            assert found and found[0].kind is OutcomeKind.HANG and list(found[0].errors) == [1], found
+            assert "process 1 (slice s1) never reached step 10" in str(found[0].errors[1])
+        for w in workers:
+            ray.kill(w)
+
+
 def test_a_stop_is_agreed_past_the_newest_step_any_process_started(cluster):
     """The driver's half of an early stop (``early_stop.agree_stop``) against processes' gates on
     real actors: one had started the proposed step (its collective would wait for the others

@@ -81,7 +81,9 @@ class Generations:
         return list(self.members)
 
     def ready_replacements(self) -> list[Any]:
-        return [r for r in self.replacements if r.poll() is not None]
+        """The replacement slices that arrived, those whose standbys are warm first."""
+        ready = [r for r in self.replacements if r.poll() is not None]
+        return sorted(ready, key=lambda r: not self.backend.warm([r.poll()]))
 
     def capacity_returned(self) -> bool:
         """A replacement is ready and the world is smaller than asked: grow at the next step boundary,
@@ -100,7 +102,9 @@ class Generations:
 
     def decide(self, survivors: list[Any], *, timed_out: bool) -> NextWorld:
         names = [_name(r, i) for i, r in enumerate(survivors)]
-        return self.scaling.next_world(names, len(self.ready_replacements()), timed_out=timed_out)
+        ready = self.ready_replacements()
+        warm = sum(self.backend.warm([r.poll()]) for r in ready)
+        return self.scaling.next_world_warm_first(names, warm, len(ready) - warm, timed_out=timed_out)
 
     def await_capacity(
         self,

@@ -8,7 +8,8 @@ Two bounds, both from the run's step times (:func:`~ray_elastic.decide.watchdog_
 - the stuck bound (``STUCK_FACTOR`` x the median step, at least ``STUCK_MIN_S``: a few steps on a
   fast step, not the hang bound's floor): every process is probed, and one that is behind the step
   the others wait in, at the same step two probes in a row, is stuck (its data source blocked,
-  say): named, and its slice alone blamed. A save or an eval is never this (the probe says so),
+  say): named, and its slice alone blamed. A save, an eval or a speed check (a process timing its
+  devices on the driver's request, slowly on a starved host) is never this (the probe says so),
   nor a world's first step: until one of its steps is back, processes still compiling (a slow
   host compiles slowly) are behind the others, so only the hang bound judges it. While a process
   compiles ahead beside its steps, only a process waiting for its own rows is.
@@ -63,9 +64,9 @@ class Watchdog:
             return None
         self._next_stuck_probe = time.monotonic() + STUCK_PROBE_EVERY_S
         answers = health.probe(self.world.workers, f.probe_timeout_s, where=True)
-        if any(a is None or a.get("saving") or a.get("evaluating") for a in answers):
+        if any(a is None or a.get("saving") or a.get("evaluating") or a.get("checking") for a in answers):
             self._behind = {}
-            return None  # silence is the hang bound's to judge; a save or an eval is not stuck
+            return None  # silence is the hang bound's to judge; a save, an eval or a speed check is not stuck
         # Stuck: behind the others at the same step as at the last probe, while no process of the
         # world finished a step in between (steps still reaching the driver do not count).
         newest, behind = health.newest_step(answers), health.stuck_early(answers)

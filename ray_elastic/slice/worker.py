@@ -149,6 +149,7 @@ class SliceWorker(ChunkRunning):
             "saving": since is not None,
             "saving_s": time.monotonic() - since if since is not None else 0.0,
             "evaluating": self.evaluating,
+            "checking": loop is not None and loop.speed.running,  # timing its devices: behind, not stuck
             "background": background.activity(),  # compiling ahead: behind the others, not stuck or slow
             "where": self.stepping.where() if where else None,
         }
