@@ -217,7 +217,7 @@ def test_device_checks_are_asked_when_the_world_slows_backed_off_when_clean_and_
     assert checks.suspect is None and checks.check_at is None
 
 
-def test_in_a_world_of_two_slices_a_slow_device_is_named_only_when_a_later_check_agrees():
+def test_in_a_world_of_two_slices_or_for_a_newcomer_a_slow_device_is_named_only_when_a_later_check_agrees():
     # Two slices: no third one to show the cores were not starved for a moment (a chaos run named a
     # newcomer whose process was, 9x then 3.5x, in a world stepping at its usual pace). The pair of
     # checks asks a third one SECOND_LOOK_S later at the world's period: it names, or clears.
@@ -239,6 +239,15 @@ def test_in_a_world_of_two_slices_a_slow_device_is_named_only_when_a_later_check
         assert (found.slice_name if found else None) == named and checks.suspect is None
         if found:
             assert [t["1"] for t in found.evidence()["timings"]] == [0.0866, 0.0475, third[1]]
+    # So for a slice new to its world (a chaos run named a newcomer starved in its first seconds),
+    # not for one that was there before.
+    for newcomers, named_at_once in ((frozenset({"b"}), False), (frozenset({"c"}), True)):
+        checks = DeviceChecks(factor=1.0, slice_of=lambda p: "abc"[p])
+        checks.newcomers = newcomers
+        checks.window(0.1, front=12)
+        checks.answered([(13, 0.018), (13, 0.0393), (13, 0.0201)])
+        found = checks.answered([(14, 0.0653), (14, 0.1831), (14, 0.0672)])
+        assert (found is not None) == named_at_once and (named_at_once or checks.check_at == 14 + 49 + 1)
 
 
 def test_a_straggler_is_replaced_by_a_spare_evicted_when_the_world_is_faster_without_it_else_reported():

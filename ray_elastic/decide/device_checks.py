@@ -15,7 +15,9 @@ in the next one (asked at once), or the other way round, is a straggler: a duty-
 timings wander around its slowdown, so either check may be the one under the whole factor. In a
 world of two slices there is no third slice to show that the cores were not simply starved for a
 moment (every process of a simulated cluster shares one machine's cores; a starting neighbour takes
-them for seconds): a third check ``SECOND_LOOK_S`` later must name it too.
+them for seconds): a third check ``SECOND_LOOK_S`` later must name it too. So must it for a slice
+new to its world (it restored another slice's snapshot): twice a chaos run named a newcomer whose
+process was starved in its world's first seconds.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class DeviceChecks:
         self._hold, self._backoff = 0, 1  # windows to skip before the next check; the next hold
         self._judged = False  # a check was judged in this world
         self._since_check = 0  # windows judged since the last check was asked
+        self.newcomers: frozenset[str] = frozenset()  # slices new to this world: named only after a later look
 
     def window(self, period: float, front: int) -> None:
         """A window was judged with no process late (``front``: the newest step any process dispatched)."""
@@ -115,8 +118,9 @@ class DeviceChecks:
         full = found is not None and found.ratio > self.factor
         if found is not None and self.suspect == found.slice_name and (full or self._suspect_full):
             self._suspect_timings += (seconds,)
-            if len({self.slice_of(p) for p in seconds}) < 3 and len(self._suspect_timings) < 3:
-                self._ask(self._period, front + later_steps(self._period))  # no third opinion: a later look
+            no_third = len({self.slice_of(p) for p in seconds}) < 3
+            if (no_third or found.slice_name in self.newcomers) and len(self._suspect_timings) < 3:
+                self._ask(self._period, front + later_steps(self._period))  # a later look
                 return None
             logger.info("speed check: %s's devices %.1fx slower than the others'", found.slice_name, found.slowdown)
             self.suspect, self.slowed, self._hold = None, False, MAX_BACKOFF_WINDOWS  # no checks while it leaves

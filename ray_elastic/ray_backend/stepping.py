@@ -112,10 +112,10 @@ class StepStreams:
         stop_requested: Callable[[], OutcomeKind | None],
         donors: dict[str, str] | None = None,
     ) -> RunOutcome:
-        """Steps ``start_step .. end_step - 1``. ``stop_requested`` is asked between reads: a kind
-        (``GROW``, ``LEAVE``) stops the world at the next step boundary with that outcome.
-        ``donors``: whose snapshot each slice restored (:meth:`IntegrityWatch.starts_at`)."""
+        """Steps ``start_step .. end_step - 1``. ``stop_requested`` is asked between reads: a kind (``GROW``,
+        ``LEAVE``) stops the world at the next step boundary. ``donors``: whose snapshot each slice restored."""
         self.integrity.starts_at(start_step, donors or {})
+        self.stragglers.devices.newcomers = frozenset(s for s, d in (donors or {}).items() if d != s)
         self.hosts.start()
         wake = threading.Event()
         waiters = FirstReady(wake), FirstReady(wake)  # snapshot holders' streams, the others' results
