@@ -268,6 +268,7 @@ class Chaos:
         self.attributed += 1
         self.steps_to_named.setdefault(fault["kind"], []).append(self.last_step - fault["step"])
         if leaves:
+            fault["named"] = name
             self._leaving.append(fault)
         self._undo(fault)
 
@@ -340,11 +341,12 @@ class Chaos:
             self.poison_skipped.add(m["step"])
 
     def on_event(self, e: dict) -> None:
-        if e["kind"] == "slice_left":  # the named slices that were to leave are out: the next world's first step
-            for fault in self._leaving:
+        if e["kind"] == "world_formed":  # a named slice is out at the first world without it (left, or lost first)
+            out = [f for f in self._leaving if f["named"] not in e["slices"]]
+            for fault in out:
                 fault["out_step"] = e["restored_from_step"] + 1
                 self.steps_to_out.setdefault(fault["kind"], []).append(fault["out_step"] - fault["step"])
-            self._leaving.clear()
+            self._leaving = [f for f in self._leaving if f not in out]
         if e["kind"] == "replica_mismatch":
             self.mismatches += 1
             print(f"    replica_mismatch: step {e['step']}, {e['slices']}, {e['action']}", flush=True)
