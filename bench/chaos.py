@@ -341,10 +341,11 @@ class Chaos:
             self.poison_skipped.add(m["step"])
 
     def on_event(self, e: dict) -> None:
-        if e["kind"] == "world_formed":  # a named slice is out at the first world without it (left, or lost first)
-            out = [f for f in self._leaving if f["named"] not in e["slices"]]
+        if e["kind"] in ("recovered", "slice_left", "scale_up", "resize"):  # a world formed: a named slice is
+            world = self.trainer.worlds[-1]  # out at the first world without it (left, or lost first)
+            out = [f for f in self._leaving if f["named"] not in world.slices]
             for fault in out:
-                fault["out_step"] = e["restored_from_step"] + 1
+                fault["out_step"] = world.start_step
                 self.steps_to_out.setdefault(fault["kind"], []).append(fault["out_step"] - fault["step"])
             self._leaving = [f for f in self._leaving if f not in out]
         if e["kind"] == "replica_mismatch":
