@@ -81,9 +81,7 @@ class Generations:
         return list(self.members)
 
     def ready_replacements(self) -> list[Any]:
-        """The replacement slices that arrived, those whose standbys are warm first."""
-        ready = [r for r in self.replacements if r.poll() is not None]
-        return sorted(ready, key=lambda r: not self.backend.warm([r.poll()]))
+        return [r for r in self.replacements if r.poll() is not None]
 
     def capacity_returned(self) -> bool:
         """A replacement is ready and the world is smaller than asked: grow at the next step boundary,
@@ -151,7 +149,8 @@ class Generations:
         kept = survivors[: len(decision.survivors)]  # decisions keep a prefix: replica order is stable
         for res in survivors[len(kept) :]:  # trimmed: the world is full size without it
             self.drop(res, replace=False)
-        taken = self.ready_replacements()[: decision.replacements]
+        warm_first = sorted(self.ready_replacements(), key=lambda r: not self.backend.warm([r.poll()]))
+        taken = warm_first[: decision.replacements]  # as decided: cold ones only where no world forms without them
         added = [req.poll() for req in taken]
         self.members = kept + added
         for req in taken:

@@ -9,10 +9,11 @@ slow device does not always slow the world: on a host whose cores every process 
 take the cores it leaves). A check that finds nothing holds the next ones back for twice as many
 windows each time (up to ``MAX_BACKOFF_WINDOWS``): on a noisy host the step period wanders, and
 every check costs each process its program's time; but not a world slowed past the period at which
-that check found nothing: a device that turned slow during a hold is timed at once. A process slower than the other slices (their
-median and their slowest) by ``1 + straggler_factor / 2`` in one check and by ``1 + straggler_factor``
-in the next one (asked at once), or the other way round, is a straggler: a duty-cycled host's
-timings wander around its slowdown, so either check may be the one under the whole factor. In a
+that check found nothing: a device that turned slow during a hold is timed at once. A process
+slower than the other slices (their median and their slowest) by ``1 + straggler_factor / 2`` in
+one check and by ``1 + straggler_factor`` in the next one (asked at once), or the other way round,
+is a straggler: a duty-cycled host's timings wander around its slowdown, so either check may be
+the one under the whole factor. In a
 world of two slices there is no third slice to show that the cores were not simply starved for a
 moment (every process of a simulated cluster shares one machine's cores; a starting neighbour takes
 them for seconds): a third check ``SECOND_LOOK_S`` later must name it too. So must it for a slice

@@ -131,17 +131,6 @@ class ResizeUntilFull(ReplicaResize):
 
     mode = "resize-until-full"
 
-    def next_world_warm_first(self, survivors: Sequence[str], warm: int, cold: int, *, timed_out: bool) -> NextWorld:
-        """:meth:`next_world` with the ``warm`` ready replacements (their processes started), and
-        the ``cold`` ones too only where no world forms without them: a cold process keeps the
-        whole recovery waiting for Python and JAX to start (tens of seconds on a loaded host),
-        while the survivors could train and take it later through a grow-back, which waits for
-        its processes beside the running world."""
-        decision = self.next_world(survivors, warm, timed_out=timed_out)
-        if decision.action is Action.FORM:
-            return decision
-        return self.next_world(survivors, warm + cold, timed_out=timed_out)
-
     def should_grow(self, world_size: int, ready_replacements: int) -> bool:
         return world_size < self.num_slices and world_size + ready_replacements >= self.num_slices
 
