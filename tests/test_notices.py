@@ -13,7 +13,7 @@ from fake_backend import FakeBackend, add_capacity, straggle, warn_slice
 from ray_elastic import ElasticConfig, ElasticTrainer, FailureConfig, SliceSpec
 from ray_elastic.control import planned_exit
 from ray_elastic.decide import Notice, leave_now, plan_exit, warned_slices
-from ray_elastic.decide.device_checks import DeviceChecks, later_steps
+from ray_elastic.decide.device_checks import DeviceChecks, Suspicion, later_steps
 from ray_elastic.decide.notices import LEAVE_MARGIN_S
 from ray_elastic.decide.stragglers import (
     Straggler,
@@ -374,3 +374,32 @@ def test_a_warned_slice_waits_for_the_staying_slices_standbys_while_its_deadline
         steps_trained[(warms_after, notice_s)] = notice["step"]
     assert steps_trained[(4, 30.0)] > steps_trained[(0, 30.0)], steps_trained  # it waited, training
     assert steps_trained[(4, LEAVE_MARGIN_S - 1)] == steps_trained[(0, 30.0)], steps_trained  # no time to wait
+
+
+def test_a_slow_device_suspected_when_its_world_ends_is_named_by_the_next_world_s_first_check():
+    # Under many faults a world lasts seconds: its first check asks at its first window, and a slice
+    # one check of the world before found slow is named by the next one's first (the pair spans both).
+    before = DeviceChecks(factor=1.0, slice_of=lambda p: "abc"[p])
+    before.window(0.1, front=12)
+    before.answered([(13, 0.004), (13, 0.0099), (13, 0.0041)])
+    carried = before.suspicion()
+    assert carried == Suspicion("b", True, ({0: 0.004, 1: 0.0099, 2: 0.0041},))
+    assert carried.within(("a", "b", "d")) is carried and carried.within(("a", "c", "d")) is None  # b left
+    after = DeviceChecks(factor=1.0, slice_of=lambda p: "dcb"[p], carried=carried)  # a new world, b is process 2
+    assert after.suspect == "b" and after.check_at is None
+    after.start(0.4, front=30)  # the first window (not judged) asks the world's first check
+    found = after.answered([(31, 0.004), (31, 0.0042), (31, 0.0066)])  # half the factor now: with the full one, named
+    assert (found.slice_name, found.process) == ("b", 2) and after.suspicion() is None
+    assert [t[p] for t, p in zip(found.evidence()["timings"], ("1", "2"))] == [0.0099, 0.0066]
+    # A carried pair in a world of two slices: the check of this world is the later look.
+    pair = Suspicion("b", True, ({0: 0.004, 1: 0.0099}, {0: 0.004, 1: 0.0066}))
+    two = DeviceChecks(factor=1.0, slice_of=lambda p: "ab"[p], carried=pair)
+    two.start(0.4, front=30)
+    assert two.answered([(31, 0.004), (31, 0.0070)]).slice_name == "b"
+    # Clean in the new world: cleared, and nothing goes on to the world after.
+    clean = DeviceChecks(factor=1.0, slice_of=lambda p: "abc"[p], carried=carried)
+    clean.start(0.4, front=30)
+    assert clean.answered([(31, 0.004)] * 3) is None and clean.suspicion() is None
+    none = DeviceChecks(factor=1.0, slice_of=lambda p: "abc"[p])
+    none.start(0.0, front=30)  # no period measured: nothing asked
+    assert none.check_at is None and none.suspicion() is None

@@ -2,7 +2,8 @@
 
 A slow device makes every process wait inside the step's collectives, so no process returns late
 (:mod:`~ray_elastic.decide.stragglers`). A check (:mod:`~ray_elastic.slice.speed_check`) is asked
-for at the world's first window (a slow device from the start), when the world's steps slowed
+for at the world's first window (a slow device from the start, or one the world before suspected:
+its checks go on from there, :class:`Suspicion`; under many faults a world lasts only seconds), when the world's steps slowed
 (:func:`~ray_elastic.decide.stragglers.speed_check_due` against its median window, over a whole
 window or its newest ``QUICK_STEPS`` steps), and at least every ``MAX_BACKOFF_WINDOWS`` windows (a
 slow device does not always slow the world: on a host whose cores every process shares, the others
@@ -37,10 +38,24 @@ MAX_BACKOFF_WINDOWS = 8
 SECOND_LOOK_S = 5.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Suspicion:
+    """A slice one or two checks found slow, not confirmed yet when its world ended: the next world's
+    checks go on from it (a world that lasts less than a pair of checks would never name it)."""
+
+    slice_name: str
+    full: bool  # one of the checks found it slower by the whole factor
+    timings: tuple[dict[int, float], ...]  # each check's seconds per process (of the world that timed it)
+
+    def within(self, slice_names: tuple[str, ...] | list[str]) -> Suspicion | None:
+        """Itself if the next world has the slice (else nothing is left to suspect)."""
+        return self if self.slice_name in slice_names else None
+
+
 class DeviceChecks:
     """The speed checks of one world, fed by :class:`~ray_elastic.ray_backend.straggler_watch.StragglerWatch`."""
 
-    def __init__(self, factor: float, slice_of: Callable[[int], str]):
+    def __init__(self, factor: float, slice_of: Callable[[int], str], carried: Suspicion | None = None):
         self.factor, self.slice_of = factor, slice_of
         self.check_at: int | None = None  # the step at which every process is asked to time its devices
         self.suspect: str | None = None  # the slowest by half the factor in one check: the next one confirms it
@@ -56,6 +71,19 @@ class DeviceChecks:
         self._judged = False  # a check was judged in this world
         self._since_check = 0  # windows judged since the last check was asked
         self.newcomers: frozenset[str] = frozenset()  # slices new to this world: named only after a later look
+        if carried is not None:
+            self.suspect, self._suspect_full, self._suspect_timings = carried.slice_name, carried.full, carried.timings
+
+    def suspicion(self) -> Suspicion | None:
+        """The slice suspected and not confirmed yet, for the next world."""
+        if self.suspect is None:
+            return None
+        return Suspicion(self.suspect, self._suspect_full, self._suspect_timings)
+
+    def start(self, period: float, front: int) -> None:
+        """The world's first window (not judged: it measures the world's start): its devices are timed."""
+        if period > 0:
+            self._ask(period, front)
 
     def window(self, period: float, front: int) -> None:
         """A window was judged with no process late (``front``: the newest step any process dispatched)."""
@@ -121,7 +149,8 @@ class DeviceChecks:
             self._suspect_timings += (seconds,)
             no_third = len({self.slice_of(p) for p in seconds}) < 3
             if (no_third or found.slice_name in self.newcomers) and len(self._suspect_timings) < 3:
-                self._ask(self._period, front + later_steps(self._period))  # a later look
+                usual = statistics.median(self._periods) if self._periods else self._period
+                self._ask(self._period, front + later_steps(usual))  # a later look
                 return None
             logger.info("speed check: %s's devices %.1fx slower than the others'", found.slice_name, found.slowdown)
             self.suspect, self.slowed, self._hold = None, False, MAX_BACKOFF_WINDOWS  # no checks while it leaves

@@ -67,6 +67,7 @@ class RayBackend:
         self.keepers = self.ownership.keepers = Keepers(identity, self.config.orphan_timeout_s)
         self.pool = WorkerPool(ray.put(self.task), self.config, self.keepers, env=storage_locations.gcs_env())
         self._world: World | None = None
+        self._driving: StepStreams | None = None  # the newest world's: its slow-device suspect goes on to the next
 
     def _superseded(self) -> None:
         """A newer driver owns the run: stop training now (its processes' failures end the loop)."""
@@ -177,7 +178,9 @@ class RayBackend:
     def drive(self, world: WorldHandle, store: SnapshotStore, sink: StepSink) -> StepStreams:
         if not isinstance(world, World):
             raise TypeError(f"RayBackend drives the worlds it formed, not a {type(world).__name__}")
-        return StepStreams(world, self.config, store, sink)
+        suspected = self._driving.stragglers.suspicion() if self._driving is not None else None
+        self._driving = StepStreams(world, self.config, store, sink, suspected)
+        return self._driving
 
     def shutdown(self) -> None:
         if getattr(self, "pool", None) is not None:

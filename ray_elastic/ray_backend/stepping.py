@@ -29,6 +29,7 @@ from ray_elastic.control.backend import StepSink
 from ray_elastic.control.snapshot_cadence import SnapshotCadence
 from ray_elastic.control.states import OutcomeKind, RunOutcome
 from ray_elastic.decide import chunk_steps, is_eval_step, stop_lead_steps, watchdog_timeout
+from ray_elastic.decide.device_checks import Suspicion
 from ray_elastic.decide.integrity import Mismatch
 from ray_elastic.decide.stragglers import Straggler
 from ray_elastic.ray_backend.early_stop import agree_stop
@@ -67,11 +68,9 @@ class StepStreams:
         config: ElasticConfig,
         store: SnapshotStore,
         sink: StepSink,
+        suspected: Suspicion | None = None,  # the world before's slow-device suspect
     ):
-        self.world = world
-        self.config = config
-        self.store = store
-        self.sink = sink
+        self.world, self.config, self.store, self.sink = world, config, store, sink
         self.step_times = sink.step_times
         self.cadence = SnapshotCadence(config, sink.step_times, sink.snapshot_interval)
         self.steps_per_chunk = config.steps_per_chunk  # the last chunk's length (chunk_steps)
@@ -87,9 +86,9 @@ class StepStreams:
         self._reported = self._snapshot_reported = -1
         self._submitted = False  # a world's first chunk redoes an eval a failure lost
         self.hosts = HostWatch(world)
-        self.watchdog = Watchdog(world, config, sink)
+        self.watchdog = Watchdog(world, config, sink, world.times.total_s)
         self.integrity = IntegrityWatch(world, config.failure.integrity_every, store)
-        self.stragglers = StragglerWatch(world, config, also=self.integrity.add)  # one probe round for both
+        self.stragglers = StragglerWatch(world, config, self.integrity.add, suspected)  # one probe round for both
         self.keepers = KeeperSync(world, store, [ch[0] for ch, on in zip(self.channels, self.streaming) if on])
 
     def take_straggler(self) -> Straggler | None:
@@ -115,7 +114,7 @@ class StepStreams:
         """Steps ``start_step .. end_step - 1``. ``stop_requested`` is asked between reads: a kind (``GROW``,
         ``LEAVE``) stops the world at the next step boundary. ``donors``: whose snapshot each slice restored."""
         self.integrity.starts_at(start_step, donors or {})
-        self.stragglers.devices.newcomers = frozenset(s for s, d in (donors or {}).items() if d != s)
+        self.stragglers.starts_with(donors or {})
         self.hosts.start()
         wake = threading.Event()
         waiters = FirstReady(wake), FirstReady(wake)  # snapshot holders' streams, the others' results

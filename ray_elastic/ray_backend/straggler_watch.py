@@ -26,7 +26,7 @@ from typing import Any
 import ray
 
 from ray_elastic.config import ElasticConfig
-from ray_elastic.decide.device_checks import QUICK_STEPS, DeviceChecks
+from ray_elastic.decide.device_checks import QUICK_STEPS, DeviceChecks, Suspicion
 from ray_elastic.decide.stragglers import Straggler, common_steps, find_straggler, window_period, window_steps
 from ray_elastic.detect.health import background_started, worked_aside
 
@@ -39,8 +39,15 @@ ANSWER_WITHIN_S = 5.0  # a round not answered in this long is dropped (a dead pr
 class StragglerWatch:
     """Step release times of ``world``'s processes over windows; a confirmed straggler for the controller."""
 
-    def __init__(self, world: Any, config: ElasticConfig, also: Callable[[list[dict[str, Any]]], None] | None = None):
-        self.world, self.config, self._also = world, config, also  # ``also``: every round's answers too
+    def __init__(
+        self,
+        world: Any,
+        config: ElasticConfig,
+        also: Callable[[list[dict[str, Any]]], None] | None = None,
+        carried: Suspicion | None = None,
+    ):
+        """``also``: handed every round's answers too; ``carried``: the world before's suspect, if in this one."""
+        self.world, self.config, self._also = world, config, also
         self._released: dict[int, dict[int, float]] = {}  # per process: step -> when its call returned
         self._data: dict[int, tuple[float, float]] = {}  # per process: (steps, data_s) when the window began
         self._judged = -1  # the newest step of the last window judged
@@ -49,7 +56,8 @@ class StragglerWatch:
         self._next = time.monotonic() + PROBE_EVERY_S
         self._suspect: str | None = None
         self._found: Straggler | None = None
-        self.devices = DeviceChecks(config.failure.straggler_factor, world.slice_of)
+        carried = carried.within(world.plan.slice_names) if carried is not None else None
+        self.devices = DeviceChecks(config.failure.straggler_factor, world.slice_of, carried)
         self._handed: set[str] = set()  # slices handed to the controller (kept, when it only reports them)
         self._aside: set[int] = set()  # processes that worked beside their steps in this window
         self._started: list[int] | None = None  # ... the count of such jobs each had started, last round
@@ -82,6 +90,14 @@ class StragglerWatch:
             ask = self.devices.take_ask()
             every = CHECK_PROBE_EVERY_S if self.devices.check_at is not None else PROBE_EVERY_S
             self._refs, self._sent, self._next = ([w.probe.remote(ask) for w in self.world.workers], now, now + every)
+
+    def starts_with(self, donors: dict[str, str]) -> None:
+        """``donors``: whose snapshot each slice restored; a slice that restored another's is new here."""
+        self.devices.newcomers = frozenset(s for s, d in donors.items() if d != s)
+
+    def suspicion(self) -> Suspicion | None:
+        """A slice suspected and not confirmed yet, for the next world's watch."""
+        return self.devices.suspicion()
 
     def take(self) -> Straggler | None:
         """The confirmed straggler since the last call (None: none)."""
@@ -121,6 +137,8 @@ class StragglerWatch:
         logger.debug("straggler window to step %d: %s (worked aside: %s)", self._judged, found, sorted(aside))
         first, self._first = self._first, False
         if first:  # the world's start: newcomers restoring copies, standbys replenished, programs loaded
+            if not aside:  # its devices are timed at once: a world may last only seconds
+                self.devices.start(window_period(released), front)
             return
         if found is not None and any(self.world.slice_of(p) == found.slice_name for p in aside):
             return  # it compiled ahead meanwhile: behind for that, which says nothing of its host

@@ -13,6 +13,11 @@ Two bounds, both from the run's step times (:func:`~ray_elastic.decide.watchdog_
   nor a world's first step: until one of its steps is back, processes still compiling (a slow
   host compiles slowly) are behind the others, so only the hang bound judges it. While a process
   compiles ahead beside its steps, only a process waiting for its own rows is.
+
+Until a world's first step is back, the hang bound is longer by the time the world took to form:
+a first step runs its programs for the first time (buffers allocated, the collectives' peers
+connected), as slowly as the machine is loaded (a node being killed, a standby starting beside
+it): past a bound of a few fast steps, a whole world that was only slow would be restarted.
 """
 
 from __future__ import annotations
@@ -44,8 +49,9 @@ class Stall:
 class Watchdog:
     """Probes ``world``'s processes once its steps stopped for longer than a bound."""
 
-    def __init__(self, world: Any, config: ElasticConfig, sink: StepSink):
+    def __init__(self, world: Any, config: ElasticConfig, sink: StepSink, formed_in_s: float = 0.0):
         self.world, self.config, self.sink = world, config, sink
+        self._formed_in_s = formed_in_s  # how long the world took to form: its first step may take as long again
         # process -> (the step it was at, behind the others; the world's newest finished step) at the last probe
         self._behind: dict[int, tuple[int, int]] = {}
         self._next_stuck_probe = 0.0
@@ -53,7 +59,10 @@ class Watchdog:
 
     def check(self, stall: Stall, reported: int) -> RunOutcome | None:
         idle, f = time.monotonic() - stall.at, self.config.failure
-        if idle > watchdog_timeout(self.sink.step_times, f.hang_timeout_factor, f.hang_timeout_min_s):
+        bound = watchdog_timeout(self.sink.step_times, f.hang_timeout_factor, f.hang_timeout_min_s)
+        if self._started_after is None or reported <= self._started_after:
+            bound += self._formed_in_s  # no step of this world back yet (see the module's docstring)
+        if idle > bound:
             return self._hang(stall, reported)
         if self._started_after is None:
             self._started_after = reported
