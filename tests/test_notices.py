@@ -13,7 +13,7 @@ from fake_backend import FakeBackend, add_capacity, straggle, warn_slice
 from ray_elastic import ElasticConfig, ElasticTrainer, FailureConfig, SliceSpec
 from ray_elastic.control import planned_exit
 from ray_elastic.decide import Notice, leave_now, plan_exit, warned_slices
-from ray_elastic.decide.device_checks import DeviceChecks, Suspicion, later_steps
+from ray_elastic.decide.device_checks import MAX_MUDDLED, DeviceChecks, Suspicion, later_steps
 from ray_elastic.decide.notices import LEAVE_MARGIN_S
 from ray_elastic.decide.stragglers import (
     Straggler,
@@ -21,6 +21,7 @@ from ray_elastic.decide.stragglers import (
     find_straggler,
     speed_check_due,
     straggler_action,
+    two_slices_slow,
     window_period,
     window_steps,
 )
@@ -403,3 +404,53 @@ def test_a_slow_device_suspected_when_its_world_ends_is_named_by_the_next_world_
     none = DeviceChecks(factor=1.0, slice_of=lambda p: "abc"[p])
     none.start(0.0, front=30)  # no period measured: nothing asked
     assert none.check_at is None and none.suspicion() is None
+
+
+def test_a_hold_yields_once_the_world_sped_up_and_a_later_look_counts_steps_at_the_world_s_pace_now():
+    # A clean check at a slow moment (0.5 s steps: a standby starting beside the world, say) vouches
+    # for no slower pace once the world steps at 0.1 s again: a slow host that brings it to 0.3 s is
+    # timed at once, not after the hold (a chaos run's slow host waited 60 steps for it).
+    checks = DeviceChecks(factor=1.0, slice_of=lambda p: "abc"[p])
+    checks.window(0.1, front=12)
+    checks.answered([(13, 0.004)] * 3)
+    for front in (20, 28, 36):
+        checks.window(0.1, front=front)
+    checks.window(0.5, front=44)  # slowed: checked, clean, held two windows
+    assert checks.answered([(checks.take_ask(), 0.004)] * 3) is None and checks.check_at is None
+    checks.window(0.1, front=60)
+    checks.recent(0.3, front=64)  # 3x the 0.1 s window since, under 1.25x the clean check's 0.5 s
+    assert checks.take_ask() == 65
+    # The later look of a two-slice world: SECOND_LOOK_S at the pace the world steps now (slowed by
+    # the device it suspects), not at its usual one (5 s at 0.1 s steps took 18 s at 0.27 s).
+    two = DeviceChecks(factor=1.0, slice_of=lambda p: "ab"[p])
+    two.window(0.1, front=12)
+    two.recent(0.4, front=13)  # slowed while the first check is out
+    two.answered([(13, 0.004), (13, 0.0099)])
+    two.answered([(14, 0.004), (14, 0.0066)])
+    assert two.suspect == "b" and two.check_at == 14 + later_steps(0.4) + 1 == 27
+
+
+def test_a_check_that_finds_two_slices_slow_at_once_is_asked_again_with_the_suspect_kept():
+    # The suspect's second check found another slice starved too (a process starting beside it):
+    # it names nothing and clears nothing; asked again at once (at most MAX_MUDDLED times in a row).
+    assert two_slices_slow({0: 0.0469, 1: 0.032, 2: 0.015}, {0: "a", 1: "b", 2: "c"}, 0.5)
+    assert not two_slices_slow({0: 0.0469, 1: 0.016, 2: 0.015}, {0: "a", 1: "b", 2: "c"}, 0.5)  # one slow: named
+    assert not two_slices_slow({0: 0.0469, 1: 0.032}, {0: "a", 1: "b"}, 0.5)  # two slices: nothing to compare
+    checks = DeviceChecks(factor=1.0, slice_of=lambda p: "abc"[p])
+    checks.window(0.1, front=12)
+    checks.answered([(13, 0.0585), (13, 0.0163), (13, 0.0156)])  # a: 3.6x
+    assert checks.suspect == "a" and checks.check_at == 14
+    assert checks.answered([(14, 0.0469), (14, 0.0321), (14, 0.0152)]) is None  # b starved too
+    assert checks.suspect == "a" and checks.check_at == 15
+    assert checks.answered([(15, 0.1001), (15, 0.0752), (15, 0.0192)]) is None  # again
+    assert checks.suspect == "a" and checks.check_at == 16
+    found = checks.answered([(16, 0.0722), (16, 0.0264), (16, 0.0267)])
+    assert found.slice_name == "a" and len(found.timings) == 2
+    # MAX_MUDDLED such checks in a row: the next one is judged as before (cleared, held).
+    checks = DeviceChecks(factor=1.0, slice_of=lambda p: "abc"[p])
+    checks.window(0.1, front=12)
+    checks.answered([(13, 0.0585), (13, 0.0163), (13, 0.0156)])
+    for step in range(14, 14 + MAX_MUDDLED):
+        checks.answered([(step, 0.0469), (step, 0.0321), (step, 0.0152)])
+    assert checks.answered([(16, 0.0469), (16, 0.0321), (16, 0.0152)]) is None
+    assert checks.suspect is None and checks.check_at is None

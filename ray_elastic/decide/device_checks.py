@@ -3,23 +3,26 @@
 A slow device makes every process wait inside the step's collectives, so no process returns late
 (:mod:`~ray_elastic.decide.stragglers`). A check (:mod:`~ray_elastic.slice.speed_check`) is asked
 for at the world's first window (a slow device from the start, or one the world before suspected:
-its checks go on from there, :class:`Suspicion`; under many faults a world lasts only seconds), when the world's steps slowed
-(:func:`~ray_elastic.decide.stragglers.speed_check_due` against its median window, over a whole
-window or its newest ``QUICK_STEPS`` steps), and at least every ``MAX_BACKOFF_WINDOWS`` windows (a
-slow device does not always slow the world: on a host whose cores every process shares, the others
-take the cores it leaves). A check that finds nothing holds the next ones back for twice as many
-windows each time (up to ``MAX_BACKOFF_WINDOWS``): on a noisy host the step period wanders, and
-every check costs each process its program's time; but not a world slowed past the period at which
-that check found nothing: a device that turned slow during a hold is timed at once. A process
-slower than the other slices (their median and their slowest) by ``1 + straggler_factor / 2`` in
-one check and by ``1 + straggler_factor`` in the next one (asked at once), or the other way round,
-is a straggler: a duty-cycled host's timings wander around its slowdown, so either check may be
-the one under the whole factor. In a
-world of two slices there is no third slice to show that the cores were not simply starved for a
-moment (every process of a simulated cluster shares one machine's cores; a starting neighbour takes
-them for seconds): a third check ``SECOND_LOOK_S`` later must name it too. So must it for a slice
-new to its world (it restored another slice's snapshot): twice a chaos run named a newcomer whose
-process was starved in its world's first seconds.
+its checks go on from there, :class:`Suspicion`; under many faults a world lasts only seconds), when
+the world's steps slowed (:func:`~ray_elastic.decide.stragglers.speed_check_due` against its median
+window, over a whole window or its newest ``QUICK_STEPS`` steps), and at least every
+``MAX_BACKOFF_WINDOWS`` windows (a slow device does not always slow the world: on a host whose cores
+every process shares, the others take the cores it leaves). A check that finds nothing holds the
+next ones back for twice as many windows each time (up to ``MAX_BACKOFF_WINDOWS``): on a noisy host
+the step period wanders, and every check costs each process its program's time; but not a world
+slowed past the period at which that check found nothing, or past a faster window since (a check at
+a slow moment, a world's start, vouches for no slower pace once the world sped up): a device that
+turned slow during a hold is timed at once. A process slower than the other slices (their median and
+their slowest) by ``1 + straggler_factor / 2`` in one check and by ``1 + straggler_factor`` in the
+next one (asked at once), or the other way round, is a straggler: a duty-cycled host's timings
+wander around its slowdown, so either check may be the one under the whole factor. A check that
+finds two slices about as slow (cores starved for a moment) is asked again at once, up to
+``MAX_MUDDLED`` times, the suspect kept. In a world of two slices there is no third slice to show
+that the cores were not simply starved for a moment (every process of a simulated cluster shares one
+machine's cores; a starting neighbour takes them for seconds): a third check ``SECOND_LOOK_S`` later
+(at the world's pace now: the slow device slows it) must name it too. So must it for a slice new to
+its world (not in the world before): twice a chaos run named a newcomer whose process was starved in
+its world's first seconds.
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ import math
 import statistics
 from collections.abc import Callable
 
-from ray_elastic.decide.stragglers import Straggler, find_slow_device, speed_check_due
+from ray_elastic.decide.stragglers import Straggler, find_slow_device, speed_check_due, two_slices_slow
 
 logger = logging.getLogger(__name__)
 QUICK_STEPS = 4
 MAX_BACKOFF_WINDOWS = 8
 SECOND_LOOK_S = 5.0
+MAX_MUDDLED = 2  # checks in a row asked again at once when two slices were slow at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,10 +69,12 @@ class DeviceChecks:
         self._periods: list[float] = []  # the world's window periods
         self._period = 0.0  # the period that asked for the check
         self._clean_period = 0.0  # ... of the last check that found nothing: a hold yields to a world slower than it
+        self._latest = 0.0  # the newest period measured (a window's, or the newest steps'): the world's pace now
         self._sent = False  # the ask went out in a probe round
         self._quick_done = False  # one quick check per window
         self._hold, self._backoff = 0, 1  # windows to skip before the next check; the next hold
         self._judged = False  # a check was judged in this world
+        self._muddled = 0  # checks in a row that found two slices slow at once
         self._since_check = 0  # windows judged since the last check was asked
         self.newcomers: frozenset[str] = frozenset()  # slices new to this world: named only after a later look
         if carried is not None:
@@ -83,6 +89,7 @@ class DeviceChecks:
     def start(self, period: float, front: int) -> None:
         """The world's first window (not judged: it measures the world's start): its devices are timed."""
         if period > 0:
+            self._latest = period
             self._ask(period, front)
 
     def window(self, period: float, front: int) -> None:
@@ -90,6 +97,10 @@ class DeviceChecks:
         first = not self._judged  # the world's first check (asked again while none was judged)
         slowed = bool(self._periods) and speed_check_due(period, statistics.median(self._periods), self.factor)
         self._periods.append(period)
+        if period > 0:
+            self._latest = period
+            if self._hold:  # a window faster than the clean check: it no longer vouches for a slower one
+                self._clean_period = min(self._clean_period, period)
         self._quick_done = False
         self._since_check += 1
         held = self._held(period)
@@ -100,6 +111,8 @@ class DeviceChecks:
 
     def recent(self, period: float, front: int) -> None:
         """The world's newest ``QUICK_STEPS`` steps took ``period`` each: slowed, a check now."""
+        if period > 0:
+            self._latest = period
         if self._quick_done or self._held(period) or not self._periods:
             return
         if speed_check_due(period, statistics.median(self._periods), self.factor):
@@ -138,19 +151,24 @@ class DeviceChecks:
             return None
         seconds = {p: float(s) for p, (_, s) in enumerate(done) if s is not None}
         self._judged = True
-        found = find_slow_device(seconds, {p: self.slice_of(p) for p in seconds}, self._period, self.factor / 2)
+        slices = {p: self.slice_of(p) for p in seconds}
+        found = find_slow_device(seconds, slices, self._period, self.factor / 2)
         logger.debug("speed check at step %d: %s -> %s (worked aside: %s)", self.check_at, seconds, found, aside)
         if found is not None and found.process in aside:
             self.check_at, self.slowed = None, False
             return None
         front, self.check_at = max(step for step, _ in done), None
+        if found is None and self._muddled < MAX_MUDDLED and two_slices_slow(seconds, slices, self.factor / 2):
+            self._muddled += 1
+            self._ask(self._period, front)  # starved cores: asked again at once, the suspect kept
+            return None
+        self._muddled = 0
         full = found is not None and found.ratio > self.factor
         if found is not None and self.suspect == found.slice_name and (full or self._suspect_full):
             self._suspect_timings += (seconds,)
             no_third = len({self.slice_of(p) for p in seconds}) < 3
             if (no_third or found.slice_name in self.newcomers) and len(self._suspect_timings) < 3:
-                usual = statistics.median(self._periods) if self._periods else self._period
-                self._ask(self._period, front + later_steps(usual))  # a later look
+                self._ask(self._period, front + later_steps(self._latest or self._period))  # a later look
                 return None
             logger.info("speed check: %s's devices %.1fx slower than the others'", found.slice_name, found.slowdown)
             self.suspect, self.slowed, self._hold = None, False, MAX_BACKOFF_WINDOWS  # no checks while it leaves

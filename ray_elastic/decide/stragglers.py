@@ -138,6 +138,18 @@ def find_slow_device(
     return Straggler(slice_of[p], p, period_s, excess, slowdown - 1, False, 0, "speed_check")
 
 
+def two_slices_slow(seconds: dict[int, float], slice_of: dict[int, str], factor: float) -> bool:
+    """The slowest process is over ``1 + factor`` x the other slices' median, but another slice is
+    about as slow (:func:`find_slow_device` names neither): cores starved for a moment (a process
+    starting beside them), which says nothing either way of a slow device."""
+    if not seconds:
+        return False
+    p = max(seconds, key=lambda q: seconds[q])
+    others = [x for q, x in seconds.items() if slice_of[q] != slice_of[p]]
+    over = seconds[p] / max(statistics.median(others), 1e-9) - 1 > factor if len(others) >= 2 else False
+    return over and seconds[p] / max(max(others), 1e-9) - 1 <= factor
+
+
 def straggler_action(found: Straggler, num_slices: int, min_slices: int, spare_ready: bool, on_straggler: str) -> str:
     """What to do about a straggler: ``replace`` it when a spare slice is ready; ``evict`` it when
     the world is faster without it (N-1 slices taking its rows step faster than N at its pace: the

@@ -67,7 +67,9 @@ class RayBackend:
         self.keepers = self.ownership.keepers = Keepers(identity, self.config.orphan_timeout_s)
         self.pool = WorkerPool(ray.put(self.task), self.config, self.keepers, env=storage_locations.gcs_env())
         self._world: World | None = None
-        self._driving: StepStreams | None = None  # the newest world's: its slow-device suspect goes on to the next
+        self._driving: StepStreams | None = (
+            None  # the newest world's: what its straggler watch knows goes on to the next
+        )
 
     def _superseded(self) -> None:
         """A newer driver owns the run: stop training now (its processes' failures end the loop)."""
@@ -178,8 +180,8 @@ class RayBackend:
     def drive(self, world: WorldHandle, store: SnapshotStore, sink: StepSink) -> StepStreams:
         if not isinstance(world, World):
             raise TypeError(f"RayBackend drives the worlds it formed, not a {type(world).__name__}")
-        suspected = self._driving.stragglers.suspicion() if self._driving is not None else None
-        self._driving = StepStreams(world, self.config, store, sink, suspected)
+        before = self._driving.stragglers if self._driving is not None else None
+        self._driving = StepStreams(world, self.config, store, sink, before)
         return self._driving
 
     def shutdown(self) -> None:

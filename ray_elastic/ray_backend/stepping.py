@@ -29,7 +29,6 @@ from ray_elastic.control.backend import StepSink
 from ray_elastic.control.snapshot_cadence import SnapshotCadence
 from ray_elastic.control.states import OutcomeKind, RunOutcome
 from ray_elastic.decide import chunk_steps, is_eval_step, stop_lead_steps, watchdog_timeout
-from ray_elastic.decide.device_checks import Suspicion
 from ray_elastic.decide.integrity import Mismatch
 from ray_elastic.decide.stragglers import Straggler
 from ray_elastic.ray_backend.early_stop import agree_stop
@@ -68,7 +67,7 @@ class StepStreams:
         config: ElasticConfig,
         store: SnapshotStore,
         sink: StepSink,
-        suspected: Suspicion | None = None,  # the world before's slow-device suspect
+        before: StragglerWatch | None = None,  # the world before's (its slow-device suspect goes on)
     ):
         self.world, self.config, self.store, self.sink = world, config, store, sink
         self.step_times = sink.step_times
@@ -88,7 +87,7 @@ class StepStreams:
         self.hosts = HostWatch(world)
         self.watchdog = Watchdog(world, config, sink, world.times.total_s)
         self.integrity = IntegrityWatch(world, config.failure.integrity_every, store)
-        self.stragglers = StragglerWatch(world, config, self.integrity.add, suspected)  # one probe round for both
+        self.stragglers = StragglerWatch(world, config, self.integrity.add, before)  # one probe round for both
         self.keepers = KeeperSync(world, store, [ch[0] for ch, on in zip(self.channels, self.streaming) if on])
 
     def take_straggler(self) -> Straggler | None:
@@ -114,7 +113,6 @@ class StepStreams:
         """Steps ``start_step .. end_step - 1``. ``stop_requested`` is asked between reads: a kind (``GROW``,
         ``LEAVE``) stops the world at the next step boundary. ``donors``: whose snapshot each slice restored."""
         self.integrity.starts_at(start_step, donors or {})
-        self.stragglers.starts_with(donors or {})
         self.hosts.start()
         wake = threading.Event()
         waiters = FirstReady(wake), FirstReady(wake)  # snapshot holders' streams, the others' results

@@ -26,7 +26,7 @@ from typing import Any
 import ray
 
 from ray_elastic.config import ElasticConfig
-from ray_elastic.decide.device_checks import QUICK_STEPS, DeviceChecks, Suspicion
+from ray_elastic.decide.device_checks import QUICK_STEPS, DeviceChecks
 from ray_elastic.decide.stragglers import Straggler, common_steps, find_straggler, window_period, window_steps
 from ray_elastic.detect.health import background_started, worked_aside
 
@@ -44,9 +44,10 @@ class StragglerWatch:
         world: Any,
         config: ElasticConfig,
         also: Callable[[list[dict[str, Any]]], None] | None = None,
-        carried: Suspicion | None = None,
+        before: StragglerWatch | None = None,
     ):
-        """``also``: handed every round's answers too; ``carried``: the world before's suspect, if in this one."""
+        """``also``: handed every round's answers too; ``before``: the world before's watch (its
+        suspect, if in this world, is suspected here too; slices not in it are newcomers)."""
         self.world, self.config, self._also = world, config, also
         self._released: dict[int, dict[int, float]] = {}  # per process: step -> when its call returned
         self._data: dict[int, tuple[float, float]] = {}  # per process: (steps, data_s) when the window began
@@ -56,8 +57,13 @@ class StragglerWatch:
         self._next = time.monotonic() + PROBE_EVERY_S
         self._suspect: str | None = None
         self._found: Straggler | None = None
-        carried = carried.within(world.plan.slice_names) if carried is not None else None
-        self.devices = DeviceChecks(config.failure.straggler_factor, world.slice_of, carried)
+        names = world.plan.slice_names
+        carried = before.devices.suspicion() if before is not None else None
+        self.devices: DeviceChecks = DeviceChecks(
+            config.failure.straggler_factor, world.slice_of, carried and carried.within(names)
+        )
+        if before is not None:
+            self.devices.newcomers = frozenset(names) - set(before.world.plan.slice_names)
         self._handed: set[str] = set()  # slices handed to the controller (kept, when it only reports them)
         self._aside: set[int] = set()  # processes that worked beside their steps in this window
         self._started: list[int] | None = None  # ... the count of such jobs each had started, last round
@@ -90,14 +96,6 @@ class StragglerWatch:
             ask = self.devices.take_ask()
             every = CHECK_PROBE_EVERY_S if self.devices.check_at is not None else PROBE_EVERY_S
             self._refs, self._sent, self._next = ([w.probe.remote(ask) for w in self.world.workers], now, now + every)
-
-    def starts_with(self, donors: dict[str, str]) -> None:
-        """``donors``: whose snapshot each slice restored; a slice that restored another's is new here."""
-        self.devices.newcomers = frozenset(s for s, d in donors.items() if d != s)
-
-    def suspicion(self) -> Suspicion | None:
-        """A slice suspected and not confirmed yet, for the next world's watch."""
-        return self.devices.suspicion()
 
     def take(self) -> Straggler | None:
         """The confirmed straggler since the last call (None: none)."""
