@@ -392,6 +392,15 @@ def test_a_slow_device_suspected_when_its_world_ends_is_named_by_the_next_world_
     found = after.answered([(31, 0.004), (31, 0.0042), (31, 0.0066)])  # half the factor now: with the full one, named
     assert (found.slice_name, found.process) == ("b", 2) and after.suspicion() is None
     assert [t[p] for t, p in zip(found.evidence()["timings"], ("1", "2"))] == [0.0099, 0.0066]
+    # Where this world's checks alone would need a later look (two slices, a newcomer), nothing is
+    # carried: a chaos run named a slice at the next world's start from a two-slice world's pair
+    # and that start's check, all three on starved cores.
+    for slices, newcomers in (("ab", frozenset()), ("abc", frozenset({"b"}))):
+        weak = DeviceChecks(factor=1.0, slice_of=lambda p, names=slices: names[p])
+        weak.newcomers = newcomers
+        weak.window(0.1, front=12)
+        weak.answered([(13, t) for t in (0.004, 0.0099, 0.0041)[: len(slices)]])
+        assert weak.suspect == "b" and weak.suspicion() is None
     # A carried pair in a world of two slices: the check of this world is the later look.
     pair = Suspicion("b", True, ({0: 0.004, 1: 0.0099}, {0: 0.004, 1: 0.0066}))
     two = DeviceChecks(factor=1.0, slice_of=lambda p: "ab"[p], carried=pair)

@@ -2,8 +2,9 @@
 
 A slow device makes every process wait inside the step's collectives, so no process returns late
 (:mod:`~ray_elastic.decide.stragglers`). A check (:mod:`~ray_elastic.slice.speed_check`) is asked
-for at the world's first window (a slow device from the start, or one the world before suspected:
-its checks go on from there, :class:`Suspicion`; under many faults a world lasts only seconds), when
+for at the world's first window (a slow device from the start, or one the world before suspected
+where its checks alone could name it: they go on from there, :class:`Suspicion`; under many faults a
+world lasts only seconds), when
 the world's steps slowed (:func:`~ray_elastic.decide.stragglers.speed_check_due` against its median
 window, over a whole window or its newest ``QUICK_STEPS`` steps), and at least every
 ``MAX_BACKOFF_WINDOWS`` windows (a slow device does not always slow the world: on a host whose cores
@@ -65,6 +66,7 @@ class DeviceChecks:
         self.suspect: str | None = None  # the slowest by half the factor in one check: the next one confirms it
         self._suspect_full = False  # ... and by the whole factor in it
         self._suspect_timings: tuple[dict[int, float], ...] = ()  # ... the seconds of the checks that named it
+        self._suspect_weak = False  # ... in a world of two slices, or new to its world: not carried to the next
         self.slowed = False  # the world's steps slowed and its devices are being timed
         self._periods: list[float] = []  # the world's window periods
         self._period = 0.0  # the period that asked for the check
@@ -81,8 +83,10 @@ class DeviceChecks:
             self.suspect, self._suspect_full, self._suspect_timings = carried.slice_name, carried.full, carried.timings
 
     def suspicion(self) -> Suspicion | None:
-        """The slice suspected and not confirmed yet, for the next world."""
-        if self.suspect is None:
+        """The slice suspected and not confirmed yet, for the next world; not where this world's
+        checks alone could not name it without a later look (two slices, or a newcomer): starved
+        cores at two moments would name it at the next world's start (a chaos run named one so)."""
+        if self.suspect is None or self._suspect_weak:
             return None
         return Suspicion(self.suspect, self._suspect_full, self._suspect_timings)
 
@@ -178,6 +182,7 @@ class DeviceChecks:
             self._hold, self._backoff = self._backoff, min(2 * self._backoff, MAX_BACKOFF_WINDOWS)
             return None
         self.suspect, self._suspect_full, self._suspect_timings = found.slice_name, full, (seconds,)
+        self._suspect_weak = len(set(slices.values())) < 3 or found.slice_name in self.newcomers
         self._ask(self._period, front)  # confirmed, or not, by a second check at once
         return None
 
