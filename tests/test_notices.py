@@ -322,6 +322,17 @@ def test_an_out_voted_replica_still_goes_when_a_failure_overtakes_its_leaving(tm
     assert "died while committing" in kinds(result, "failure")[0]["error"]
     assert all("s1" not in w.plan.slice_names for w in backend.formed[1:])
 
+    # So for a straggler (a 100-fault chaos run kept one in the world its failed leave formed).
+    def straggle_and_fail_the_commit(backend, world):
+        backend.finish_checkpoint_failures = 1
+        straggle(1)(backend, world)
+
+    backend = FakeBackend(faults={10: straggle_and_fail_the_commit})
+    result = make(backend, checkpoint_dir=str(tmp_path / "ckpt2")).fit(STEPS)
+    assert result.steps == list(range(STEPS)) and kinds(result, "failure")
+    assert [e["slice"] for e in kinds(result, "straggler")] == ["s1"]
+    assert all("s1" not in w.plan.slice_names for w in backend.formed[1:]), [w.plan.slice_names for w in backend.formed]
+
 
 def test_a_notice_read_before_its_slice_left_does_not_stop_the_next_world(monkeypatch):
     """Notices are read at most every NOTICE_POLL_S: the one that made a slice leave is not taken,

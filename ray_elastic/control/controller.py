@@ -320,8 +320,8 @@ class Controller:
             self.events.emit(ev.CheckpointUnreadable(step=step, error=str(first)[:2000], set_aside_to=aside))
         verdict = decision.verdict
         self._check_owner()  # before asking for a replacement slice
-        corrupt = self._stop.corrupt()  # out-voted replicas that a failure overtook: they go too
-        survivors = self.gens.split(set(verdict.lost_slices) | corrupt, set(verdict.quarantined) | corrupt)
+        going = self._stop.going()  # out-voted replicas and stragglers whose leave a failure overtook
+        survivors = self.gens.split(set(verdict.lost_slices) | going, set(verdict.quarantined) | going)
         reason = verdict.reason if not chained else f"failure while forming a world: {first!r}"[:300]
         return WorldChange(
             outcome.kind,

@@ -128,9 +128,10 @@ class PlannedStop:
         self.leaving.update(other.leaving)
         self.rollback = self.rollback or other.rollback
 
-    def corrupt(self) -> set[str]:
-        """The slices out-voted by the other replicas."""
-        return {name for name, why in self.leaving.items() if isinstance(why, Mismatch)}
+    def going(self) -> set[str]:
+        """The slices that go even when a failure overtakes the stop: those out-voted by the other
+        replicas, and stragglers (a warned slice's notice is read again by the next world)."""
+        return {name for name, why in self.leaving.items() if isinstance(why, Mismatch | Straggler)}
 
     @property
     def kind(self) -> OutcomeKind | None:
