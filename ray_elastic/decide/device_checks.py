@@ -4,26 +4,26 @@ A slow device makes every process wait inside the step's collectives, so no proc
 (:mod:`~ray_elastic.decide.stragglers`). A check (:mod:`~ray_elastic.slice.speed_check`) is asked
 for at the world's first window (a slow device from the start, or one the world before suspected
 where its checks alone could name it: they go on from there, :class:`Suspicion`; under many faults a
-world lasts only seconds), when
-the world's steps slowed (:func:`~ray_elastic.decide.stragglers.speed_check_due` against its median
-window, over a whole window or its newest ``QUICK_STEPS`` steps), and at least every
-``MAX_BACKOFF_WINDOWS`` windows (a slow device does not always slow the world: on a host whose cores
-every process shares, the others take the cores it leaves). A check that finds nothing holds the
-next ones back for twice as many windows each time (up to ``MAX_BACKOFF_WINDOWS``): on a noisy host
-the step period wanders, and every check costs each process its program's time; but not a world
-slowed past the period at which that check found nothing, or past a faster window since (a check at
-a slow moment, a world's start, vouches for no slower pace once the world sped up): a device that
-turned slow during a hold is timed at once. A process slower than the other slices (their median and
-their slowest) by ``1 + straggler_factor / 2`` in one check and by ``1 + straggler_factor`` in the
-next one (asked at once), or the other way round, is a straggler: a duty-cycled host's timings
-wander around its slowdown, so either check may be the one under the whole factor. A check that
-finds two slices about as slow (cores starved for a moment) is asked again at once, up to
-``MAX_MUDDLED`` times, the suspect kept. In a world of two slices there is no third slice to show
-that the cores were not simply starved for a moment (every process of a simulated cluster shares one
-machine's cores; a starting neighbour takes them for seconds): a third check ``SECOND_LOOK_S`` later
-(at the world's pace now: the slow device slows it) must name it too. So must it for a slice new to
-its world (not in the world before): twice a chaos run named a newcomer whose process was starved in
-its world's first seconds.
+world lasts only seconds), when the world's steps slowed
+(:func:`~ray_elastic.decide.stragglers.speed_check_due` against its median window, over a whole
+window or its newest ``QUICK_STEPS`` steps), and at least every ``MAX_BACKOFF_WINDOWS`` windows (a
+slow device does not always slow the world: on a host whose cores every process shares, the others
+take the cores it leaves). A check that finds nothing holds the next ones back for twice as many
+windows each time (up to ``MAX_BACKOFF_WINDOWS``): on a noisy host the step period wanders, and
+every check costs each process its program's time; but not a world slowed past the period at which
+that check found nothing, or past a faster window since (a check at a slow moment, a world's start,
+vouches for no slower pace once the world sped up): a device that turned slow during a hold is timed
+at once. A process slower than the other slices (their median and their slowest) by
+``1 + straggler_factor / 2`` in one check and by ``1 + straggler_factor`` in the next one (asked at
+once), or the other way round, is a straggler: a duty-cycled host's timings wander around its
+slowdown, so either check may be the one under the whole factor. A check that finds two slices about
+as slow (cores starved for a moment) is asked again at once, up to ``MAX_MUDDLED`` times, the
+suspect kept. In a world of two slices there is no third slice to show that the cores were not
+simply starved for a moment (every process of a simulated cluster shares one machine's cores; a
+starting neighbour takes them for seconds): a third check ``SECOND_LOOK_S`` later (at the world's
+pace now: the slow device slows it) must name it too. So must it for a slice new to its world (not
+in the world before): twice a chaos run named a newcomer whose process was starved in its world's
+first seconds.
 """
 
 from __future__ import annotations

@@ -67,9 +67,8 @@ class RayBackend:
         self.keepers = self.ownership.keepers = Keepers(identity, self.config.orphan_timeout_s)
         self.pool = WorkerPool(ray.put(self.task), self.config, self.keepers, env=storage_locations.gcs_env())
         self._world: World | None = None
-        self._driving: StepStreams | None = (
-            None  # the newest world's: what its straggler watch knows goes on to the next
-        )
+        # The newest world's streams: what its straggler watch knows goes on to the next world's.
+        self._driving: StepStreams | None = None
 
     def _superseded(self) -> None:
         """A newer driver owns the run: stop training now (its processes' failures end the loop)."""
