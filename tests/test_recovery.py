@@ -887,10 +887,12 @@ def _drain_after_process_1_died(late_keep_s=None, node_lost: bool = False, inter
     snap = {"leaves": [np.zeros(4, np.float32)], "ranges": [[(0, 4)]]}
     ray.get([k.keep.remote(0, s, snap) for k in keepers for s in (8, 9)])
     ray.get([keepers[p].keep.remote(0, 10, snap) for p in ((1,) if node_lost else (0, 1))])
-    plan = types.SimpleNamespace(takes_snapshots=lambda p: True, hosts_per_slice=1, generation=0)
+    names = ("slice-0", "slice-1", "slice-2")
+    plan = types.SimpleNamespace(takes_snapshots=lambda p: True, hosts_per_slice=1, generation=0, slice_names=names)
     world = types.SimpleNamespace(
-        channels=[[0], [1], [2]], plan=plan, keepers=keepers, workers=[], slice_of=lambda p: f"slice-{p}", epoch=0
+        channels=[[0], [1], [2]], plan=plan, keepers=keepers, workers=[], slice_of=lambda p: names[p], epoch=0
     )
+    world.times = types.SimpleNamespace(total_s=0.0)  # the world's formation
     cfg = ElasticConfig(num_slices=3, global_batch_size=48, snapshot_every=1)
     streams = StepStreams(world, cfg, SnapshotStore(hosts_per_slice=1), StepLedger(EventLog(), cfg.steps_per_chunk))
     streams._reported, streams.cadence.intervals = 10, list(intervals)  # step 10 streamed by process 1, which then died
@@ -940,10 +942,12 @@ def test_survivors_stepping_on_after_a_failure_cannot_overwrite_what_the_next_wo
     try:
         for step in range(11):
             assert all(r.write(0, step, fill(step)) for r in rings)
-        plan = types.SimpleNamespace(takes_snapshots=lambda p: True, hosts_per_slice=1, generation=0)
+        names = ("slice-0", "slice-1")
+        plan = types.SimpleNamespace(takes_snapshots=lambda p: True, hosts_per_slice=1, generation=0, slice_names=names)
         world = types.SimpleNamespace(
-            channels=[[0], [1]], plan=plan, keepers=keepers, workers=[], slice_of=lambda p: f"slice-{p}", epoch=0
+            channels=[[0], [1]], plan=plan, keepers=keepers, workers=[], slice_of=lambda p: names[p], epoch=0
         )
+        world.times = types.SimpleNamespace(total_s=0.0)  # the world's formation
         cfg = ElasticConfig(num_slices=2, global_batch_size=48, snapshot_every=1)
         store = SnapshotStore(hosts_per_slice=1)
         streams = StepStreams(world, cfg, store, StepLedger(EventLog(), cfg.steps_per_chunk))
