@@ -125,10 +125,7 @@ def find_slow_device(
     simulated cluster shares one machine's cores), not one slow device. Its slowdown is measured
     against the others' median: the world steps at its pace, so without it the others' step would
     be that many times shorter (for a world bound by its compute)."""
-    if not seconds:
-        return None
-    p = max(seconds, key=lambda q: seconds[q])
-    others = [x for q, x in seconds.items() if slice_of[q] != slice_of[p]]
+    p, others = _slowest(seconds, slice_of)
     if not others:
         return None
     if seconds[p] / max(max(others), 1e-9) - 1 <= factor:
@@ -142,12 +139,17 @@ def two_slices_slow(seconds: dict[int, float], slice_of: dict[int, str], factor:
     """The slowest process is over ``1 + factor`` x the other slices' median, but another slice is
     about as slow (:func:`find_slow_device` names neither): cores starved for a moment (a process
     starting beside them), which says nothing either way of a slow device."""
-    if not seconds:
-        return False
-    p = max(seconds, key=lambda q: seconds[q])
-    others = [x for q, x in seconds.items() if slice_of[q] != slice_of[p]]
+    p, others = _slowest(seconds, slice_of)
     over = seconds[p] / max(statistics.median(others), 1e-9) - 1 > factor if len(others) >= 2 else False
     return over and seconds[p] / max(max(others), 1e-9) - 1 <= factor
+
+
+def _slowest(seconds: dict[int, float], slice_of: dict[int, str]) -> tuple[int, list[float]]:
+    """The slowest process, and the other slices' processes' seconds (none when ``seconds`` is empty)."""
+    if not seconds:
+        return -1, []
+    p = max(seconds, key=lambda q: seconds[q])
+    return p, [x for q, x in seconds.items() if slice_of[q] != slice_of[p]]
 
 
 def straggler_action(found: Straggler, num_slices: int, min_slices: int, spare_ready: bool, on_straggler: str) -> str:
