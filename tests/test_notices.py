@@ -13,7 +13,7 @@ from fake_backend import FakeBackend, add_capacity, straggle, warn_slice
 from ray_elastic import ElasticConfig, ElasticTrainer, FailureConfig, SliceSpec
 from ray_elastic.control import planned_exit
 from ray_elastic.decide import Notice, leave_now, plan_exit, warned_slices
-from ray_elastic.decide.device_checks import MAX_MUDDLED, DeviceChecks, Suspicion, later_steps
+from ray_elastic.decide.device_checks import MAX_MUDDLED, DeviceChecks, Handover, Suspicion, later_steps
 from ray_elastic.decide.notices import LEAVE_MARGIN_S
 from ray_elastic.decide.stragglers import (
     Straggler,
@@ -397,6 +397,9 @@ def test_a_slow_device_suspected_when_its_world_ends_is_named_by_the_next_world_
     carried = before.suspicion()
     assert carried == Suspicion("b", True, ({0: 0.004, 1: 0.0099, 2: 0.0041},))
     assert carried.within(("a", "b", "d")) is carried and carried.within(("a", "c", "d")) is None  # b left
+    handed = Handover(frozenset("abc"), carried)  # what the world's watch leaves the next one
+    assert handed.carried(("a", "b", "d")) == (carried, frozenset("d"))  # d is new there
+    assert handed.carried(("a", "c")) == (None, frozenset())
     after = DeviceChecks(factor=1.0, slice_of=lambda p: "dcb"[p], carried=carried)  # a new world, b is process 2
     assert after.suspect == "b" and after.check_at is None
     after.start(0.4, front=30)  # the first window (not judged) asks the world's first check

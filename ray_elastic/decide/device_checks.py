@@ -57,6 +57,20 @@ class Suspicion:
         return self if self.slice_name in slice_names else None
 
 
+@dataclasses.dataclass(frozen=True)
+class Handover:
+    """What a world's speed checks leave the next world: its slices (the others are newcomers
+    there) and the slice it suspected (:meth:`DeviceChecks.suspicion`)."""
+
+    slice_names: frozenset[str]
+    suspicion: Suspicion | None
+
+    def carried(self, slice_names: tuple[str, ...] | list[str]) -> tuple[Suspicion | None, frozenset[str]]:
+        """For a world of ``slice_names``: the suspicion that goes on in it, and its newcomers."""
+        suspicion = self.suspicion.within(slice_names) if self.suspicion is not None else None
+        return suspicion, frozenset(slice_names) - self.slice_names
+
+
 class DeviceChecks:
     """The speed checks of one world, fed by :class:`~ray_elastic.ray_backend.straggler_watch.StragglerWatch`."""
 

@@ -179,7 +179,7 @@ class RayBackend:
     def drive(self, world: WorldHandle, store: SnapshotStore, sink: StepSink) -> StepStreams:
         if not isinstance(world, World):
             raise TypeError(f"RayBackend drives the worlds it formed, not a {type(world).__name__}")
-        before = self._driving.stragglers if self._driving is not None else None
+        before = self._driving.stragglers.handover() if self._driving is not None else None
         self._driving = StepStreams(world, self.config, store, sink, before)
         return self._driving
 

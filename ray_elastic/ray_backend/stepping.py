@@ -29,6 +29,7 @@ from ray_elastic.control.backend import StepSink
 from ray_elastic.control.snapshot_cadence import SnapshotCadence
 from ray_elastic.control.states import OutcomeKind, RunOutcome
 from ray_elastic.decide import chunk_steps, is_eval_step, stop_lead_steps, watchdog_timeout
+from ray_elastic.decide.device_checks import Handover
 from ray_elastic.decide.integrity import Mismatch
 from ray_elastic.decide.stragglers import Straggler
 from ray_elastic.ray_backend.early_stop import agree_stop
@@ -67,7 +68,7 @@ class StepStreams:
         config: ElasticConfig,
         store: SnapshotStore,
         sink: StepSink,
-        before: StragglerWatch | None = None,  # the world before's (its slow-device suspect goes on)
+        before: Handover | None = None,  # what the world before's straggler watch left (its suspect goes on)
     ):
         self.world, self.config, self.store, self.sink = world, config, store, sink
         self.step_times = sink.step_times

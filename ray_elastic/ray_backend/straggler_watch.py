@@ -26,7 +26,7 @@ from typing import Any
 import ray
 
 from ray_elastic.config import ElasticConfig
-from ray_elastic.decide.device_checks import QUICK_STEPS, DeviceChecks
+from ray_elastic.decide.device_checks import QUICK_STEPS, DeviceChecks, Handover
 from ray_elastic.decide.stragglers import Straggler, common_steps, find_straggler, window_period, window_steps
 from ray_elastic.detect.health import background_started, worked_aside
 
@@ -44,10 +44,10 @@ class StragglerWatch:
         world: Any,
         config: ElasticConfig,
         also: Callable[[list[dict[str, Any]]], None] | None = None,
-        before: StragglerWatch | None = None,
+        before: Handover | None = None,
     ):
-        """``also``: handed every round's answers too; ``before``: the world before's watch (its
-        suspect, if in this world, is suspected here too; slices not in it are newcomers)."""
+        """``also``: handed every round's answers too; ``before``: what the world before's watch
+        left (its suspect, if in this world, is suspected here too; slices not in it are newcomers)."""
         self.world, self.config, self._also = world, config, also
         self._released: dict[int, dict[int, float]] = {}  # per process: step -> when its call returned
         self._data: dict[int, tuple[float, float]] = {}  # per process: (steps, data_s) when the window began
@@ -57,13 +57,9 @@ class StragglerWatch:
         self._next = time.monotonic() + PROBE_EVERY_S
         self._suspect: str | None = None
         self._found: Straggler | None = None
-        names = world.plan.slice_names
-        carried = before.devices.suspicion() if before is not None else None
-        self.devices: DeviceChecks = DeviceChecks(
-            config.failure.straggler_factor, world.slice_of, carried and carried.within(names)
-        )
-        if before is not None:
-            self.devices.newcomers = frozenset(names) - set(before.world.plan.slice_names)
+        carried, newcomers = before.carried(world.plan.slice_names) if before is not None else (None, frozenset())
+        self.devices: DeviceChecks = DeviceChecks(config.failure.straggler_factor, world.slice_of, carried)
+        self.devices.newcomers = newcomers
         self._handed: set[str] = set()  # slices handed to the controller (kept, when it only reports them)
         self._aside: set[int] = set()  # processes that worked beside their steps in this window
         self._started: list[int] | None = None  # ... the count of such jobs each had started, last round
@@ -75,6 +71,10 @@ class StragglerWatch:
         slowed and its devices are being timed: the step loop queues short chunks meanwhile, so a
         confirmed straggler leaves within a few steps."""
         return bool({self._suspect, self.devices.suspect} - {None} - self._handed) or self.devices.slowed
+
+    def handover(self) -> Handover:
+        """What the next world's watch goes on from."""
+        return Handover(frozenset(self.world.plan.slice_names), self.devices.suspicion())
 
     def check(self) -> None:
         """Read a round of answers that is in; send the next one when due. Never waits."""
