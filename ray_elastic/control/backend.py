@@ -50,6 +50,10 @@ class FormationTimes:
     lower_s: float = 0.0
     load_s: float = 0.0  # XLA compile, or loading from the persistent cache
     chips_wait_s: float = 0.0  # a host's previous TPU owner still exiting (slowest process)
+    # The driver's own clock over joining and compiling: the processes' phases above run inside
+    # them, so what these add is waiting (a call queued behind a standby's work, a keeper busy).
+    join_wall_s: float = 0.0
+    compile_wall_s: float = 0.0
     total_s: float = 0.0
     standbys_used: int = 0
     processes_starting: int = 0  # taken before they had started (Python, JAX, data): forming waited for them

@@ -287,6 +287,8 @@ class WorldFormed(Event):
         "lower_s",
         "load_s",
         "chips_wait_s",
+        "join_wall_s",
+        "compile_wall_s",
         "total_s",
         "standbys_used",
         "processes_starting",

@@ -289,7 +289,7 @@ class World:
         try:
             hosts.order(pool, config.jax_init_timeout_s)
             plan = config.world_plan(generation, hosts.names)
-            times.start_actors_s = time.perf_counter() - t0
+            times.start_actors_s = (t_join := time.perf_counter()) - t0
             watch = _placed(reservations, hosts.names)
             joins = hosts.join(
                 plan,
@@ -305,8 +305,10 @@ class World:
             host_infos = [i for sp in hosts.prepared for i in ray.get(sp, timeout=config.jax_init_timeout_s)]
             deaths = DeathWatch([_beacon(i) for i in host_infos])
             times.joined(joins)
+            times.join_wall_s = (t_compile := time.perf_counter()) - t_join
             flat = [w for sw in hosts.workers for w in sw]
             hosts.compile(start_step, config.jax_init_timeout_s, _alive(watch, deaths, hosts.owners), times)
+            times.compile_wall_s = time.perf_counter() - t_compile
             chans, relays = pool.relays.reach(
                 generation,
                 len(flat),
