@@ -209,6 +209,25 @@ def test_snapshot_store_keeps_the_newest_step_the_replicas_agreed_on():
     assert st.latest_complete(["a"]) == {"a": 11}
 
 
+def test_snapshot_store_keeps_fingerprinted_steps_not_yet_compared():
+    """A probe round may find step 9 agreed and step 14 disagreeing together: the rollback goes to
+    step 9, whose snapshot must still be there although the trusted step was 4 when it was added."""
+    st = SnapshotStore(hosts_per_slice=1, keep_steps=2, checked_every=5)
+    st.trusted = 4
+    for step in range(3, 18):
+        st.add("a", 0, step, f"a-{step}")
+    assert sorted(st._refs["a"]) == [4, 9, 14, 16, 17]
+    st.trusted = 9  # the round: 9 agreed, 14 disagreed
+    st.drop_after(9)
+    assert st.latest_complete(["a"]) == {"a": 9}
+    for step in range(10, 21):  # the replay: 14 and 19 kept until compared, 4 and 9 go once trusted moves on
+        st.add("a", 0, step, f"b-{step}")
+    assert sorted(st._refs["a"]) == [9, 14, 19, 20]
+    st.trusted = 19
+    st.add("a", 0, 21, "b-21")
+    assert sorted(st._refs["a"]) == [19, 20, 21]
+
+
 def test_snapshot_store_never_completes_a_step_from_two_worlds():
     st = SnapshotStore(hosts_per_slice=2)
     st.add("a", 0, 5, "old-a0-5")

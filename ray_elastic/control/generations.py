@@ -64,7 +64,7 @@ class Generations:
         self.quarantined: list[Any] = []  # reservations of slices that kept failing: held until the run ends
         self.left: list[Any] = []  # warned slices that left alive: freed once the next world stepped
         self.last_restore: RestorePlan | None = None  # what the newest world loaded (or tried to)
-        self.store = SnapshotStore(config.slice.num_hosts)
+        self.store = SnapshotStore(config.slice.num_hosts, checked_every=config.failure.integrity_every)
         self.worlds: list[WorldRecord] = []
         self.world: WorldHandle | None = None  # the current generation
         self.taken_over_slices: set[str] = set()  # slices an earlier driver's keepers hold snapshots of

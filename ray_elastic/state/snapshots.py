@@ -20,12 +20,15 @@ class SnapshotRef(NamedTuple):
 
 
 class SnapshotStore:
-    """Object refs of snapshots, keyed by slice, step and host; keeps the newest few steps, and the
-    newest complete one at or before ``trusted`` (the newest step the replicas agreed on)."""
+    """Object refs of snapshots, keyed by slice, step and host; keeps the newest few steps, the
+    newest complete one at or before ``trusted`` (the newest step the replicas agreed on), and
+    with ``checked_every`` the fingerprinted steps after it: one probe round may find a step
+    agreed and a later one disagreeing together, and the run then goes back to the former."""
 
-    def __init__(self, hosts_per_slice: int, keep_steps: int = 2):
+    def __init__(self, hosts_per_slice: int, keep_steps: int = 2, checked_every: int = 0):
         self.hosts_per_slice = hosts_per_slice
         self.keep_steps = keep_steps
+        self.checked_every = checked_every  # ``integrity_every``: 0, nothing is fingerprinted
         self.trusted: int | None = None  # None: the replicas were never compared
         self._refs: dict[str, dict[int, dict[int, Any]]] = {}
 
@@ -38,8 +41,12 @@ class SnapshotStore:
             cutoff = complete[-self.keep_steps]
             trusted = -1 if self.trusted is None else self.trusted
             agreed = max((s for s in complete if s <= trusted), default=None)
-            for s in [s for s in steps if s < cutoff and s != agreed]:
+            for s in [s for s in steps if s < cutoff and s != agreed and not self._unchecked(s, trusted)]:
                 del steps[s]
+
+    def _unchecked(self, step: int, trusted: int) -> bool:
+        """``step`` was fingerprinted and not yet compared: it may become the agreed step."""
+        return self.checked_every > 0 and step > trusted and (step + 1) % self.checked_every == 0
 
     def latest_complete(self, slices) -> dict[str, int]:
         """slice -> newest step with all hosts present, for the given slices that have one."""
