@@ -207,8 +207,12 @@ class Chaos:
             self._lose(self._pick()[0])
         elif kind == "preempt":
             self.cluster.preempt_slice(self._pick()[0], notice_s=5.0)
-        elif kind in ("slow_data", "stuck_data", "slow_host"):
-            self._slow(kind, self._pick()[0])
+        elif kind in ("slow_data", "stuck_data", "slow_host"):  # on a slice no earlier fault slows
+            free = self._pick(exclude=self.culprits)
+            if free:
+                self._slow(kind, free[0])
+            else:
+                print("    skipped: every slice is slowed already", flush=True)
         elif kind == "poisoned_record":  # a record that becomes inf: its step must be skipped, not kept
             target, record = self._poison_target(step)
             self.poisoned[target] = os.path.join(self.marker_dir, f"poison-{record}")
