@@ -184,6 +184,22 @@ def test_device_checks_are_asked_when_the_world_slows_backed_off_when_clean_and_
         fresh.window(0.1, front=12)
         at = fresh.take_ask()
         assert fresh.answered([(at, 0.004), (at, 0.021), (at, 0.0042)], aside) is None and fresh.suspect == suspect
+    # Process 0 compiles ahead for windows on end: the others' devices are still timed (a slow one
+    # is named), the compile's slow windows join no median, and a round it was slowest in is dropped.
+    busy = DeviceChecks(factor=1.0, slice_of=lambda p: "abc"[p])
+    busy.start(0.1, front=10)
+    busy.answered([(busy.take_ask(), 0.004)] * 3)
+    for w in range(2, 6):
+        busy.window(0.1, front=10 * w)
+    busy.window(0.9, front=60, aside=True)  # slowed against the median: a check, though 0 works aside
+    at = busy.take_ask()
+    assert busy.answered([(at, 0.03), (at, 0.004), (at, 0.0041)], frozenset({0})) is None and busy.suspect is None
+    busy.window(0.9, front=70, aside=True)
+    at = busy.take_ask()
+    assert at == 71 and busy._periods == [0.1] * 4
+    assert busy.answered([(at, 0.01), (at, 0.021), (at, 0.0042)], frozenset({0})) is None and busy.suspect == "b"
+    found = busy.answered([(busy.take_ask(), 0.01), (at + 1, 0.02), (at + 1, 0.0041)], frozenset({0}))
+    assert found is not None and found.slice_name == "b"
     # A world that never slows is still checked every MAX_BACKOFF_WINDOWS windows.
     steady = DeviceChecks(factor=1.0, slice_of=lambda p: "abc"[p])
     steady.window(0.1, front=10)

@@ -110,11 +110,15 @@ class DeviceChecks:
             self._latest = period
             self._ask(period, front)
 
-    def window(self, period: float, front: int) -> None:
-        """A window was judged with no process late (``front``: the newest step any process dispatched)."""
+    def window(self, period: float, front: int, aside: bool = False) -> None:
+        """A window was judged with no process late (``front``: the newest step any process
+        dispatched). ``aside``: a process worked beside its steps in it (compiling ahead): its
+        period measures that work too and joins no median, but checks go on (:meth:`answered`
+        drops one whose slowest process is that one)."""
         first = not self._judged  # the world's first check (asked again while none was judged)
         slowed = bool(self._periods) and speed_check_due(period, statistics.median(self._periods), self.factor)
-        self._periods.append(period)
+        if not aside:
+            self._periods.append(period)
         if period > 0:
             self._latest = period
             if self._hold:  # a window faster than the clean check: it no longer vouches for a slower one

@@ -9,7 +9,9 @@ that every process released have come in, the window is judged
 ``straggler_factor`` x the others' own step time in two windows in a row (the second half as long)
 is a straggler, handed to the controller (:meth:`take`), which decides what to do. A world's
 first window is not judged (it measures the world's start), nor does a window (or a speed check)
-name a slice whose process compiled ahead beside its steps during it: it fell behind for that.
+name a slice whose process compiled ahead beside its steps during it: it fell behind for that. The
+others' devices are still timed meanwhile: process 0 compiles ahead after every world's first
+chunk, for seconds on a busy host, and a slow device elsewhere would go unnamed all that while.
 
 A slow device makes every process wait inside the step's collectives, so no process returns late:
 :class:`~ray_elastic.decide.device_checks.DeviceChecks` decides when the probe asks every
@@ -135,15 +137,13 @@ class StragglerWatch:
         logger.debug("straggler window to step %d: %s (worked aside: %s)", self._judged, found, sorted(aside))
         first, self._first = self._first, False
         if first:  # the world's start: newcomers restoring copies, standbys replenished, programs loaded
-            if not aside:  # its devices are timed at once: a world may last only seconds
-                self.devices.start(window_period(released), front)
+            self.devices.start(window_period(released), front)  # timed at once: a world may last only seconds
             return
         if found is not None and any(self.world.slice_of(p) == found.slice_name for p in aside):
             return  # it compiled ahead meanwhile: behind for that, which says nothing of its host
         if found is None or found.ratio <= self.config.failure.straggler_factor:
             self._suspect = None
-            if not aside:  # (a device timed while a compile shares its host's CPUs is no measure)
-                self.devices.window(window_period(released), front)
+            self.devices.window(window_period(released), front, aside=bool(aside))
             return
         if self._suspect == found.slice_name:  # named twice in a row: handed to the controller
             self._found = found
