@@ -259,8 +259,7 @@ def test_in_a_world_of_two_slices_or_for_a_newcomer_a_slow_device_is_named_only_
     # So for a slice new to its world (a chaos run named a newcomer starved in its first seconds),
     # not for one that was there before.
     for newcomers, named_at_once in ((frozenset({"b"}), False), (frozenset({"c"}), True)):
-        checks = DeviceChecks(factor=1.0, slice_of=lambda p: "abc"[p])
-        checks.newcomers = newcomers
+        checks = DeviceChecks(factor=1.0, slice_of=lambda p: "abc"[p], newcomers=newcomers)
         checks.window(0.1, front=12)
         checks.answered([(13, 0.018), (13, 0.0393), (13, 0.0201)])
         found = checks.answered([(14, 0.0653), (14, 0.1831), (14, 0.0672)])
@@ -426,8 +425,7 @@ def test_a_slow_device_suspected_when_its_world_ends_is_named_by_the_next_world_
     # carried: a chaos run named a slice at the next world's start from a two-slice world's pair
     # and that start's check, all three on starved cores.
     for slices, newcomers in (("ab", frozenset()), ("abc", frozenset({"b"}))):
-        weak = DeviceChecks(factor=1.0, slice_of=lambda p, names=slices: names[p])
-        weak.newcomers = newcomers
+        weak = DeviceChecks(factor=1.0, slice_of=lambda p, names=slices: names[p], newcomers=newcomers)
         weak.window(0.1, front=12)
         weak.answered([(13, t) for t in (0.004, 0.0099, 0.0041)[: len(slices)]])
         assert weak.suspect == "b" and weak.suspicion() is None

@@ -74,7 +74,15 @@ class Handover:
 class DeviceChecks:
     """The speed checks of one world, fed by :class:`~ray_elastic.ray_backend.straggler_watch.StragglerWatch`."""
 
-    def __init__(self, factor: float, slice_of: Callable[[int], str], carried: Suspicion | None = None):
+    def __init__(
+        self,
+        factor: float,
+        slice_of: Callable[[int], str],
+        carried: Suspicion | None = None,
+        newcomers: frozenset[str] = frozenset(),
+    ):
+        """``carried``: what the world before suspected (:meth:`Handover.carried`); ``newcomers``:
+        the slices new to this world, named only after a later look."""
         self.factor, self.slice_of = factor, slice_of
         self.check_at: int | None = None  # the step at which every process is asked to time its devices
         self.suspect: str | None = None  # the slowest by half the factor in one check: the next one confirms it
@@ -92,7 +100,7 @@ class DeviceChecks:
         self._judged = False  # a check was judged in this world
         self._muddled = 0  # checks in a row that found two slices slow at once
         self._since_check = 0  # windows judged since the last check was asked
-        self.newcomers: frozenset[str] = frozenset()  # slices new to this world: named only after a later look
+        self.newcomers = newcomers
         if carried is not None:
             self.suspect, self._suspect_full, self._suspect_timings = carried.slice_name, carried.full, carried.timings
 
@@ -169,6 +177,11 @@ class DeviceChecks:
         if self.check_at is None or not all(step >= self.check_at for step, _ in done):
             return None
         if any(s is None for _, s in done):
+            logger.debug(
+                "speed check at step %d: not compiled on %s",
+                self.check_at,
+                [p for p, (_, s) in enumerate(done) if s is None],
+            )
             self.check_at, self.slowed = None, False
             return None
         seconds = {p: float(s) for p, (_, s) in enumerate(done) if s is not None}

@@ -60,8 +60,7 @@ class StragglerWatch:
         self._suspect: str | None = None
         self._found: Straggler | None = None
         carried, newcomers = before.carried(world.plan.slice_names) if before is not None else (None, frozenset())
-        self.devices: DeviceChecks = DeviceChecks(config.failure.straggler_factor, world.slice_of, carried)
-        self.devices.newcomers = newcomers
+        self.devices = DeviceChecks(config.failure.straggler_factor, world.slice_of, carried, newcomers)
         self._handed: set[str] = set()  # slices handed to the controller (kept, when it only reports them)
         self._aside: set[int] = set()  # processes that worked beside their steps in this window
         self._started: list[int] | None = None  # ... the count of such jobs each had started, last round
