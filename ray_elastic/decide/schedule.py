@@ -13,6 +13,12 @@ def is_snapshot_step(step: int, every: int) -> bool:
     return every > 0 and (step + 1) % every == 0
 
 
+def is_fingerprint_step(step: int, every: int) -> bool:
+    """The state is fingerprinted after the same steps an interval of ``every`` snapshots (``integrity_every``):
+    the processes decide by it which steps they fingerprint, the driver which snapshots may become agreed."""
+    return is_snapshot_step(step, every)
+
+
 MAX_SNAPSHOT_EVERY = 1000  # the longest interval AutoInterval picks
 REPORT_EVERY_S = 5.0  # how often a wait (for slices, for a world's processes) says what it still waits for
 

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ray_elastic.decide.schedule import is_fingerprint_step
+
 KEEP = 4  # fingerprinted steps a process keeps until the driver's probe has read them
 
 
@@ -78,7 +80,7 @@ class Fingerprints:
         the programs still compile is skipped: it would compile them again in the step loop (seconds
         on a loaded host, the whole world waiting, and the watchdog naming this process stuck); that
         step is never compared, the next due one is."""
-        if not self.every or not ((step + 1) % self.every == 0 or now):
+        if not self.every or not (now or is_fingerprint_step(step, self.every)):
             return
         if self.warming and not now:
             return

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from ray_elastic.decide.schedule import is_fingerprint_step
+
 
 class SnapshotRef(NamedTuple):
     """Where one host's part of a snapshot is: its keeper, and the (generation, step) it is kept under."""
@@ -46,7 +48,7 @@ class SnapshotStore:
 
     def _unchecked(self, step: int, trusted: int) -> bool:
         """``step`` was fingerprinted and not yet compared: it may become the agreed step."""
-        return self.checked_every > 0 and step > trusted and (step + 1) % self.checked_every == 0
+        return step > trusted and is_fingerprint_step(step, self.checked_every)
 
     def latest_complete(self, slices) -> dict[str, int]:
         """slice -> newest step with all hosts present, for the given slices that have one."""
